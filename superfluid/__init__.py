@@ -1,0 +1,5 @@
+"""superfluid: a local LLM serving daemon on trio."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

@@ -1,0 +1,119 @@
+"""``superfluid`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import trio
+
+from ._config import ModelSource, ServeConfig
+from ._models import default_model_path, model_name, resolve_runtime
+from .nursery import WorkerLoadFailed
+from .sched import PlannerConfig, QosClass, parse_qos
+
+__all__ = ["main"]
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _class_lanes(value: str) -> dict[QosClass, int]:
+    out = {}
+    for item in filter(None, value.split(",")):
+        name, _, n = item.partition("=")
+        try:
+            out[parse_qos(name)] = int(n)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="superfluid", description="A local LLM serving daemon on trio.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
+    s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
+    s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
+    s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
+    s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8453)
+    s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
+    s.add_argument("--max-batch", type=int, default=8, help="lanes per model (default 8)")
+    s.add_argument("--max-context", type=int, default=4096, help="tokens per lane (default 4096)")
+    s.add_argument("--threads", type=int, default=0, help="engine threads (default: all cores)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGUSR1 waits for in-flight work")
+    s.add_argument("--http-default-qos", type=parse_qos, default=QosClass.AGENT)
+    s.add_argument("--no-http-qos-header", action="store_true")
+    s.add_argument("--class-lanes", type=_class_lanes, default={}, help="e.g. background=2,agent=6")
+    s.add_argument("--starvation-ticks", type=int, default=8)
+    s.add_argument("--prefill-budget", type=int, default=4096)
+    s.add_argument("--tick-target-ms", type=int, default=250)
+    s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
+    s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
+    s.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _sources(args: argparse.Namespace) -> list[ModelSource]:
+    specs = ([args.model] if args.model else []) + list(args.models)
+    default_runtime = None
+    per_model: dict[str, str] = {}
+    for r in args.runtime:
+        if "=" in r:
+            m, _, rid = r.rpartition("=")
+            per_model[m] = rid
+        else:
+            default_runtime = r
+    if not specs:
+        if default_runtime == "mock":
+            specs = ["mock"]
+        else:
+            specs = [str(default_model_path())]
+    out = []
+    for spec in specs:
+        runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
+        if runtime == "mock" and not spec.startswith("mock"):
+            spec = "mock"
+        if runtime != "mock" and not Path(spec).exists():
+            raise SystemExit(f"superfluid: model file not found: {spec}")
+        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from ._server import serve
+
+    host, port = args.http if args.http else (args.host, args.port)
+    config = ServeConfig(
+        models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions, max_batch=args.max_batch,
+        max_context=args.max_context, threads=args.threads, drain_timeout_s=args.drain_timeout,
+        default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
+        planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
+                              starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
+                              tick_busy_ms=args.tick_target_ms),
+        hang_timeout_s=args.hang_timeout,
+    )
+    try:
+        trio.run(serve, config)
+    except BaseExceptionGroup as group:
+        load_failed, rest = group.split(WorkerLoadFailed)
+        if rest is not None:
+            raise
+        assert load_failed is not None
+        for exc in load_failed.exceptions:
+            print(f"superfluid: model did not load: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,37 @@
+"""Daemon configuration: one frozen value, built by the CLI or by tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from .sched import PlannerConfig, QosClass
+
+__all__ = ["ModelSource", "ServeConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelSource:
+    spec: str        # a path, or a mock spec
+    runtime: str
+    name: str
+
+
+@attrs.frozen(kw_only=True)
+class ServeConfig:
+    models: tuple[ModelSource, ...]
+    host: str = "127.0.0.1"
+    port: int = 8453
+    sessions: Path | None = None
+    max_batch: int = 8
+    max_context: int = 4096
+    threads: int = 0
+    drain_timeout_s: float = 30.0
+    default_qos: QosClass = QosClass.AGENT
+    http_qos_header: bool = True
+    planner: PlannerConfig = attrs.field(factory=PlannerConfig)
+    hang_timeout_s: float = 60.0
+    worker_start_timeout_s: float = 300.0
+    max_restarts: int = 3
+    restart_window_s: float = 60.0

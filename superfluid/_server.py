@@ -1,0 +1,94 @@
+"""Building the daemon: config -> root nursery -> model owners and the listener.
+
+Nursery tree (daemon)::
+
+    root
+    ├── signal watcher          SIGTERM/SIGINT: cancel root; SIGUSR1: drain
+    ├── model owner × N         worker supervisor + scheduler loop (nursery/_owner.py)
+    └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from ._config import ServeConfig
+from ._metrics import Metrics
+from ._model import ServedModel
+from .api import App
+from .nursery import ModelOwner, RestartPolicy, WorkerSpec
+from .sched import Scheduler, SchedulerConfig
+
+__all__ = ["serve"]
+
+log = logging.getLogger("superfluid")
+
+
+async def _serve_signals(root: trio.CancelScope, drain: trio.Event, app_holder: list[App]) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        async for signum in signals:
+            if signum == signal.SIGUSR1:
+                log.info("SIGUSR1: draining (no new requests; in-flight ones may finish)")
+                for app in app_holder:
+                    app.accepting = False
+                drain.set()
+            else:
+                log.info("signal %d: shutting down", signum)
+                root.cancel()
+                return
+
+
+async def serve(
+    config: ServeConfig, *, handle_signals: bool = True, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the daemon until cancelled (or drained).
+
+    Returns (via ``task_status``) the bound addresses, e.g. ``["http://127.0.0.1:8453"]``.
+
+    Raises:
+        WorkerLoadFailed: a model did not load at startup.
+
+    Cancellation: cancelling stops the listener and shuts every worker down
+    (protocol Shutdown, then SIGTERM/SIGKILL with bounded grace).
+    """
+    metrics = Metrics()
+    drain = trio.Event()
+    app_holder: list[App] = []
+    async with trio.open_nursery() as root:
+        if handle_signals:
+            root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
+        models: list[ServedModel] = []
+        for source in config.models:
+            spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=config.max_batch,
+                              max_context=config.max_context, threads=config.threads,
+                              start_timeout_s=config.worker_start_timeout_s)
+            sched_cfg = SchedulerConfig(planner=config.planner, hang_timeout_s=config.hang_timeout_s)
+            owner = ModelOwner(source.name, spec, Scheduler(source.name, sched_cfg, metrics),
+                               policy=RestartPolicy(max_restarts=config.max_restarts, window_s=config.restart_window_s))
+            await root.start(owner.serve)
+            models.append(ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
+                                      created=int(time.time())))
+            log.info("model %s loaded on %s (pid %s)", source.name, source.runtime, owner.pid)
+        app = App(config, models, metrics)
+        app_holder.append(app)
+        hconfig = HypercornConfig()
+        hconfig.bind = [f"{config.host}:{config.port}"]
+        hconfig.graceful_timeout = config.drain_timeout_s
+        hconfig.accesslog = None
+        hconfig.keep_alive_timeout = 75
+
+        async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+            # On drain, hypercorn stops accepting and waits up to graceful_timeout
+            # for in-flight requests; when it returns, everything else shuts down.
+            await hypercorn_serve(app, hconfig, shutdown_trigger=drain.wait, task_status=task_status)
+            root.cancel_scope.cancel()
+
+        binds = await root.start(serve_listener)
+        log.info("superfluid listening on %s", ", ".join(binds))
+        task_status.started(binds)

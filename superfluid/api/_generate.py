@@ -1,0 +1,136 @@
+"""The dialect-independent half of a generation request.
+
+``prepare`` turns rendered segments into a submitted :class:`Job`;
+:class:`Follower` turns the job's committed tokens into client text deltas
+(stop strings held back); ``watch_disconnect`` cancels the request's scope
+when the client goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ..chat import TextStream
+from ..proto import Sampling
+from ..sched import Job, QosClass, Unavailable
+from ._http import ApiError, Receive
+
+if TYPE_CHECKING:
+    from .._model import ServedModel
+
+__all__ = ["Follower", "access_log", "prepare", "watch_disconnect"]
+
+log = logging.getLogger("superfluid.access")
+
+
+async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_special: bool) -> list[int]:
+    try:
+        return await model.scheduler.tokenize(segments, add_special=add_special)
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), code="worker_unavailable") from None
+
+
+async def prepare(
+    model: ServedModel,
+    segments: list[tuple[str, bool]],
+    *,
+    sampling: Sampling,
+    max_tokens: int | None,
+    klass: QosClass,
+    ignore_eos: bool = False,
+    add_special: bool = False,
+) -> Job:
+    """Tokenize, check the window, and build (not yet submit) the job.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded``; 503 if no worker can serve.
+    """
+    prompt = await tokenize(model, segments, add_special=add_special)
+    if not prompt:
+        raise ApiError(400, "invalid request: the prompt is empty after tokenization")
+    n_ctx = model.n_ctx
+    room = n_ctx - len(prompt)
+    if room < 1:
+        raise ApiError(
+            400, f"prompt of {len(prompt)} tokens exceeds the model's context window of {n_ctx} tokens",
+            code="context_length_exceeded", param="messages",
+        )
+    max_new = room if max_tokens is None else min(max_tokens, room)
+    return Job(prompt=prompt, sampling=sampling, max_new=max(1, max_new), klass=klass, ignore_eos=ignore_eos,
+               created=trio.current_time())
+
+
+class Follower:
+    """Reads a job by cursor and yields text deltas."""
+
+    def __init__(self, job: Job, stops: list[str]) -> None:
+        self.job = job
+        self.text = TextStream(stops)
+        self.cursor = 0
+        self.finish: str | None = None
+
+    async def next_delta(self) -> tuple[str, list[Any], bool]:
+        """Wait for progress. Returns ``(text, logprob rows, done)``."""
+        job = self.job
+        await job.wait_beyond(self.cursor)
+        out = []
+        lps = job.logprobs[self.cursor : len(job.tokens)] if job.logprobs else []
+        for piece in job.pieces[self.cursor : len(job.pieces)]:
+            out.append(self.text.feed(piece))
+        self.cursor = len(job.pieces)
+        if self.text.stopped:
+            self.finish = "stop"
+            return "".join(out), lps, True
+        if job.done:
+            if job.error is not None:
+                raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+            out.append(self.text.finish())
+            self.finish = job.finish or "stop"
+            return "".join(out), lps, True
+        return "".join(out), lps, False
+
+
+@asynccontextmanager
+async def watch_disconnect(receive: Receive) -> AsyncIterator[trio.CancelScope]:
+    """Cancel the block when the client disconnects.
+
+    Cancellation: the watcher task is cancelled when the block exits.
+    """
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def watcher() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    scope.cancel()
+                    return
+
+        nursery.start_soon(watcher)
+        try:
+            with scope:
+                yield scope
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def access_log(route: str, model: ServedModel, job: Job, status: int) -> None:
+    now = trio.current_time()
+    ttft = (job.first_token_at - job.created) * 1000 if job.first_token_at else 0.0
+    total = (now - job.created) * 1000
+    decode_s = (now - job.first_token_at) if job.first_token_at else 0.0
+    prefill_s = (job.first_token_at - (job.admitted_at or job.created)) if job.first_token_at else 0.0
+    n = len(job.tokens)
+    log.info(
+        "<-- %d POST %s model=%s prompt=%d cached=%d completion=%d ttft=%.0fms prefill=%.0f tok/s decode=%.1f tok/s "
+        "total=%.0fms finish=%s",
+        status, route, model.name, len(job.prompt), job.cached, n, ttft,
+        (len(job.prompt) - job.cached) / prefill_s if prefill_s > 0 else 0.0,
+        (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0, total,
+        job.finish or (job.error.code if job.error else "?"),
+    )

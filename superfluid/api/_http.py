@@ -1,0 +1,94 @@
+"""Minimal ASGI plumbing: bounded body reads, JSON replies, typed errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+import attrs
+
+__all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "read_json", "send_json", "send_text"]
+
+MAX_BODY = 100 * 1024 * 1024
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected while we read its request."""
+
+
+@attrs.frozen
+class ApiError(Exception):
+    """A typed failure: becomes an HTTP error, or an SSE error frame mid-stream."""
+
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    type: str = ""
+
+    @property
+    def error_type(self) -> str:
+        if self.type:
+            return self.type
+        return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def header(scope: dict[str, Any], name: str) -> str | None:
+    key = name.lower().encode()
+    for k, v in scope.get("headers", ()):
+        if k.lower() == key:
+            return v.decode("latin-1")
+    return None
+
+
+async def read_body(scope: dict[str, Any], receive: Receive, *, limit: int = MAX_BODY) -> bytes:
+    """Read the whole request body, refusing more than ``limit`` bytes (413)."""
+    declared = header(scope, "content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit", code="payload_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the {limit}-byte limit", code="payload_too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def read_json(scope: dict[str, Any], receive: Receive) -> dict[str, Any]:
+    raw = await read_body(scope, receive)
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"invalid request: body is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "invalid request: body must be a JSON object")
+    return obj
+
+
+async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    await send({
+        "type": "http.response.start", "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    *(headers or [])],
+    })
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_text(send: Send, status: int, text: str, content_type: bytes = b"text/plain; charset=utf-8") -> None:
+    body = text.encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

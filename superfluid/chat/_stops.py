@@ -1,0 +1,52 @@
+"""Turning committed token pieces into client text: incremental UTF-8 and
+stop strings held back until they can no longer become a stop."""
+
+from __future__ import annotations
+
+import codecs
+
+__all__ = ["TextStream"]
+
+
+class TextStream:
+    def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""          # decoded text not yet released (could start a stop)
+        self.text = ""              # released text
+        self.stopped = False
+
+    def feed(self, piece: bytes) -> str:
+        """Add one token's bytes; return the text now safe to release."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(piece)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Flush at the end of generation (nothing can become a stop any more)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        buf = self._pending
+        if self.stops:
+            cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                self._pending = ""
+                self.text += buf[:cut]
+                return buf[:cut]
+        hold = 0
+        if not final:
+            for s in self.stops:
+                for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                    if buf.endswith(s[:n]):
+                        hold = max(hold, n)
+                        break
+        out = buf[: len(buf) - hold]
+        self._pending = buf[len(buf) - hold :]
+        self.text += out
+        return out

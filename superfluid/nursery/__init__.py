@@ -1,0 +1,14 @@
+"""Owners of lifetimes: worker processes, their supervisors, model owners."""
+
+from __future__ import annotations
+
+from ._kill import scrub_env as scrub_env
+from ._owner import ModelOwner as ModelOwner
+from ._policy import RestartKind as RestartKind
+from ._policy import RestartPolicy as RestartPolicy
+from ._policy import RestartTracker as RestartTracker
+from ._worker import WorkerDied as WorkerDied
+from ._worker import WorkerHandle as WorkerHandle
+from ._worker import WorkerLoadFailed as WorkerLoadFailed
+from ._worker import WorkerSpec as WorkerSpec
+from ._worker import open_worker as open_worker

@@ -1,0 +1,46 @@
+"""Restart policy as data (after OTP supervisors: intensity within a window)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import attrs
+
+__all__ = ["RestartKind", "RestartPolicy", "RestartTracker"]
+
+
+class RestartKind(Enum):
+    PERMANENT = "permanent"   # always restart
+    TRANSIENT = "transient"   # restart only after an abnormal exit
+    TEMPORARY = "temporary"   # never restart
+
+
+@attrs.frozen(kw_only=True)
+class RestartPolicy:
+    kind: RestartKind = RestartKind.PERMANENT
+    max_restarts: int = 3
+    window_s: float = 60.0
+    backoff_s: float = 0.25
+
+
+@attrs.define
+class RestartTracker:
+    """Counts restarts inside the policy window. Time is passed in (``now``)."""
+
+    policy: RestartPolicy
+    _times: list[float] = attrs.field(factory=list)
+
+    def allow(self, now: float, *, abnormal: bool = True) -> bool:
+        """Record a restart attempt at ``now``; False when the intensity is exceeded."""
+        if self.policy.kind is RestartKind.TEMPORARY:
+            return False
+        if self.policy.kind is RestartKind.TRANSIENT and not abnormal:
+            return False
+        self._times = [t for t in self._times if now - t < self.policy.window_s]
+        if len(self._times) >= self.policy.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    def reset(self) -> None:
+        self._times.clear()

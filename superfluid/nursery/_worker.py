@@ -1,0 +1,194 @@
+"""One worker process, handshaken, with its link reader.
+
+``open_worker`` is the only way to get a :class:`WorkerHandle`; leaving its
+``async with`` always ends the process (protocol ``Shutdown``, then the
+:func:`graceful_kill` ladder) and reaps it.
+
+Nursery tree inside ``open_worker``::
+
+    worker nursery
+    ├── run_process(worker argv)      owns the OS process; deliver_cancel = graceful_kill
+    └── reader                        stdout -> WorkerLink -> owner's inbox (bounded)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+from ..proto import (
+    DAEMON,
+    NEED_DATA,
+    Event,
+    Hello,
+    HelloAck,
+    LoadFailed,
+    ProtocolError,
+    Shutdown,
+    WorkerLink,
+)
+from ._kill import graceful_kill, kill_now, scrub_env
+
+__all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpec", "open_worker", "worker_argv"]
+
+READ_SIZE = 256 * 1024
+
+
+class WorkerDied(Exception):
+    """The worker process exited, hung, or broke the link protocol."""
+
+
+class WorkerLoadFailed(Exception):
+    """The worker could not load its model (it answered ``LoadFailed``)."""
+
+
+@attrs.frozen(kw_only=True)
+class WorkerSpec:
+    runtime: str
+    model: str
+    max_batch: int = 8
+    max_context: int = 4096
+    threads: int = 0
+    start_timeout_s: float = 120.0
+    shutdown_grace_s: float = 2.0
+    term_grace_s: float = 3.0
+
+
+def worker_argv(spec: WorkerSpec) -> list[str]:
+    argv = [
+        sys.executable, "-m", "superfluid.worker", f"superfluid-worker-{spec.runtime}",
+        "--model", spec.model, "--max-batch", str(spec.max_batch), "--max-context", str(spec.max_context),
+    ]
+    if spec.threads:
+        argv += ["--threads", str(spec.threads)]
+    return argv
+
+
+class WorkerHandle:
+    """A live worker. ``send`` writes one event; events arrive on the inbox the
+    caller passed to :func:`open_worker`, tagged ``(generation, event)``; a
+    lost worker is announced as ``(generation, WorkerDied)``."""
+
+    def __init__(self, *, process: trio.Process, link: WorkerLink, ack: HelloAck, generation: int) -> None:
+        self.process = process
+        self.link = link
+        self.ack = ack
+        self.generation = generation
+        self._lock = trio.StrictFIFOLock()
+        self.dead = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def send(self, event: Event) -> None:
+        """Raises:
+        WorkerDied: the pipe is gone (the reader will also report it).
+        """
+        if self.dead:
+            raise WorkerDied("worker is gone")
+        async with self._lock:
+            data = self.link.send(event)
+            assert self.process.stdin is not None
+            try:
+                await self.process.stdin.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.link.send_failed()
+                self.dead = True
+                raise WorkerDied(f"write to worker failed: {exc!r}") from None
+            except BaseException:
+                self.link.send_failed()
+                self.dead = True
+                raise
+
+    def kill(self) -> None:
+        """SIGKILL at once (a hung worker)."""
+        self.dead = True
+        kill_now(self.process)
+
+
+async def _read_event(process: trio.Process, link: WorkerLink) -> Event:
+    assert process.stdout is not None
+    while True:
+        event = link.next_event()
+        if event is not NEED_DATA:
+            assert isinstance(event, Event)
+            return event
+        link.receive_data(await process.stdout.receive_some(READ_SIZE))
+
+
+async def _serve_reader(handle: WorkerHandle, inbox: trio.MemorySendChannel[Any]) -> None:
+    gen = handle.generation
+    try:
+        while True:
+            event = await _read_event(handle.process, handle.link)
+            await inbox.send((gen, event))
+    except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        handle.dead = True
+        kill_now(handle.process)  # a protocol error ends the worker; it is respawned
+        rc = await handle.process.wait()
+        try:
+            await inbox.send((gen, WorkerDied(f"{exc} (exit status {rc})")))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+@asynccontextmanager
+async def open_worker(
+    spec: WorkerSpec, inbox: trio.MemorySendChannel[Any], *, generation: int, env: dict[str, str] | None = None
+) -> AsyncIterator[WorkerHandle]:
+    """Start a worker, handshake, and yield its handle.
+
+    Raises:
+        WorkerLoadFailed: the worker reported that its model did not load.
+        WorkerDied: the worker died or broke the protocol during the handshake.
+        trio.TooSlowError: no handshake within ``spec.start_timeout_s``.
+
+    Cancellation: leaving the block (normally, by error or by cancellation)
+    sends ``Shutdown``, escalates to SIGTERM and SIGKILL, and reaps the process.
+    """
+    link = WorkerLink(DAEMON)
+    argv = worker_argv(spec)
+    child_env = scrub_env(dict(os.environ if env is None else env))
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False,
+                env=child_env,
+                deliver_cancel=partial(graceful_kill, grace_s=spec.shutdown_grace_s, term_s=spec.term_grace_s),
+            )
+        )
+        try:
+            assert process.stdin is not None
+            with trio.fail_after(spec.start_timeout_s):
+                await process.stdin.send_all(link.send(Hello()))
+                try:
+                    ack = await _read_event(process, link)
+                except ProtocolError as exc:
+                    rc = await process.wait()
+                    raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
+            if isinstance(ack, LoadFailed):
+                raise WorkerLoadFailed(ack.message)
+            if not isinstance(ack, HelloAck):
+                raise WorkerDied(f"worker answered the handshake with {type(ack).__name__}")
+            handle = WorkerHandle(process=process, link=link, ack=ack, generation=generation)
+            nursery.start_soon(_serve_reader, handle, inbox.clone())
+            yield handle
+        finally:
+            with trio.move_on_after(spec.shutdown_grace_s, shield=True):
+                if process.returncode is None:
+                    try:
+                        assert process.stdin is not None
+                        await process.stdin.send_all(link.send(Shutdown()))
+                    except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,43 @@
+"""Pure protocol code: worker-link framing and messages, the link state
+machine, SSE/NDJSON encoders. No I/O, no trio, no clocks."""
+
+from __future__ import annotations
+
+from ._errors import LocalProtocolError as LocalProtocolError
+from ._errors import ProtocolError as ProtocolError
+from ._errors import RemoteProtocolError as RemoteProtocolError
+from ._events import FINISH_REASONS as FINISH_REASONS
+from ._events import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._events import Admit as Admit
+from ._events import Admitted as Admitted
+from ._events import Cancel as Cancel
+from ._events import Emit as Emit
+from ._events import Event as Event
+from ._events import Fault as Fault
+from ._events import Hello as Hello
+from ._events import HelloAck as HelloAck
+from ._events import Interrupt as Interrupt
+from ._events import LoadFailed as LoadFailed
+from ._events import Sampling as Sampling
+from ._events import Shutdown as Shutdown
+from ._events import Telemetry as Telemetry
+from ._events import Tick as Tick
+from ._events import TickDone as TickDone
+from ._events import Tokenize as Tokenize
+from ._events import Tokenized as Tokenized
+from ._events import from_wire as from_wire
+from ._events import to_wire as to_wire
+from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
+from ._frames import FrameDecoder as FrameDecoder
+from ._frames import encode_frame as encode_frame
+from ._link import NEED_DATA as NEED_DATA
+from ._link import LinkStatistics as LinkStatistics
+from ._link import WorkerLink as WorkerLink
+from ._sse import SSE_DONE as SSE_DONE
+from ._sse import SSE_PING as SSE_PING
+from ._sse import encode_ndjson as encode_ndjson
+from ._sse import encode_sse as encode_sse
+from ._sse import encode_sse_json as encode_sse_json
+from ._state import DAEMON as DAEMON
+from ._state import TRANSITIONS as TRANSITIONS
+from ._state import WORKER as WORKER

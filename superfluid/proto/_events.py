@@ -1,0 +1,342 @@
+"""The worker-link messages: immutable values with one wire form.
+
+Every message is an ``@attrs.frozen(kw_only=True)`` class with a numeric type
+code. On the wire a message is the msgpack array ``[code, {field: value}]``.
+Codes ``>= 0x80`` are *droppable* (telemetry): a peer that does not know one
+skips it. An unknown *required* code is a :class:`RemoteProtocolError`.
+
+Fields hold only msgpack-native values (ints, floats, str, bytes, lists,
+dicts), so ``from_wire(to_wire(m)) == m`` for every message ``m``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+import msgpack
+
+from ._errors import RemoteProtocolError
+
+__all__ = [
+    "DROPPABLE_BASE",
+    "PROTOCOL_VERSION",
+    "Admit",
+    "Admitted",
+    "Cancel",
+    "Emit",
+    "Event",
+    "Fault",
+    "Hello",
+    "HelloAck",
+    "Interrupt",
+    "LoadFailed",
+    "Sampling",
+    "Shutdown",
+    "Telemetry",
+    "Tick",
+    "TickDone",
+    "Tokenize",
+    "Tokenized",
+    "from_wire",
+    "to_wire",
+]
+
+PROTOCOL_VERSION = 1
+DROPPABLE_BASE = 0x80
+MAX_LOGPROBS = 20
+FINISH_REASONS = frozenset({"eos", "length", "context", "cancelled", "error"})
+
+
+def _nonneg(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attr.name} must be a non-negative int, got {value!r}")
+
+
+def _token_list(_inst: object, attr: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    for t in value:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"{attr.name} holds a bad token id {t!r}")
+
+
+def _tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class Event:
+    """Base class of all link messages."""
+
+    code: ClassVar[int] = -1
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """Per-lane sampling parameters. ``temperature == 0`` means greedy.
+
+    Seeded sampling is counter-based: the draw for generated token ``k`` uses
+    ``(seed, k)``, so a lane resumed after ``k`` tokens draws exactly what the
+    uninterrupted lane would have.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
+    n_logprobs: int = attrs.field(default=-1)
+    grammar: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not -1 <= self.n_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"n_logprobs must be in [-1, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["logit_bias"] = [list(p) for p in self.logit_bias]
+        return d
+
+
+# ---- daemon -> worker -------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Hello(Event):
+    """First message on the link: the daemon's supported version range."""
+
+    code: ClassVar[int] = 0x01
+    min_version: int = PROTOCOL_VERSION
+    max_version: int = PROTOCOL_VERSION
+
+
+@attrs.frozen(kw_only=True)
+class Tokenize(Event):
+    """Tokenize ``segments`` (``[text, parse_special]`` pairs) and concatenate.
+    Scaffold from a chat template is parsed for special markers; client text
+    is not, so a user cannot forge a turn."""
+
+    code: ClassVar[int] = 0x03
+    req: int = attrs.field(validator=_nonneg)
+    segments: tuple[tuple[str, bool], ...] = attrs.field(converter=lambda v: tuple((str(t), bool(p)) for t, p in v))
+    add_special: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Admit(Event):
+    """Open a lane. ``tokens[:n_prompt]`` is the prompt; any tokens after it were
+    generated earlier (a resumed lane) and are prefilled, not re-emitted."""
+
+    code: ClassVar[int] = 0x05
+    lane: int = attrs.field(validator=_nonneg)
+    tokens: tuple[int, ...] = attrs.field(converter=_tuple, validator=_token_list)
+    n_prompt: int = attrs.field(validator=_nonneg)
+    max_new: int = attrs.field(validator=_nonneg)
+    sampling: Sampling = attrs.field(factory=Sampling)
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if not self.tokens:
+            raise ValueError("a lane needs at least one token")
+        if self.n_prompt > len(self.tokens) or self.n_prompt == 0:
+            raise ValueError("n_prompt must be in [1, len(tokens)]")
+
+
+@attrs.frozen(kw_only=True)
+class Tick(Event):
+    """Run engine steps: prefill up to ``prefill_budget`` tokens and up to
+    ``max_rounds`` decode rounds, ending early after ``time_budget_ms`` or on
+    :class:`Interrupt`. Answered by exactly one :class:`TickDone`."""
+
+    code: ClassVar[int] = 0x07
+    seq: int = attrs.field(validator=_nonneg)
+    prefill_budget: int = attrs.field(validator=_nonneg)
+    max_rounds: int = attrs.field(validator=_nonneg)
+    time_budget_ms: int = attrs.field(validator=_nonneg)
+    prefill_lanes: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class Interrupt(Event):
+    """End the running tick at the next engine step (a preemptor is waiting)."""
+
+    code: ClassVar[int] = 0x08
+
+
+@attrs.frozen(kw_only=True)
+class Cancel(Event):
+    """Retire a lane. With ``publish`` its KV stays behind as a prefix-cache entry."""
+
+    code: ClassVar[int] = 0x09
+    lane: int = attrs.field(validator=_nonneg)
+    publish: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class Shutdown(Event):
+    code: ClassVar[int] = 0x0F
+
+
+# ---- worker -> daemon -------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class HelloAck(Event):
+    """The worker is loaded and ready: chosen version, runtime, model facts and
+    the capability record (each leaf ``True`` or a reason string)."""
+
+    code: ClassVar[int] = 0x02
+    version: int = attrs.field(validator=_nonneg)
+    runtime: str
+    runtime_version: str
+    model: dict[str, Any] = attrs.field(factory=dict)
+    capabilities: dict[str, Any] = attrs.field(factory=dict)
+    limits: dict[str, int] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class LoadFailed(Event):
+    code: ClassVar[int] = 0x0A
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class Tokenized(Event):
+    code: ClassVar[int] = 0x04
+    req: int = attrs.field(validator=_nonneg)
+    tokens: tuple[int, ...] = attrs.field(converter=_tuple, validator=_token_list)
+
+
+@attrs.frozen(kw_only=True)
+class Admitted(Event):
+    """A lane is open; ``cached`` prompt tokens were seeded from the prefix cache."""
+
+    code: ClassVar[int] = 0x06
+    lane: int = attrs.field(validator=_nonneg)
+    cached: int = attrs.field(validator=_nonneg)
+
+
+@attrs.frozen(kw_only=True)
+class Emit(Event):
+    """One engine round's output. ``items`` rows are
+    ``[lane, token, piece, finish, logprobs]`` where ``piece`` is the token's
+    bytes, ``finish`` is ``None`` or a reason in :data:`FINISH_REASONS`, and
+    ``logprobs`` is ``None`` or ``[logprob, [[token, piece, logprob], ...]]``.
+    A row with ``token == -1`` carries only a finish (no token)."""
+
+    code: ClassVar[int] = 0x0B
+    items: tuple[tuple[Any, ...], ...] = attrs.field(converter=lambda v: tuple(tuple(r) for r in v))
+
+    def __attrs_post_init__(self) -> None:
+        for row in self.items:
+            if len(row) != 5:
+                raise ValueError("an emit row has five fields")
+            lane, token, piece, finish, _lp = row
+            if not isinstance(lane, int) or lane < 0 or not isinstance(token, int) or token < -1:
+                raise ValueError(f"bad emit row {row!r}")
+            if not isinstance(piece, bytes):
+                raise ValueError("emit piece must be bytes")
+            if finish is not None and finish not in FINISH_REASONS:
+                raise ValueError(f"unknown finish reason {finish!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TickDone(Event):
+    code: ClassVar[int] = 0x0C
+    seq: int = attrs.field(validator=_nonneg)
+    rounds: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    busy_ms: float = 0.0
+    interrupted: bool = False
+    prefill_left: dict[int, int] = attrs.field(factory=dict)
+    kv_used: int = 0
+    kv_total: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Fault(Event):
+    """A lane (or, with ``lane == -1``, the engine) failed; the lane is closed."""
+
+    code: ClassVar[int] = 0x0D
+    lane: int = -1
+    kind: str = "engine"
+    message: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Telemetry(Event):
+    """Droppable: engine counters for /metrics. Safe to lose."""
+
+    code: ClassVar[int] = DROPPABLE_BASE + 0x01
+    values: dict[str, float] = attrs.field(factory=dict)
+
+
+_REGISTRY: dict[int, type[Event]] = {
+    cls.code: cls
+    for cls in (
+        Hello, Tokenize, Admit, Tick, Interrupt, Cancel, Shutdown,
+        HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry,
+    )
+}
+_FIELDS: dict[type[Event], tuple[str, ...]] = {
+    cls: tuple(f.name for f in attrs.fields(cls)) for cls in _REGISTRY.values()
+}
+
+
+def to_wire(event: Event) -> bytes:
+    payload: dict[str, Any] = {}
+    for name in _FIELDS[type(event)]:
+        value = getattr(event, name)
+        payload[name] = value.to_dict() if isinstance(value, Sampling) else value
+    return msgpack.packb([event.code, payload], use_bin_type=True)
+
+
+def from_wire(body: bytes, *, max_len: int) -> Event | None:
+    """Decode one frame body. Returns ``None`` for an unknown droppable message.
+
+    Raises:
+        RemoteProtocolError: anything but a well-formed known message.
+    """
+    try:
+        obj = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=False,
+            max_bin_len=max_len,
+            max_str_len=max_len,
+            max_array_len=max_len,
+            max_map_len=max_len,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types; all mean "bad bytes"
+        raise RemoteProtocolError(f"undecodable frame: {exc}") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], dict)):
+        raise RemoteProtocolError("a frame must be [code, {fields}]")
+    code, payload = obj
+    cls = _REGISTRY.get(code)
+    if cls is None:
+        if code >= DROPPABLE_BASE:
+            return None
+        raise RemoteProtocolError(f"unknown required message type {code:#x}")
+    allowed = _FIELDS[cls]
+    if any(not isinstance(k, str) or k not in allowed for k in payload):
+        raise RemoteProtocolError(f"unexpected fields in {cls.__name__}: {sorted(map(str, payload))}")
+    try:
+        if cls is Admit and "sampling" in payload:
+            s = payload["sampling"]
+            if not isinstance(s, dict):
+                raise TypeError("sampling must be a map")
+            payload = {**payload, "sampling": Sampling(**s)}
+        return cls(**payload)
+    except (TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"invalid {cls.__name__}: {exc}") from None

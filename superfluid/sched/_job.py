@@ -1,0 +1,96 @@
+"""A job: one generation request as the scheduler sees it.
+
+The job is the daemon's record of a generation: its prompt ids, the tokens
+committed so far and how it ended. Readers (HTTP handlers, session
+subscribers) follow it by cursor with :meth:`Job.wait_beyond`; the scheduler
+never blocks on a reader, so a slow client can only fall behind its own
+cursor, never stall a lane.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+from typing import Any
+
+import attrs
+import trio
+
+from ..proto import Sampling
+from ._qos import QosClass
+
+__all__ = ["Job", "JobError", "JobState"]
+
+_ids = itertools.count(1)
+
+
+class JobState(Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@attrs.frozen(kw_only=True)
+class JobError:
+    """A typed failure, ready to become an HTTP error or an SSE error frame."""
+
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+@attrs.define(eq=False, kw_only=True)
+class Job:
+    prompt: list[int]
+    sampling: Sampling
+    max_new: int
+    klass: QosClass = QosClass.AGENT
+    ignore_eos: bool = False
+    id: int = attrs.field(factory=lambda: next(_ids))
+    session: str = ""
+    tokens: list[int] = attrs.field(factory=list)
+    pieces: list[bytes] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
+    finish: str | None = None
+    error: JobError | None = None
+    cached: int = 0
+    state: JobState = JobState.QUEUED
+    lane: int | None = None
+    cancelled: bool = False
+    preempted: bool = False
+    cancel_sent: bool = False
+    prefill_left: int = 0
+    queued_tick: int = 0
+    seq: int = 0
+    tokens_at_admit: int = 0
+    lost_without_progress: int = 0
+    created: float = 0.0
+    first_token_at: float | None = None
+    admitted_at: float | None = None
+    done_at: float | None = None
+    _changed: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.state is JobState.DONE
+
+    def publish(self) -> None:
+        """Wake every reader waiting on this job."""
+        event, self._changed = self._changed, trio.Event()
+        event.set()
+
+    async def wait_beyond(self, cursor: int) -> None:
+        """Wait until more than ``cursor`` tokens are committed or the job is done.
+
+        Cancellation: a plain checkpointed wait; cancelling it touches nothing.
+        """
+        while len(self.tokens) <= cursor and not self.done:
+            await self._changed.wait()
+
+    def finish_with(self, finish: str | None = None, error: JobError | None = None) -> None:
+        self.state = JobState.DONE
+        self.finish = finish
+        self.error = error
+        self.lane = None
+        self.publish()

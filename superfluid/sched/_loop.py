@@ -1,0 +1,399 @@
+"""The scheduler loop: plan a tick, send it, commit what comes back.
+
+One :class:`Scheduler` per model. It outlives worker processes: the model
+owner runs :meth:`Scheduler.run` once per worker generation, and calls
+:meth:`Scheduler.worker_lost` when one dies, which puts every running job back
+at the head of its queue with the tokens it already committed, so the next
+worker continues it (nothing repeated, nothing lost).
+
+Everything that reaches the loop arrives on one bounded inbox: worker events
+tagged with the worker generation, and *pokes* (``(None, None)``) from
+request handlers that submitted or cancelled a job. Pokes are best-effort:
+after any inbox item the loop re-reads job state, so a poke dropped on a full
+inbox loses nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from ..proto import Admit, Admitted, Cancel, Emit, Fault, Interrupt, TickDone, Tick, Tokenize, Tokenized
+from ._job import Job, JobError, JobState
+from ._plan import JobView, LaneView, Planner, PlannerConfig
+from ._qos import QosClass
+
+if TYPE_CHECKING:
+    from .._metrics import Metrics
+    from ..nursery._worker import WorkerHandle
+
+__all__ = ["Committer", "Scheduler", "SchedulerConfig", "Unavailable"]
+
+log = logging.getLogger("superfluid.sched")
+INBOX_SIZE = 512
+FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
+
+
+class Unavailable(Exception):
+    """The model's worker cannot be (re)started; requests fail typed (503)."""
+
+
+class Committer(Protocol):
+    async def commit(self, jobs: list[tuple[Job, int]]) -> None:
+        """Make the tokens of each ``(job, first_new_index)`` durable before
+        any reader sees them (the write-ahead rule)."""
+
+
+class _NullCommitter:
+    async def commit(self, jobs: list[tuple[Job, int]]) -> None:
+        return None
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    planner: PlannerConfig = attrs.field(factory=PlannerConfig)
+    hang_timeout_s: float = 60.0
+    lost_limit: int = 3
+
+
+@attrs.define(eq=False)
+class _Pending:
+    event: trio.Event = attrs.field(factory=trio.Event)
+    result: list[int] | None = None
+
+
+class Scheduler:
+    def __init__(self, name: str, config: SchedulerConfig, metrics: Metrics, committer: Committer | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.metrics = metrics
+        self.committer: Committer = committer or _NullCommitter()
+        self.planner = Planner(config.planner)
+        self.queues: dict[QosClass, collections.deque[Job]] = {k: collections.deque() for k in QosClass}
+        self.running: dict[int, Job] = {}
+        self.inbox_send, self.inbox = trio.open_memory_channel[Any](INBOX_SIZE)
+        self.tick_no = 0
+        self.worker: WorkerHandle | None = None
+        self._lane_ids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        self._tokenize: dict[int, _Pending] = {}
+        self._prefill_rate = 0.0
+        self.worker_changed = trio.Event()
+        self.last_tick: dict[str, float] = {}
+
+    # -- called by request handlers ---------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        job.state = JobState.QUEUED
+        job.queued_tick = self.tick_no
+        job.seq = next(self._seq)
+        job.created = job.created or trio.current_time()
+        self.queues[job.klass].append(job)
+        self._gauges()
+        self._poke()
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` (idempotent). A queued job ends now; a running one at
+        the next engine step."""
+        if job.done or job.cancelled:
+            return
+        job.cancelled = True
+        if job.state is JobState.QUEUED:
+            try:
+                self.queues[job.klass].remove(job)
+            except ValueError:
+                pass
+            job.finish_with("cancelled")
+            self._gauges()
+        self._poke()
+
+    async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
+        """Tokenize in the worker, retrying across a worker respawn.
+
+        Raises:
+            Unavailable: no worker could take the request.
+        """
+        for _attempt in range(3):
+            worker = await self.wait_worker()
+            req = next(self._req_ids)
+            pending = self._tokenize[req] = _Pending()
+            try:
+                await worker.send(Tokenize(req=req, segments=segments, add_special=add_special))
+                await pending.event.wait()
+            except Exception as exc:  # noqa: BLE001 - WorkerDied or a link error: retry on the next worker
+                log.debug("tokenize retry after %r", exc)
+            finally:
+                self._tokenize.pop(req, None)
+            if pending.result is not None:
+                return pending.result
+        raise Unavailable(f"model {self.name!r}: no worker could tokenize the request")
+
+    async def wait_worker(self) -> WorkerHandle:
+        """Wait for a live worker. If the model is unavailable, ask the owner
+        for one more try (a poke is demand) before giving up.
+
+        Raises:
+            Unavailable: the retry failed too.
+        """
+        retried = False
+        while self.worker is None or self.worker.dead:
+            if self.unavailable is not None:
+                if retried:
+                    raise Unavailable(self.unavailable)
+                retried = True
+                self._poke()
+            await self.worker_changed.wait()
+        return self.worker
+
+    unavailable: str | None = None
+
+    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None) -> None:
+        self.worker = worker
+        self.unavailable = unavailable
+        event, self.worker_changed = self.worker_changed, trio.Event()
+        event.set()
+
+    def _poke(self) -> None:
+        try:
+            self.inbox_send.send_nowait((None, None))
+        except trio.WouldBlock:
+            pass  # the loop re-reads job state after every inbox item
+
+    # -- worker generations --------------------------------------------------------
+
+    def worker_lost(self, reason: str) -> None:
+        """Return running jobs to the head of their queues (or fail the ones that
+        keep killing workers), and release tokenize waiters."""
+        for pending in self._tokenize.values():
+            pending.event.set()
+        for job in sorted(self.running.values(), key=lambda j: j.seq, reverse=True):
+            job.lane = None
+            if job.cancelled:
+                job.finish_with("cancelled")
+                continue
+            if len(job.tokens) == job.tokens_at_admit:
+                job.lost_without_progress += 1
+            else:
+                job.lost_without_progress = 0
+            if job.lost_without_progress >= self.config.lost_limit:
+                job.finish_with(error=JobError(
+                    status=500, code="worker_crashed",
+                    message=f"engine worker died {job.lost_without_progress} times while serving this request "
+                            f"without progress ({reason})",
+                ))
+                self.metrics.inc("superfluid_requests_total", outcome="error")
+                continue
+            job.state = JobState.QUEUED
+            self.queues[job.klass].appendleft(job)
+        self.running.clear()
+        self._gauges()
+
+    def fail_queued(self, message: str) -> None:
+        for q in self.queues.values():
+            while q:
+                q.popleft().finish_with(error=JobError(status=503, message=message, code="worker_unavailable"))
+        self._gauges()
+
+    # -- the loop -----------------------------------------------------------------
+
+    async def run(self, worker: WorkerHandle) -> None:
+        """Serve jobs on ``worker`` until it dies.
+
+        Raises:
+            WorkerDied: the worker exited, hung past ``hang_timeout_s`` or broke the link.
+        """
+        from ..nursery._worker import WorkerDied
+
+        gen = worker.generation
+        self.set_worker(worker)
+        while True:
+            await self._send_cancels(worker)
+            plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
+                                     prefill_tok_s=self._prefill_rate)
+            for lane in plan.preempts:
+                job = self.running[lane]
+                job.preempted = True
+                self.metrics.inc("superfluid_preemptions_total")
+                await worker.send(Cancel(lane=lane, publish=True))
+            order = list(plan.prefill_order)
+            for job_id in plan.admits:
+                job = self._dequeue(job_id)
+                lane = next(self._lane_ids)
+                order.append(lane)
+                await self._admit(worker, job, lane)
+            if plan.prefill_budget or plan.max_rounds:
+                self.tick_no += 1
+                self.metrics.inc("superfluid_ticks_total")
+                await worker.send(Tick(seq=self.tick_no, prefill_budget=plan.prefill_budget,
+                                       max_rounds=plan.max_rounds, time_budget_ms=plan.time_budget_ms,
+                                       prefill_lanes=tuple(order)))
+                interrupted = False
+                while True:
+                    with trio.move_on_after(self.config.hang_timeout_s) as scope:
+                        tag, event = await self.inbox.receive()
+                    if scope.cancelled_caught:
+                        worker.kill()
+                        raise WorkerDied(f"worker hung: no answer within {self.config.hang_timeout_s:g}s of a tick")
+                    if tag is not None and tag != gen:
+                        continue
+                    if isinstance(event, WorkerDied):
+                        raise event
+                    if isinstance(event, TickDone):
+                        self._tick_done(event)
+                        break
+                    await self._handle(event)
+                    await self._send_cancels(worker)
+                    if not interrupted and self._preemptor_waiting():
+                        interrupted = True
+                        await worker.send(Interrupt())
+            else:
+                tag, event = await self.inbox.receive()
+                if tag is not None and tag != gen:
+                    continue
+                if isinstance(event, WorkerDied):
+                    raise event
+                await self._handle(event)
+
+    def _preemptor_waiting(self) -> bool:
+        if len(self.running) < self.config.planner.max_batch:
+            return bool(self.queues[QosClass.INTERACTIVE] or self.queues[QosClass.COMPLETION])
+        urgent = self.queues[QosClass.INTERACTIVE] or self.queues[QosClass.COMPLETION]
+        return bool(urgent) and any(j.klass > QosClass.COMPLETION and not j.preempted for j in self.running.values())
+
+    async def _send_cancels(self, worker: WorkerHandle) -> None:
+        for lane, job in list(self.running.items()):
+            if job.cancelled and not job.cancel_sent:
+                job.cancel_sent = True
+                await worker.send(Cancel(lane=lane, publish=True))
+
+    async def _admit(self, worker: WorkerHandle, job: Job, lane: int) -> None:
+        job.state = JobState.RUNNING
+        job.lane = lane
+        job.preempted = False
+        job.cancel_sent = False
+        job.prefill_left = len(job.prompt) + len(job.tokens)
+        job.tokens_at_admit = len(job.tokens)
+        job.admitted_at = job.admitted_at or trio.current_time()
+        self.running[lane] = job
+        self._gauges()
+        await worker.send(Admit(
+            lane=lane, tokens=job.prompt + job.tokens, n_prompt=len(job.prompt),
+            max_new=max(1, job.max_new - len(job.tokens)), sampling=job.sampling, ignore_eos=job.ignore_eos,
+        ))
+
+    def _dequeue(self, job_id: int) -> Job:
+        for q in self.queues.values():
+            for job in q:
+                if job.id == job_id:
+                    q.remove(job)
+                    return job
+        raise KeyError(job_id)
+
+    def _job_views(self) -> list[JobView]:
+        return [JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq, prompt_tokens=len(j.prompt))
+                for q in self.queues.values() for j in q]
+
+    def _lane_views(self) -> list[LaneView]:
+        return [LaneView(lane=lane, job=j.id, klass=j.klass, admitted_seq=lane,
+                         prefill_left=j.prefill_left, queued_tick=j.queued_tick)
+                for lane, j in self.running.items() if not j.preempted]
+
+    def _tick_done(self, done: TickDone) -> None:
+        for lane, job in self.running.items():
+            job.prefill_left = done.prefill_left.get(lane, 0)
+        if done.prefill_tokens and done.busy_ms > 0:
+            rate = done.prefill_tokens / (done.busy_ms / 1000)
+            self._prefill_rate = rate if not self._prefill_rate else 0.7 * self._prefill_rate + 0.3 * rate
+        self.metrics.inc("superfluid_prefill_tokens_total", done.prefill_tokens)
+        self.metrics.inc("superfluid_decode_tokens_total", done.decode_tokens)
+        self.metrics.set("superfluid_kv_used_tokens", done.kv_used)
+        self.metrics.set("superfluid_kv_total_tokens", done.kv_total)
+        self.last_tick = {"busy_ms": done.busy_ms, "prefill": done.prefill_tokens, "decode": done.decode_tokens,
+                          "rounds": done.rounds}
+
+    async def _handle(self, event: Any) -> None:
+        if event is None:
+            return
+        if isinstance(event, Emit):
+            await self._emit(event)
+        elif isinstance(event, Admitted):
+            job = self.running.get(event.lane)
+            if job is not None and job.tokens_at_admit == 0:
+                job.cached = event.cached
+                self.metrics.inc("superfluid_warm_prefix_tokens_total", event.cached)
+        elif isinstance(event, Fault):
+            job = self.running.pop(event.lane, None) if event.lane >= 0 else None
+            if job is not None:
+                status = 400 if event.kind == "admit" else 500
+                job.finish_with(error=JobError(status=status, message=f"{event.kind}: {event.message}",
+                                               type="invalid_request_error" if status == 400 else "server_error"))
+                self.metrics.inc("superfluid_requests_total", outcome="error")
+                self._gauges()
+            else:
+                log.warning("worker fault (%s): %s", event.kind, event.message)
+        elif isinstance(event, Tokenized):
+            pending = self._tokenize.get(event.req)
+            if pending is not None:
+                pending.result = list(event.tokens)
+                pending.event.set()
+
+    async def _emit(self, event: Emit) -> None:
+        touched: list[tuple[Job, int]] = []
+        ended: list[tuple[Job, str]] = []
+        now = trio.current_time()
+        decoding = 0
+        for lane, token, piece, finish, lp in event.items:
+            job = self.running.get(lane)
+            if job is None:
+                continue
+            if token >= 0 and finish not in ("eos", "cancelled", "error"):
+                if not touched or touched[-1][0] is not job:
+                    touched.append((job, len(job.tokens)))
+                job.tokens.append(token)
+                job.pieces.append(piece)
+                if lp is not None:
+                    job.logprobs.append(lp)
+                decoding += 1
+                if job.first_token_at is None:
+                    job.first_token_at = now
+                    self.metrics.observe("superfluid_ttft_seconds", now - job.created)
+            if finish is not None:
+                ended.append((job, finish))
+        if decoding > 1:
+            self.metrics.inc("superfluid_batched_rounds_total")
+        if touched:
+            await self.committer.commit(touched)
+        for job, finish in ended:
+            del self.running[job.lane]  # type: ignore[arg-type]
+            if finish == "cancelled":
+                if job.preempted and not job.cancelled:
+                    job.lane = None
+                    job.state = JobState.QUEUED
+                    job.queued_tick = self.tick_no
+                    self.queues[job.klass].appendleft(job)
+                    continue
+                job.finish_with("cancelled")
+                self.metrics.inc("superfluid_requests_total", outcome="cancelled")
+            else:
+                job.done_at = now
+                job.finish_with(FINISH_MAP.get(finish, finish))
+                self.metrics.inc("superfluid_requests_total", outcome="ok")
+        for job, _start in touched:
+            if not job.done:
+                job.publish()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.set("superfluid_lanes_active", len(self.running))
+        for k, q in self.queues.items():
+            self.metrics.set("superfluid_queue_depth", len(q), **{"class": k.label})
+
+    def statistics(self) -> dict[str, Any]:
+        return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),
+                "ticks": self.tick_no, **self.last_tick}

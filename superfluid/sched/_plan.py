@@ -1,0 +1,156 @@
+"""The tick planner: a pure function from scheduler state to the next tick.
+
+No I/O, no clocks: the loop passes the tick number and measured rates in, and
+carries the returned :class:`Plan` out. Rules (see SPEC.md, "Scheduler"):
+
+* **Admission**: while a lane is free, admit the head of the queue with the
+  best *effective* class whose class is under its lane cap. Effective class =
+  ``class - min(waited_ticks // starvation_ticks, class)`` (aging), ties go
+  to the earliest-queued job.
+* **Preemption**: when every lane is busy and the best waiting job is
+  ``interactive`` or ``completion``, stop one lane of a strictly lower class:
+  decoding lanes before prefilling ones, then the lowest class, then the
+  newest. One victim per waiting preemptor per tick.
+* **Budgets**: while a newcomer could join at the end of the tick (a queue is
+  non-empty), a tick prefills at most ``latency_prefill_s`` of work; ticks are
+  short (``tick_free_ms``) while a lane is free and longer (``tick_busy_ms``)
+  when all are busy. Prefill order: starving lanes, then class, then shortest
+  remaining prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from ._qos import QosClass
+
+__all__ = ["JobView", "LaneView", "Plan", "Planner", "PlannerConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class JobView:
+    job: int
+    klass: QosClass
+    queued_tick: int
+    seq: int                   # FIFO order within and across classes (lower = earlier)
+    prompt_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class LaneView:
+    lane: int
+    job: int
+    klass: QosClass
+    admitted_seq: int          # higher = newer
+    prefill_left: int          # tokens still to prefill; 0 = decoding
+    queued_tick: int = 0       # when its job was queued (for starvation order)
+
+
+@attrs.frozen(kw_only=True)
+class Plan:
+    admits: tuple[int, ...] = ()       # job ids, in admission order
+    preempts: tuple[int, ...] = ()     # lane ids
+    prefill_budget: int = 0
+    max_rounds: int = 0
+    time_budget_ms: int = 0
+    prefill_order: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.admits or self.preempts or self.prefill_budget or self.max_rounds)
+
+
+@attrs.frozen(kw_only=True)
+class PlannerConfig:
+    max_batch: int = 8
+    class_lanes: Mapping[QosClass, int] = attrs.field(factory=dict)
+    starvation_ticks: int = 8
+    prefill_budget: int = 4096
+    prefill_chunk: int = 512
+    latency_prefill_s: float = 0.5
+    tick_free_ms: int = 50
+    tick_busy_ms: int = 250
+    max_rounds: int = 64
+
+    def cap(self, klass: QosClass) -> int:
+        return max(1, min(self.class_lanes.get(klass, self.max_batch), self.max_batch))
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+
+    def effective_class(self, job: JobView, tick: int) -> int:
+        waited = max(0, tick - job.queued_tick)
+        return int(job.klass) - min(waited // max(1, self.config.starvation_ticks), int(job.klass))
+
+    def plan(
+        self,
+        *,
+        tick: int,
+        queued: Sequence[JobView],
+        lanes: Sequence[LaneView],
+        prefill_tok_s: float = 0.0,
+    ) -> Plan:
+        cfg = self.config
+        per_class = {k: 0 for k in QosClass}
+        for ln in lanes:
+            per_class[ln.klass] += 1
+        waiting = sorted(queued, key=lambda j: (self.effective_class(j, tick), j.seq))
+        free = cfg.max_batch - len(lanes)
+
+        # preemption: one victim per waiting preemptor, only when no lane is free
+        preempts: list[int] = []
+        live = list(lanes)
+        if free <= 0:
+            for job in waiting:
+                if len(preempts) >= len(waiting) or not job.klass.preempts:
+                    continue
+                victims = [ln for ln in live if ln.klass > job.klass and ln.lane not in preempts]
+                if not victims:
+                    continue
+                victim = max(victims, key=lambda ln: (ln.prefill_left == 0, int(ln.klass), ln.admitted_seq))
+                preempts.append(victim.lane)
+                per_class[victim.klass] -= 1
+            free += len(preempts)
+
+        admits: list[int] = []
+        remaining = list(waiting)
+        while free > 0 and remaining:
+            pick = next((j for j in remaining if per_class[j.klass] < cfg.cap(j.klass)), None)
+            if pick is None:
+                break
+            admits.append(pick.job)
+            per_class[pick.klass] += 1
+            remaining.remove(pick)
+            free -= 1
+
+        # budgets
+        admitted = {j.job: j for j in waiting if j.job in admits}
+        still_live = [ln for ln in lanes if ln.lane not in preempts]
+        any_prefill = any(ln.prefill_left > 0 for ln in still_live) or bool(admitted)
+        any_decode = any(ln.prefill_left == 0 for ln in still_live) or bool(admitted)
+        newcomer_possible = bool(remaining) or free > 0
+        budget = cfg.prefill_budget if any_prefill else 0
+        if budget and (remaining or any(ln.klass.preempts for ln in still_live)):
+            if prefill_tok_s > 0:
+                by_time = int(prefill_tok_s * cfg.latency_prefill_s) // cfg.prefill_chunk * cfg.prefill_chunk
+                budget = min(budget, max(cfg.prefill_chunk, by_time))
+            else:
+                budget = min(budget, cfg.prefill_chunk)
+        order_keys = []
+        for ln in still_live:
+            if ln.prefill_left > 0:
+                starving = tick - ln.queued_tick >= cfg.starvation_ticks * 4
+                order_keys.append(((not starving, int(ln.klass), ln.prefill_left), ln.lane))
+        order = tuple(lane for _key, lane in sorted(order_keys))
+        return Plan(
+            admits=tuple(admits),
+            preempts=tuple(preempts),
+            prefill_budget=budget,
+            max_rounds=cfg.max_rounds if any_decode else 0,
+            time_budget_ms=cfg.tick_free_ms if newcomer_possible else cfg.tick_busy_ms,
+            prefill_order=order,
+        )

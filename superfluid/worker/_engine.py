@@ -1,0 +1,94 @@
+"""The primitive-runtime interface the generic executor drives.
+
+A primitive runtime (llama.cpp, the mock, later MLX) only knows how to
+tokenize, run one batched forward pass over several KV sequences, sample from
+the resulting logits, and move KV between sequences. Lanes, chunked prefill,
+the prefix cache, finish rules and counter-based seeding live in the executor
+(``_executor.py``), written once for every runtime.
+
+All methods are synchronous and are called from one thread at a time (the
+worker's engine thread); ``tokenize``/``piece`` may also be called from the
+worker's I/O thread and must be safe to run beside ``decode``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+from ..proto import Sampling
+
+__all__ = ["BatchRow", "Engine", "LaneSampler", "ModelInfo"]
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_seq: int                 # KV sequences available to the executor
+    n_ctx_seq: int             # tokens of KV per sequence (the per-lane window)
+    kv_layout: str             # "per_seq" (prefix reuse anywhere) or "shared" (head-only)
+    bos: int
+    eog: tuple[int, ...]
+    chat_template: str
+    special_tokens: dict[str, int]
+    add_bos: bool
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["eog"] = list(self.eog)
+        return d
+
+
+@attrs.frozen(kw_only=True)
+class BatchRow:
+    """``tokens`` go into sequence ``seq`` at positions ``pos0, pos0+1, ...``;
+    with ``want_logits`` the row's last token produces logits to sample from."""
+
+    seq: int
+    tokens: tuple[int, ...]
+    pos0: int
+    want_logits: bool
+
+
+class LaneSampler(Protocol):
+    def sample(self, out: Any, k: int) -> int:
+        """Draw the ``k``-th generated token from decode output handle ``out``."""
+
+    def logprobs(self, out: Any, token: int, n: int) -> list[Any]:
+        """``[logprob(token), [[tok, piece, logprob], ...n best]]``."""
+
+    def accept(self, token: int) -> None:
+        """Record ``token`` (penalties and grammar state advance)."""
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    info: ModelInfo
+
+    def capabilities(self) -> dict[str, Any]: ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def decode(self, rows: list[BatchRow]) -> list[Any]:
+        """One forward pass for all rows. Returns, per row, an output handle
+        (``None`` where ``want_logits`` was false). Raises RuntimeError if the
+        runtime could not place the batch (KV full)."""
+
+    def new_sampler(self, sampling: Sampling, history: list[int]) -> LaneSampler:
+        """Raises ValueError if the sampling request (e.g. a grammar) is invalid."""
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool: ...
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+
+    def close(self) -> None: ...

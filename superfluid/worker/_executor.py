@@ -1,0 +1,252 @@
+"""The generic executor: lanes, continuous batching and the prefix cache.
+
+It is written once, over the primitive :class:`Engine` API, and used by every
+primitive runtime. It is synchronous and single-threaded: the worker's engine
+task calls :meth:`Executor.step` from a worker thread, and applies admits and
+cancels only between steps.
+
+Invariants (checked by tests with the mock engine, which refuses any decode
+whose positions do not continue its sequence):
+
+* A lane's KV sequence holds exactly ``lane.tokens[:lane.n_past]``.
+* A lane is *ready to sample* when every token it has was decoded; the step
+  that decodes its last pending token samples its next token in the same step.
+* Every KV sequence is owned by at most one lane; a sequence no lane owns is a
+  prefix-cache entry described by ``Executor.slots[seq]`` (its token ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import attrs
+
+from ..proto import Admit, Sampling
+from ._engine import BatchRow, Engine, LaneSampler
+
+__all__ = ["Executor", "Lane", "StepResult"]
+
+PREFILL_CHUNK = 512
+
+
+@attrs.define(eq=False)
+class Lane:
+    lane: int
+    seq: int
+    tokens: list[int]
+    n_prompt: int
+    max_new: int
+    sampling: Sampling
+    ignore_eos: bool
+    sampler: LaneSampler
+    n_past: int = 0
+    cached: int = 0
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.tokens) - self.n_prompt
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.n_past
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pending > 1
+
+
+@attrs.define
+class StepResult:
+    emits: list[list[Any]] = attrs.field(factory=list)
+    faults: list[tuple[int, str]] = attrs.field(factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+@attrs.define(eq=False)
+class _Slot:
+    tokens: list[int] = attrs.field(factory=list)   # what the sequence's KV holds
+    owner: int | None = None                         # lane tag, or None if cached/free
+    last_use: int = 0
+
+
+def counter_seed(seed: int, k: int) -> int:
+    """The RNG seed for generated token ``k`` of a lane seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+class Executor:
+    def __init__(self, engine: Engine, *, max_lanes: int) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.max_lanes = max(1, min(max_lanes, engine.info.n_seq))
+        self.slots = [_Slot() for _ in range(engine.info.n_seq)]
+        self.lanes: dict[int, Lane] = {}
+        self._clock = 0
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0}
+
+    # -- lanes ---------------------------------------------------------------
+
+    def admit(self, msg: Admit) -> Lane:
+        """Open a lane, seeding its KV from the best prefix-cache match.
+
+        Raises:
+            ValueError: no free sequence, the lane exceeds the context window,
+                or the sampling request is invalid.
+        """
+        if len(self.lanes) >= self.max_lanes:
+            raise ValueError(f"all {self.max_lanes} lanes are busy")
+        tokens = list(msg.tokens)
+        if len(tokens) >= self.info.n_ctx_seq:
+            raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
+        seq, matched, src = self._pick_slot(tokens)
+        slot = self.slots[seq]
+        sampler = self.engine.new_sampler(msg.sampling, tokens[msg.n_prompt:])
+        if src is not None and src != seq:
+            self.engine.seq_rm(seq, 0, -1)
+            self.engine.seq_cp(src, seq, 0, matched)
+        elif matched < len(slot.tokens):
+            if not self.engine.seq_rm(seq, matched, -1):
+                self.engine.seq_rm(seq, 0, -1)
+                matched = 0
+        slot.tokens = tokens[:matched]
+        slot.owner = msg.lane
+        lane = Lane(
+            lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
+            sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, n_past=matched,
+            cached=min(matched, msg.n_prompt),
+        )
+        self.lanes[msg.lane] = lane
+        self.stats["cached_tokens"] += lane.cached
+        return lane
+
+    def _pick_slot(self, tokens: list[int]) -> tuple[int, int, int | None]:
+        """Choose a free sequence for ``tokens``: (seq, tokens reusable, source seq)."""
+        limit = len(tokens) - 1  # always decode at least one token for logits
+        best_free: tuple[int, int] | None = None   # (tokens reusable, -last_use)
+        free_seq = -1
+        best_src, best_src_len = -1, 0
+        per_seq = self.info.kv_layout == "per_seq"
+        for i, slot in enumerate(self.slots):
+            n = _common_prefix(slot.tokens, tokens, limit)
+            if slot.owner is None:
+                if not per_seq and n < len(slot.tokens):
+                    n = 0  # a shared pool reuses a cached sequence only whole
+                key = (n, -slot.last_use)
+                if best_free is None or key > best_free:
+                    best_free, free_seq = key, i
+            elif per_seq and n > best_src_len:
+                best_src, best_src_len = i, n
+        if best_free is None:
+            raise ValueError("no free KV sequence")
+        if best_src_len > best_free[0]:
+            return free_seq, best_src_len, best_src
+        return free_seq, best_free[0], None
+
+    def cancel(self, lane_tag: int, *, publish: bool) -> bool:
+        lane = self.lanes.pop(lane_tag, None)
+        if lane is None:
+            return False
+        self._release(lane, publish=publish)
+        return True
+
+    def _release(self, lane: Lane, *, publish: bool) -> None:
+        lane.sampler.close()
+        slot = self.slots[lane.seq]
+        slot.owner = None
+        self._clock += 1
+        slot.last_use = self._clock
+        if publish:
+            slot.tokens = lane.tokens[: lane.n_past]
+        else:
+            self.engine.seq_rm(lane.seq, 0, -1)
+            slot.tokens = []
+
+    def prefill_left(self) -> dict[int, int]:
+        return {t: ln.pending for t, ln in self.lanes.items() if ln.prefilling}
+
+    def kv_used(self) -> int:
+        return sum(len(s.tokens) for s in self.slots if s.owner is not None)
+
+    # -- one engine step -------------------------------------------------------
+
+    def step(self, *, prefill_budget: int, order: tuple[int, ...] = ()) -> StepResult:
+        """One forward pass: one token for every decoding lane plus prompt
+        chunks (at most ``prefill_budget`` tokens, in ``order`` first), then
+        sample every lane whose pending tokens are all decoded."""
+        res = StepResult()
+        rows: list[BatchRow] = []
+        owners: list[Lane] = []
+        budget = prefill_budget
+        prefill_lanes = sorted(
+            (ln for ln in self.lanes.values() if ln.pending > 1),
+            key=lambda ln: (order.index(ln.lane) if ln.lane in order else len(order), ln.pending),
+        )
+        for ln in self.lanes.values():
+            if ln.pending == 1:
+                rows.append(BatchRow(seq=ln.seq, tokens=(ln.tokens[-1],), pos0=ln.n_past, want_logits=True))
+                owners.append(ln)
+        decode_rows = len(rows)
+        for ln in prefill_lanes:
+            if budget <= 0:
+                break
+            take = min(ln.pending, budget, PREFILL_CHUNK)
+            chunk = ln.tokens[ln.n_past : ln.n_past + take]
+            done = take == ln.pending
+            rows.append(BatchRow(seq=ln.seq, tokens=tuple(chunk), pos0=ln.n_past, want_logits=done))
+            owners.append(ln)
+            budget -= take
+        if not rows:
+            return res
+        outs = self.engine.decode(rows)
+        self.stats["steps"] += 1
+        for i, (row, ln, out) in enumerate(zip(rows, owners, outs)):
+            ln.n_past += len(row.tokens)
+            self.slots[ln.seq].tokens = ln.tokens[: ln.n_past]
+            if i < decode_rows:
+                res.decode_tokens += 1
+            else:
+                res.prefill_tokens += len(row.tokens)
+            if row.want_logits:
+                try:
+                    res.emits.append(self._sample(ln, out))
+                except Exception as exc:  # boundary: one lane's sampler failed; the batch goes on
+                    res.faults.append((ln.lane, f"{type(exc).__name__}: {exc}"))
+        for tag, _msg in res.faults:
+            self._release(self.lanes.pop(tag), publish=False)
+        self.stats["prefill_tokens"] += res.prefill_tokens
+        self.stats["decode_tokens"] += res.decode_tokens
+        for row in res.emits:
+            if row[3] is not None:
+                lane = self.lanes.pop(row[0])
+                self._release(lane, publish=True)
+        return res
+
+    def _sample(self, ln: Lane, out: Any) -> list[Any]:
+        k = ln.n_generated
+        token = ln.sampler.sample(out, k)
+        lp = ln.sampler.logprobs(out, token, ln.sampling.n_logprobs) if ln.sampling.n_logprobs >= 0 else None
+        if self.engine.is_eog(token) and not ln.ignore_eos:
+            return [ln.lane, token, b"", "eos", lp]
+        ln.sampler.accept(token)
+        ln.tokens.append(token)
+        finish = None
+        if ln.n_generated >= ln.max_new:
+            finish = "length"
+        elif len(ln.tokens) >= self.info.n_ctx_seq:
+            finish = "context"
+        return [ln.lane, token, self.engine.piece(token), finish, lp]
+
+    def close(self) -> None:
+        for tag in list(self.lanes):
+            self.cancel(tag, publish=False)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,514 @@
+"""The llama.cpp primitive runtime, on llama-cpp-python's low-level ctypes API.
+
+Contract (the :class:`~superfluid.worker._engine.Engine` and
+:class:`~superfluid.worker._engine.LaneSampler` protocols):
+
+* :meth:`LlamaEngine.decode` runs every row in one ``llama_decode`` and
+  returns, per row, the batch index of its logits (``None`` without
+  ``want_logits``). When the rows hold more tokens than one batch, the tokens
+  that need no logits are decoded first, in earlier calls, and every
+  logits-bearing token goes into the final call, so every returned index is
+  valid until the next :meth:`decode`. A non-zero return code raises
+  RuntimeError (1 = no KV slot); tokens of earlier calls stay decoded.
+* KV layout: plain-attention models get one KV stream per sequence
+  (``kv_unified=False``, ``kv_layout="per_seq"``): any prefix of any sequence
+  can be reused. Sliding-window, recurrent and hybrid models cannot drop a
+  suffix and keep a usable window, so they get one shared pool of
+  ``max_batch * max_context`` cells (``kv_unified=True``,
+  ``kv_layout="shared"``): a lane never needs more than ``max_context`` cells
+  and at most ``max_batch`` lanes run, so running lanes always fit unless
+  cached (finished) sequences hold cells, in which case decode fails with
+  code 1.
+* Sampling is a per-lane llama.cpp sampler chain: logit bias, penalties
+  (last 64 tokens), grammar, then top-k, top-p, min-p and temperature, then
+  greedy (``temperature == 0``) or a distribution draw. The draw for
+  generated token ``k`` is seeded with ``counter_seed(seed, k)`` (the dist
+  stage is rebuilt before each draw), so a resumed lane draws exactly what
+  the uninterrupted lane would have. :meth:`_LaneSampler.sample` uses
+  ``llama_sampler_sample``, which also advances the chain (penalties,
+  grammar) by the drawn token; the executor's following ``accept`` of that
+  same token is therefore a no-op. A draw that is never accepted ends its
+  lane (end of generation), so the early advance is never observed.
+* Log probabilities come from the raw logits (log-softmax), not from the
+  sampler chain's transformed distribution.
+* ``tokenize``/``piece`` only read the vocabulary and may run beside
+  ``decode`` on another thread.
+
+llama.cpp's log output is filtered to errors, written to stderr.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+from typing import Any
+
+import llama_cpp as L
+import numpy as np
+
+from ..proto import Sampling
+from ._engine import BatchRow, ModelInfo
+from ._executor import counter_seed
+
+__all__ = ["LlamaEngine"]
+
+BATCH_TOKENS = 2048
+UBATCH_TOKENS = 512
+PENALTY_LAST_N = 64
+MAX_LOGPROBS = 20
+_DEFAULT_SEED = 0xFFFFFFFF       # llama.cpp reads this seed as "pick one at random"
+_LOG_ERROR = 3                   # ggml_log_level
+_LOG_CONT = 5
+_MARKER_ATTRS = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
+_DECODE_ERRORS = {1: "no KV slot for the batch (KV cache full)", 2: "decode aborted", -1: "invalid batch"}
+_NO_MEDIA = "text-only runtime: no multimodal projector is loaded"
+
+
+# -- logging -------------------------------------------------------------------
+
+
+class _LogFilter:
+    """Passes llama.cpp's error lines to stderr and keeps the last few, so a
+    failure (an unparsable grammar, a model that will not load) can say why."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.recent: collections.deque[str] = collections.deque(maxlen=8)
+
+    def __call__(self, level: int, text: bytes | None, _user_data: Any) -> None:
+        if level != _LOG_CONT:
+            self.level = level
+        if self.level != _LOG_ERROR or not text:
+            return
+        self.recent.append(text.decode("utf-8", "replace").strip())
+        os.write(2, text)
+
+    def take(self) -> str:
+        lines = [ln for ln in self.recent if ln]
+        self.recent.clear()
+        return "; ".join(lines)
+
+
+_LOG = _LogFilter()
+_LOG_CALLBACK = L.llama_log_callback(_LOG)   # kept alive here: C holds the pointer
+_initialized = False
+
+
+def _init_backend() -> None:
+    global _initialized
+    L.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    if not _initialized:
+        L.llama_backend_init()
+        _initialized = True
+
+
+# -- model metadata ------------------------------------------------------------
+
+
+def _meta(model: Any, key: str) -> str | None:
+    """A GGUF metadata value as a string, or None if the key is absent."""
+    size = 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_model_meta_val_str(model, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n + 1
+
+
+def _token_piece(vocab: Any, token: int) -> bytes:
+    size = 64
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_token_to_piece(vocab, token, buf, size, 0, True)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+def _is_marker_text(text: str) -> bool:
+    return len(text) > 2 and text[0] in "<[" and text[-1] in ">]" and not any(c.isspace() for c in text)
+
+
+def _scan_vocab(vocab: Any, n_vocab: int) -> tuple[tuple[int, ...], dict[str, int]]:
+    """End-of-generation ids, and the special-marker texts (control tokens and
+    marker-looking user-defined tokens; ``<unusedN>`` placeholders skipped)."""
+    eog: list[int] = []
+    specials: dict[str, int] = {}
+    for tok in range(n_vocab):
+        if L.llama_vocab_is_eog(vocab, tok):
+            eog.append(tok)
+        attr = L.llama_vocab_get_attr(vocab, tok)
+        if not attr & _MARKER_ATTRS or attr & L.LLAMA_TOKEN_ATTR_UNUSED:
+            continue
+        text = _token_piece(vocab, tok).decode("utf-8", "replace")
+        if attr & L.LLAMA_TOKEN_ATTR_CONTROL or _is_marker_text(text):
+            specials.setdefault(text, tok)
+    for tok in (L.llama_vocab_bos(vocab), L.llama_vocab_eos(vocab), L.llama_vocab_eot(vocab)):
+        if 0 <= tok < n_vocab:
+            specials.setdefault(_token_piece(vocab, tok).decode("utf-8", "replace"), tok)
+    return tuple(eog), specials
+
+
+def _needs_shared_pool(model: Any) -> bool:
+    """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix."""
+    return (L.llama_model_n_swa(model) > 0 or bool(L.llama_model_is_recurrent(model))
+            or bool(L.llama_model_is_hybrid(model)))
+
+
+def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int) -> Any:
+    cp = L.llama_context_default_params()
+    cp.kv_unified = shared
+    cp.n_ctx = max_batch * n_ctx_seq if shared else n_seq * n_ctx_seq
+    cp.n_seq_max = n_seq
+    cp.n_batch = BATCH_TOKENS
+    cp.n_ubatch = UBATCH_TOKENS
+    cp.n_threads = threads
+    cp.n_threads_batch = threads
+    return cp
+
+
+def _load_model(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no model file at {path}")
+    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}: {_LOG.take() or 'no reason given'}")
+    return model
+
+
+# -- the engine ----------------------------------------------------------------
+
+
+class LlamaEngine:
+    def __init__(self, model_path: str, *, max_batch: int, max_context: int, threads: int) -> None:
+        if max_batch < 1 or max_context < 2:
+            raise ValueError("max_batch must be >= 1 and max_context >= 2")
+        _init_backend()
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._model = _load_model(model_path)
+        try:
+            self._setup(model_path, max_batch, max_context, threads or (os.cpu_count() or 2))
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, path: str, max_batch: int, max_context: int, threads: int) -> None:
+        model = self._model
+        self._vocab = L.llama_model_get_vocab(model)
+        self._n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        n_ctx_train = L.llama_model_n_ctx_train(model)
+        n_ctx_seq = min(max_context, n_ctx_train) if n_ctx_train > 0 else max_context
+        n_seq = max(4, max_batch + 2)
+        if n_seq > L.llama_max_parallel_sequences():
+            raise ValueError(f"max_batch {max_batch} needs {n_seq} KV sequences; llama.cpp allows "
+                             f"{L.llama_max_parallel_sequences()}")
+        shared = _needs_shared_pool(model)
+        cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads)
+        self._ctx = L.llama_init_from_model(model, cp)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context: {_LOG.take() or 'no reason given'}")
+        self._mem = L.llama_get_memory(self._ctx)
+        self._cap = min(BATCH_TOKENS, L.llama_n_batch(self._ctx))
+        self._batch = L.llama_batch_init(self._cap, 0, 1)
+        eog, specials = _scan_vocab(self._vocab, self._n_vocab)
+        self._eog = frozenset(eog)
+        self._pieces: dict[int, bytes] = {}
+        self.info = ModelInfo(
+            name=os.path.basename(path).removesuffix(".gguf"),
+            architecture=_meta(model, "general.architecture") or "unknown",
+            n_vocab=self._n_vocab, n_ctx_train=n_ctx_train, n_seq=n_seq, n_ctx_seq=n_ctx_seq,
+            kv_layout="shared" if shared else "per_seq", bos=L.llama_vocab_bos(self._vocab), eog=eog,
+            chat_template=_meta(model, "tokenizer.chat_template") or "", special_tokens=specials,
+            add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)),
+            extra={"general_name": _meta(model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
+                   "n_swa": L.llama_model_n_swa(model), "n_batch": self._cap, "threads": threads,
+                   "kv_unified": shared},
+        )
+
+    def capabilities(self) -> dict[str, Any]:
+        per_seq = self.info.kv_layout == "per_seq"
+        return {
+            "sampling": {"greedy": True, "temperature": True, "seed": True, "top_p": True, "top_k": True,
+                         "min_p": True, "logit_bias": True, "repeat_penalty": True, "presence_penalty": True,
+                         "frequency_penalty": True},
+            "logprobs": True,
+            "grammar": True,
+            "prefix_cache": True if per_seq else (
+                "shared KV pool (sliding-window/recurrent model): only a whole cached sequence is reused"),
+            "embeddings": "not loaded in embedding mode",
+            "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
+        }
+
+    # -- vocabulary (safe beside decode) ----------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def piece(self, token: int) -> bytes:
+        cached = self._pieces.get(token)
+        if cached is None:
+            self._check_token(token)
+            cached = self._pieces[token] = _token_piece(self._vocab, token)
+        return cached
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < self._n_vocab:
+            raise ValueError(f"token {token} is outside the {self._n_vocab}-token vocabulary")
+
+    # -- forward pass ------------------------------------------------------------
+
+    def decode(self, rows: list[BatchRow]) -> list[Any]:
+        tokens, n_body, outs = _plan(rows)
+        if not tokens:
+            return outs
+        if len(tokens) - n_body > self._cap:
+            raise RuntimeError(f"{len(tokens) - n_body} rows want logits; a batch holds {self._cap} tokens")
+        bounds = _chunks(len(tokens), self._cap)
+        for start, end in bounds:
+            self._fill(tokens, start, end, n_body)
+            rc = L.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}: {_DECODE_ERRORS.get(rc, 'fatal error')}")
+        last = bounds[-1][0]
+        return [None if i is None else i - last for i in outs]
+
+    def _fill(self, tokens: list[tuple[int, int, int]], start: int, end: int, n_body: int) -> None:
+        b = self._batch
+        for i in range(end - start):
+            tok, pos, seq = tokens[start + i]
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = start + i >= n_body
+        b.n_tokens = end - start
+
+    def logits(self, out: int) -> np.ndarray:
+        """The raw logits of batch index ``out`` of the last decode (a view)."""
+        ptr = L.llama_get_logits_ith(self._ctx, out)
+        if not ptr:
+            raise RuntimeError(f"no logits at batch index {out}")
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    # -- sampling ----------------------------------------------------------------
+
+    def new_sampler(self, sampling: Sampling, history: list[int]) -> _LaneSampler:
+        sampler = _LaneSampler(self, sampling)
+        try:
+            sampler.replay(history)
+        except BaseException:
+            sampler.close()
+            raise
+        return sampler
+
+    # -- KV sequences ------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        return bool(L.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Copy ``src``'s positions ``[p0, p1)`` into ``dst``, which must
+        already hold ``src``'s ``[0, p0)`` (the executor passes ``p0 == 0``).
+        Separate KV streams can only be copied whole, so a per-sequence copy
+        copies the whole stream and then drops the tail from ``p1``."""
+        if self.info.kv_layout == "shared":
+            L.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+            return
+        L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        if p1 >= 0:
+            L.llama_memory_seq_rm(self._mem, dst, p1, -1)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            L.llama_model_free(self._model)
+            self._model = None
+
+
+def _plan(rows: list[BatchRow]) -> tuple[list[tuple[int, int, int]], int, list[int | None]]:
+    """Lay the rows out as (token, pos, seq) entries: every token that needs no
+    logits first (in row order), then each logits row's last token. Returns the
+    entries, how many need no logits, and per row the entry index of its logits."""
+    body: list[tuple[int, int, int]] = []
+    tails: list[tuple[int, int, int]] = []
+    tail_of: list[int | None] = []
+    for row in rows:
+        n = len(row.tokens)
+        if n == 0:
+            raise ValueError(f"an empty batch row for sequence {row.seq}")
+        head = n - 1 if row.want_logits else n
+        body.extend((row.tokens[j], row.pos0 + j, row.seq) for j in range(head))
+        if row.want_logits:
+            tail_of.append(len(tails))
+            tails.append((row.tokens[-1], row.pos0 + n - 1, row.seq))
+        else:
+            tail_of.append(None)
+    n_body = len(body)
+    return body + tails, n_body, [None if t is None else n_body + t for t in tail_of]
+
+
+def _chunks(total: int, cap: int) -> list[tuple[int, int]]:
+    """Split ``total`` entries into batches of at most ``cap``, the *first* one
+    short, so the final batch holds the last ``cap`` entries (the logits ones)."""
+    first = total % cap or cap
+    bounds = [(0, first)]
+    while bounds[-1][1] < total:
+        start = bounds[-1][1]
+        bounds.append((start, start + cap))
+    return bounds
+
+
+# -- per-lane sampler ------------------------------------------------------------
+
+
+def _logit_bias_stage(n_vocab: int, bias: tuple[tuple[int, float], ...]) -> Any:
+    arr = (L.llama_logit_bias * len(bias))()
+    for i, (tok, value) in enumerate(bias):
+        if not 0 <= tok < n_vocab:
+            raise ValueError(f"logit_bias token {tok} is outside the {n_vocab}-token vocabulary")
+        arr[i].token = tok
+        arr[i].bias = value
+    return L.llama_sampler_init_logit_bias(n_vocab, len(bias), arr)
+
+
+def _grammar_stage(vocab: Any, grammar: str) -> Any:
+    stage = L.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not stage:
+        raise ValueError(f"invalid grammar: {_LOG.take() or 'llama.cpp could not parse it'}")
+    return stage
+
+
+def _check_sampling(s: Sampling) -> None:
+    if s.repeat_penalty <= 0:
+        raise ValueError("repeat_penalty must be > 0")
+    if not 0 < s.top_p <= 1:
+        raise ValueError("top_p must be in (0, 1]")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError("min_p must be in [0, 1]")
+    if s.top_k < 0:
+        raise ValueError("top_k must be >= 0")
+
+
+def _dist_seed(seed: int, k: int) -> int:
+    value = counter_seed(seed, k)
+    return value - 1 if value == _DEFAULT_SEED else value
+
+
+class _LaneSampler:
+    """One lane's sampler chain (see the module docstring for the contract)."""
+
+    def __init__(self, engine: LlamaEngine, sampling: Sampling) -> None:
+        _check_sampling(sampling)
+        self._engine = engine
+        self._seed = sampling.seed
+        self._greedy = sampling.greedy
+        self._grammar_at: int | None = None
+        self._drawn: int | None = None
+        self._chain: Any = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        try:
+            self._build(sampling)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, stage: Any) -> None:
+        L.llama_sampler_chain_add(self._chain, stage)
+
+    def _build(self, s: Sampling) -> None:
+        eng = self._engine
+        if s.logit_bias:
+            self._add(_logit_bias_stage(eng._n_vocab, s.logit_bias))
+        if s.repeat_penalty != 1.0 or s.presence_penalty or s.frequency_penalty:
+            self._add(L.llama_sampler_init_penalties(eng._n_vocab, PENALTY_LAST_N, s.repeat_penalty,
+                                                     s.frequency_penalty, s.presence_penalty))
+        if s.grammar:
+            self._grammar_at = L.llama_sampler_chain_n(self._chain)
+            self._add(_grammar_stage(eng._vocab, s.grammar))
+        if self._greedy:
+            self._add(L.llama_sampler_init_greedy())
+            return
+        if s.top_k > 0:
+            self._add(L.llama_sampler_init_top_k(s.top_k))
+        if s.top_p < 1.0:
+            self._add(L.llama_sampler_init_top_p(s.top_p, 1))
+        if s.min_p > 0.0:
+            self._add(L.llama_sampler_init_min_p(s.min_p, 1))
+        self._add(L.llama_sampler_init_temp(s.temperature))
+        self._add(L.llama_sampler_init_dist(_dist_seed(self._seed, 0)))
+
+    def replay(self, history: list[int]) -> None:
+        """Advance penalties and grammar over a resumed lane's generated tokens."""
+        for tok in history:
+            self._accept_external(tok)
+
+    def _accept_external(self, token: int) -> None:
+        """Accept a token this chain did not draw, refusing one the grammar rejects."""
+        self._engine._check_token(token)
+        if self._grammar_at is not None and not self._grammar_allows(token):
+            raise ValueError(f"token {token} does not match the grammar")
+        L.llama_sampler_accept(self._chain, token)
+
+    def _grammar_allows(self, token: int) -> bool:
+        # llama.cpp aborts the process on accepting a token the grammar rejects;
+        # ask the grammar stage first, on a one-candidate array
+        cand = L.llama_token_data(id=token, logit=0.0, p=0.0)
+        arr = L.llama_token_data_array(data=ctypes.pointer(cand), size=1, selected=-1, sorted=False)
+        L.llama_sampler_apply(L.llama_sampler_chain_get(self._chain, self._grammar_at), ctypes.byref(arr))
+        return bool(np.isfinite(arr.data[0].logit))
+
+    def _reseed(self, k: int) -> None:
+        last = L.llama_sampler_chain_n(self._chain) - 1
+        L.llama_sampler_free(L.llama_sampler_chain_remove(self._chain, last))
+        self._add(L.llama_sampler_init_dist(_dist_seed(self._seed, k)))
+
+    def sample(self, out: Any, k: int) -> int:
+        if not self._greedy:
+            self._reseed(k)
+        token = int(L.llama_sampler_sample(self._chain, self._engine._ctx, out))
+        self._drawn = token
+        return token
+
+    def logprobs(self, out: Any, token: int, n: int) -> list[Any]:
+        x = self._engine.logits(out).astype(np.float64)
+        top = x.max()
+        lp = x - (top + np.log(np.exp(x - top).sum()))
+        n = max(0, min(n, MAX_LOGPROBS))
+        best: list[Any] = []
+        if n:
+            idx = np.argpartition(-lp, n - 1)[:n]
+            idx = idx[np.argsort(-lp[idx], kind="stable")]
+            best = [[int(t), self._engine.piece(int(t)), float(lp[t])] for t in idx]
+        return [float(lp[token]), best]
+
+    def accept(self, token: int) -> None:
+        drawn, self._drawn = self._drawn, None
+        if drawn is None:
+            self._accept_external(token)
+        elif drawn != token:
+            raise RuntimeError(f"accept({token}) after drawing {drawn}: the chain already advanced by the draw")
+
+    def close(self) -> None:
+        if self._chain is not None:
+            L.llama_sampler_free(self._chain)
+            self._chain = None
