@@ -159,6 +159,29 @@ async def open_worker(
     argv = worker_argv(spec)
     child_env = scrub_env(dict(os.environ if env is None else env))
     child_env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        async with _open_worker_nursery(spec, argv, child_env, link, inbox, generation) as handle:
+            yield handle
+    except BaseExceptionGroup as group:
+        # hide the nursery: a worker failure surfaces as one WorkerDied/WorkerLoadFailed
+        failures, rest = group.split((WorkerDied, WorkerLoadFailed, trio.TooSlowError))
+        if rest is not None or failures is None:
+            raise
+        raise _first_leaf(failures) from group
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]  # a non-empty group by construction (split returned it)
+    return exc
+
+
+@asynccontextmanager
+async def _open_worker_nursery(
+    spec: WorkerSpec, argv: list[str], child_env: dict[str, str], link: WorkerLink,
+    inbox: trio.MemorySendChannel[Any], generation: int,
+) -> AsyncIterator[WorkerHandle]:
     async with trio.open_nursery() as nursery:
         process: trio.Process = await nursery.start(
             partial(

@@ -134,7 +134,9 @@ class Tokenize(Event):
 @attrs.frozen(kw_only=True)
 class Admit(Event):
     """Open a lane. ``tokens[:n_prompt]`` is the prompt; any tokens after it were
-    generated earlier (a resumed lane) and are prefilled, not re-emitted."""
+    generated earlier (a resumed lane) and are prefilled, not re-emitted.
+    ``max_new`` caps generated tokens *including* those resumed ones, and the
+    sampling counter ``k`` continues from ``len(tokens) - n_prompt``."""
 
     code: ClassVar[int] = 0x05
     lane: int = attrs.field(validator=_nonneg)

@@ -237,7 +237,9 @@ class Executor:
             finish = "length"
         elif len(ln.tokens) >= self.info.n_ctx_seq:
             finish = "context"
-        return [ln.lane, token, self.engine.piece(token), finish, lp]
+        # an end-of-generation token passed by ignore_eos renders as no text
+        piece = b"" if self.engine.is_eog(token) else self.engine.piece(token)
+        return [ln.lane, token, piece, finish, lp]
 
     def close(self) -> None:
         for tag in list(self.lanes):

@@ -18,7 +18,7 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   ``kv_layout="shared"``): a lane never needs more than ``max_context`` cells
   and at most ``max_batch`` lanes run, so running lanes always fit unless
   cached (finished) sequences hold cells, in which case decode fails with
-  code 1.
+  code 1. Sliding-window layers keep only their window (``swa_full=False``).
 * Sampling is a per-lane llama.cpp sampler chain: logit bias, penalties
   (last 64 tokens), grammar, then top-k, top-p, min-p and temperature, then
   greedy (``temperature == 0``) or a distribution draw. The draw for
@@ -58,7 +58,7 @@ UBATCH_TOKENS = 512
 PENALTY_LAST_N = 64
 MAX_LOGPROBS = 20
 _DEFAULT_SEED = 0xFFFFFFFF       # llama.cpp reads this seed as "pick one at random"
-_LOG_ERROR = 3                   # ggml_log_level
+_LOG_ERROR = 4                   # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continue
 _LOG_CONT = 5
 _MARKER_ATTRS = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
 _DECODE_ERRORS = {1: "no KV slot for the batch (KV cache full)", 2: "decode aborted", -1: "invalid batch"}
@@ -162,6 +162,7 @@ def _needs_shared_pool(model: Any) -> bool:
 def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int) -> Any:
     cp = L.llama_context_default_params()
     cp.kv_unified = shared
+    cp.swa_full = False  # a shared pool reuses only whole sequences, so the window is all it needs
     cp.n_ctx = max_batch * n_ctx_seq if shared else n_seq * n_ctx_seq
     cp.n_seq_max = n_seq
     cp.n_batch = BATCH_TOKENS
@@ -225,11 +226,13 @@ class LlamaEngine:
             n_vocab=self._n_vocab, n_ctx_train=n_ctx_train, n_seq=n_seq, n_ctx_seq=n_ctx_seq,
             kv_layout="shared" if shared else "per_seq", bos=L.llama_vocab_bos(self._vocab), eog=eog,
             chat_template=_meta(model, "tokenizer.chat_template") or "", special_tokens=specials,
-            add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)),
-            extra={"general_name": _meta(model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
-                   "n_swa": L.llama_model_n_swa(model), "n_batch": self._cap, "threads": threads,
-                   "kv_unified": shared},
+            add_bos=bool(L.llama_vocab_get_add_bos(self._vocab)), extra=self._extra(threads, shared),
         )
+
+    def _extra(self, threads: int, shared: bool) -> dict[str, Any]:
+        return {"general_name": _meta(self._model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
+                "n_swa": L.llama_model_n_swa(self._model), "n_batch": self._cap, "threads": threads,
+                "kv_unified": shared}
 
     def capabilities(self) -> dict[str, Any]:
         per_seq = self.info.kv_layout == "per_seq"

@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args.runtime = args.name[len(prefix):]
     args.threads = args.threads or (os.cpu_count() or 2)
     link_fd = os.dup(1)
+    os.environ["SUPERFLUID_LINK_FD"] = str(link_fd)  # for the mock's garbage_after fault
     os.dup2(2, 1)  # stray prints from C libraries land on stderr, never on the link
     try:
         return trio.run(_serve, args, link_fd)

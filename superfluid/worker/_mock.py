@@ -13,7 +13,9 @@ window, default 4096), ``step_ms`` (per decode step, default 2), ``prefill_us``
 
 Faults, asked for inside a prompt: ``[[mock:crash_after=N]]`` SIGKILLs the
 worker when the lane would draw generated token N; ``[[mock:hang_after=N]]``
-blocks the engine thread; ``[[mock:fault_after=N]]`` fails just that lane.
+blocks the engine thread; ``[[mock:fault_after=N]]`` fails just that lane;
+``[[mock:garbage_after=N]]`` writes an oversized frame header onto the link
+(a malformed frame, which the daemon must answer by restarting the worker).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ CHATML = (
 )
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _WORD_RE = re.compile(b"|".join(re.escape(w.encode()) for w in sorted(WORDS, key=len, reverse=True)))
-_FAULT_RE = re.compile(r"\[\[mock:(crash_after|hang_after|fault_after)=(\d+)\]\]")
+_FAULT_RE = re.compile(r"\[\[mock:(crash_after|hang_after|fault_after|garbage_after)=(\d+)\]\]")
 
 
 class LaneError(Exception):
@@ -97,6 +99,9 @@ class _MockSampler:
             if kind == "crash_after":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "hang_after":
+                time.sleep(3600)
+            elif kind == "garbage_after":
+                os.write(int(os.environ["SUPERFLUID_LINK_FD"]), b"\xff\xff\xff\xff garbage")
                 time.sleep(3600)
             raise LaneError(f"mock fault injected at token {k}")
         every = max(2, int(self.engine.opts["eos_every"]))

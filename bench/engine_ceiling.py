@@ -1,0 +1,78 @@
+"""The raw engine ceiling: the executor over the llama.cpp runtime, no daemon.
+
+Usage::
+
+    python bench/engine_ceiling.py --model PATH [--lanes 1,2,4,8] [--tokens 128]
+
+For each concurrency N it serves the same 8 distinct prompts (greedy,
+``ignore_eos``, ``--tokens`` new tokens each), at most N lanes at once (a new
+lane opens as soon as one finishes, like N concurrent clients), and prints the
+aggregate generated tokens per second over the wall time, prefill included.
+The KV cache is emptied between levels, so no level profits from the prefix
+cache of the one before. These numbers are what the daemon is compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from superfluid.proto import Admit, Sampling
+from superfluid.worker._executor import Executor
+from superfluid.worker._llamacpp import LlamaEngine
+
+N_PROMPTS = 8
+PREFILL_BUDGET = 512
+
+
+def prompts(engine: LlamaEngine) -> list[list[int]]:
+    texts = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(N_PROMPTS)]
+    return [engine.tokenize(t, add_special=True, parse_special=False) for t in texts]
+
+
+def run_level(engine: LlamaEngine, work: list[list[int]], lanes: int, tokens: int) -> dict[str, Any]:
+    for seq in range(engine.info.n_seq):
+        engine.seq_rm(seq, 0, -1)
+    ex = Executor(engine, max_lanes=lanes)
+    queue = list(enumerate(work))
+    generated = 0
+    t0 = time.perf_counter()
+    while queue or ex.lanes:
+        while queue and len(ex.lanes) < lanes:
+            tag, toks = queue.pop(0)
+            ex.admit(Admit(lane=tag, tokens=toks, n_prompt=len(toks), max_new=tokens,
+                           sampling=Sampling(), ignore_eos=True))
+        res = ex.step(prefill_budget=PREFILL_BUDGET)
+        if res.faults:
+            raise RuntimeError(f"lane faults: {res.faults}")
+        generated += sum(1 for row in res.emits if row[1] >= 0)
+    wall = time.perf_counter() - t0
+    return {"lanes": lanes, "tok_s": generated / wall, "wall_s": wall, "generated": generated,
+            "steps": ex.stats["steps"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--lanes", default="1,2,4,8")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-context", type=int, default=4096)
+    args = parser.parse_args()
+    levels = [int(x) for x in args.lanes.split(",") if x]
+    engine = LlamaEngine(args.model, max_batch=max(levels), max_context=args.max_context, threads=args.threads)
+    try:
+        work = prompts(engine)
+        print(f"model {engine.info.name} ({engine.info.architecture}, kv {engine.info.kv_layout}), "
+              f"{N_PROMPTS} prompts x {args.tokens} tokens, {args.threads} threads", flush=True)
+        for lanes in levels:
+            r = run_level(engine, work, lanes, args.tokens)
+            print(f"{r['lanes']:>2} lanes: {r['tok_s']:7.1f} tok/s aggregate "
+                  f"({r['generated']} tokens in {r['wall_s']:.1f} s, {r['steps']} steps)", flush=True)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

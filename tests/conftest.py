@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from superfluid._config import ModelSource, ServeConfig
+from superfluid._server import serve
+from superfluid.sched import PlannerConfig
+
+REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+class Daemon:
+    """A daemon served in-process on an ephemeral port, for integration tests."""
+
+    def __init__(self, url: str, scope: trio.CancelScope) -> None:
+        self.url = url
+        self.scope = scope
+        self.client = httpx.AsyncClient(base_url=url, timeout=60)
+
+
+def mock_config(spec: str = "mock?step_ms=1&prefill_us=5", *, max_batch: int = 4, **kw: object) -> ServeConfig:
+    planner = PlannerConfig(max_batch=max_batch)
+    base = dict(models=(ModelSource(spec=spec, runtime="mock", name="mock"),), host="127.0.0.1", port=0,
+                max_batch=max_batch, planner=planner, hang_timeout_s=5.0)
+    base.update(kw)
+    return ServeConfig(**base)  # type: ignore[arg-type]
+
+
+async def start_daemon(nursery: trio.Nursery, config: ServeConfig) -> Daemon:
+    scope = trio.CancelScope()
+
+    async def run(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await serve(config, handle_signals=False, task_status=task_status)
+
+    binds = await nursery.start(run)
+    return Daemon(binds[0], scope)
+
+
+@pytest.fixture
+async def daemon(nursery: trio.Nursery) -> AsyncIterator[Daemon]:
+    d = await start_daemon(nursery, mock_config())
+    yield d
+    await d.client.aclose()
+    d.scope.cancel()
+
+
+def worker_pids(runtime: str = "mock") -> list[int]:
+    import psutil
+
+    me = psutil.Process()
+    return [p.pid for p in me.children(recursive=True)
+            if any(f"superfluid-worker-{runtime}" in part for part in p.cmdline())]
+
+
+async def sse_events(response: httpx.Response) -> list[dict]:
+    """Collect the JSON payloads of an SSE response; asserts it ends with [DONE]."""
+    import json
+
+    events: list[dict] = []
+    done = False
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            done = True
+            continue
+        assert not done, "data after [DONE]"
+        events.append(json.loads(payload))
+    assert done, "stream ended without [DONE]"
+    return events
+
+
+def stream_text(events: list[dict]) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))

@@ -1,0 +1,268 @@
+"""The daemon end to end on the mock runtime: HTTP in, worker process out."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import psutil
+import trio
+
+from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text, worker_pids
+
+CHAT = {"model": "mock", "messages": [{"role": "user", "content": "tell me a story"}], "temperature": 0}
+
+
+async def metric(d: Daemon, name: str) -> float:
+    text = (await d.client.get("/metrics")).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_health_and_models(daemon: Daemon) -> None:
+    r = await daemon.client.get("/health")
+    assert r.json() == {"status": "ok", "models_loaded": 1, "models_known": 1}
+    models = (await daemon.client.get("/v1/models")).json()["data"]
+    assert [m["id"] for m in models] == ["mock"]
+    assert models[0]["runtime"]["id"] == "mock"
+    assert models[0]["capabilities"]["grammar"] != True  # noqa: E712 - a reason string
+    assert worker_pids(), "the worker runs as a child process named superfluid-worker-mock"
+
+
+async def test_non_streamed_and_streamed_agree(daemon: Daemon) -> None:
+    whole = (await daemon.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 24})).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert text and whole["usage"]["completion_tokens"] <= 24
+    async with daemon.client.stream("POST", "/v1/chat/completions",
+                                    json={**CHAT, "max_tokens": 24, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = await sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert stream_text(events) == text
+    final = events[-1]
+    assert final["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert final["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    # the repeat was seeded from the prefix cache
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_completions_and_stop_strings(daemon: Daemon) -> None:
+    base = {"model": "mock", "prompt": "once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    full = (await daemon.client.post("/v1/completions", json=base)).json()["choices"][0]["text"]
+    words = full.split()
+    stop = " " + words[len(words) // 2]
+    cut = full[: full.index(stop)]
+    r = (await daemon.client.post("/v1/completions", json={**base, "stop": [stop]})).json()
+    assert r["choices"][0]["text"] == cut
+    assert r["choices"][0]["finish_reason"] == "stop"
+    async with daemon.client.stream("POST", "/v1/completions", json={**base, "stop": stop, "stream": True}) as s:
+        events = await sse_events(s)
+    assert "".join(e["choices"][0]["text"] for e in events) == cut
+
+
+async def test_bad_input_is_typed(daemon: Daemon) -> None:
+    c = daemon.client
+    cases = [
+        (await c.post("/v1/chat/completions", content=b"{not json"), 400, None),
+        (await c.post("/v1/chat/completions", content=b"[1,2]"), 400, None),
+        (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "model": "nope"}), 404, "model_not_found"),
+        (await c.post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "messages": "hi"}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "temperature": "hot"}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": -3}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "stream": "yes"}), 400, None),
+        (await c.post("/v1/chat/completions", json=CHAT, headers={"x-superfluid-qos": "vip"}), 400, None),
+        (await c.post("/v1/chat/completions", json={**CHAT, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}),
+         400, "unsupported_input"),
+        (await c.post("/v1/chat/completions", json={**CHAT, "messages": [
+            {"role": "user", "content": "word " * 5000}]}), 400, "context_length_exceeded"),
+        (await c.get("/v1/nothing-here"), 404, "not_found"),
+    ]
+    for response, status, code in cases:
+        assert response.status_code == status, response.text
+        err = response.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["message"]
+        assert err["code"] == code
+        assert err["type"] == "invalid_request_error"
+    # a huge declared body is refused before it is read
+    host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 209715200\r\n\r\n{")
+    raw = b""
+    with trio.fail_after(5):
+        while b"payload_too_large" not in raw:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                break
+            raw += chunk
+    assert raw.startswith(b"HTTP/1.1 413") and b"payload_too_large" in raw
+    await stream.aclose()
+    # nothing was lost: the daemon still serves
+    assert (await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})).status_code == 200
+
+
+async def test_streamed_disconnect_cancels(daemon: Daemon) -> None:
+    slow = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    async with daemon.client.stream("POST", "/v1/chat/completions", json=slow) as r:
+        async for _line in r.aiter_lines():
+            break
+        assert await metric(daemon, "superfluid_lanes_active") == 1
+    with trio.fail_after(5):
+        while await metric(daemon, "superfluid_lanes_active") != 0:
+            await trio.sleep(0.02)
+    assert await metric(daemon, "superfluid_requests_total") >= 1
+
+
+async def test_non_streamed_disconnect_cancels(daemon: Daemon) -> None:
+    slow = {**CHAT, "max_tokens": 3000, "ignore_eos": True}
+    with trio.move_on_after(0.5):
+        await daemon.client.post("/v1/chat/completions", json=slow)
+    with trio.fail_after(5):
+        while await metric(daemon, "superfluid_lanes_active") != 0:
+            await trio.sleep(0.02)
+
+
+async def test_worker_sigkill_mid_stream_continues(daemon: Daemon) -> None:
+    """A killed worker is respawned and the stream continues with the same text."""
+    body = {**CHAT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        reference = stream_text(await sse_events(r))
+    [pid] = worker_pids()
+    async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = []
+        n = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                import json
+
+                events.append(json.loads(line[6:]))
+                n += 1
+                if n == 40:
+                    os.kill(pid, signal.SIGKILL)
+            if line == "data: [DONE]":
+                break
+    assert not any("error" in e for e in events)
+    assert stream_text(events) == reference
+    assert await metric(daemon, "superfluid_worker_respawns_total") == 1
+    assert worker_pids() and worker_pids() != [pid]
+    ok = await daemon.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+async def test_request_that_keeps_killing_its_worker_fails_typed(daemon: Daemon) -> None:
+    poison = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:crash_after=5]] go"}],
+              "max_tokens": 50, "stream": True, "ignore_eos": True}
+    async with daemon.client.stream("POST", "/v1/chat/completions", json=poison) as r:
+        assert r.status_code == 200
+        events = await sse_events(r)
+    assert "error" in events[-1] and "choices" not in events[-1]
+    assert events[-1]["error"]["type"] == "server_error"
+    assert "worker" in events[-1]["error"]["message"]
+    assert await metric(daemon, "superfluid_worker_respawns_total") >= 3
+    ok = await daemon.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+async def test_malformed_worker_frames_restart_the_worker(daemon: Daemon) -> None:
+    [pid] = worker_pids()
+    bad = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:garbage_after=3]] go"}],
+           "max_tokens": 20}
+    r = await daemon.client.post("/v1/chat/completions", json=bad)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert await metric(daemon, "superfluid_worker_respawns_total") >= 1
+    assert pid not in worker_pids()
+    ok = await daemon.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200
+
+
+async def test_hung_worker_is_killed_and_replaced(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, mock_config(hang_timeout_s=1.0))
+    hang = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:hang_after=2]] go"}], "max_tokens": 20}
+    r = await d.client.post("/v1/chat/completions", json=hang)
+    assert r.status_code == 500
+    ok = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200
+    d.scope.cancel()
+
+
+async def test_load_failure_is_reported(nursery: trio.Nursery) -> None:
+    import pytest
+
+    from superfluid.nursery import WorkerLoadFailed
+
+    with pytest.RaisesGroup(pytest.RaisesExc(WorkerLoadFailed, match="refuse_load"), flatten_subgroups=True):
+        await start_daemon(nursery, mock_config("mock?refuse_load=1"))
+
+
+async def test_shutdown_reaps_workers(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, mock_config())
+    pids = worker_pids()
+    assert pids
+    d.scope.cancel()
+    with trio.fail_after(10):
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            await trio.sleep(0.05)
+
+
+async def test_openai_client_streams_a_chat(daemon: Daemon) -> None:
+    import openai
+
+    def run() -> tuple[str, str]:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused")
+        parts = []
+        for chunk in client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=16, stream=True, temperature=0):
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        whole = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=16, temperature=0)
+        return "".join(parts), whole.choices[0].message.content or ""
+
+    streamed, whole = await trio.to_thread.run_sync(run)
+    assert streamed and streamed == whole
+
+
+async def test_worker_env_has_no_credentials(nursery: trio.Nursery, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("MY_API_KEY", "sekrit")
+    monkeypatch.setenv("GITHUB_TOKEN", "sekrit")
+    monkeypatch.setenv("DB_PASSWORD", "sekrit")
+    monkeypatch.setenv("HARMLESS", "fine")
+    d = await start_daemon(nursery, mock_config())
+    [pid] = worker_pids()
+    env = psutil.Process(pid).environ()
+    assert env.get("HARMLESS") == "fine"
+    assert not {"MY_API_KEY", "GITHUB_TOKEN", "DB_PASSWORD"} & set(env)
+    d.scope.cancel()
+
+
+async def test_many_concurrent_streams_are_batched(daemon: Daemon) -> None:
+    async def one(i: int, out: dict[int, str]) -> None:
+        body = {**CHAT, "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 30,
+                "ignore_eos": True, "stream": True}
+        async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            out[i] = stream_text(await sse_events(r))
+
+    out: dict[int, str] = {}
+    async with trio.open_nursery() as n:
+        for i in range(6):
+            n.start_soon(one, i, out)
+    assert len(out) == 6
+    assert await metric(daemon, "superfluid_batched_rounds_total") > 0
+    # greedy output does not depend on batch composition
+    for i in (0, 5):
+        alone = (await daemon.client.post("/v1/chat/completions", json={
+            **CHAT, "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 30, "ignore_eos": True,
+        })).json()["choices"][0]["message"]["content"]
+        assert alone == out[i]
+
+
+def _unused(_: httpx.Response) -> None:  # keep httpx import for type hints
+    pass
