@@ -68,7 +68,9 @@ def resolve_runtime(spec: str, runtime: str | None) -> str:
 
 def model_name(spec: str, runtime: str) -> str:
     if runtime == "mock":
-        return "mock"
+        from urllib.parse import parse_qsl
+
+        return dict(parse_qsl(spec.partition("?")[2])).get("name", "mock")
     name = Path(spec).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -20,10 +19,8 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ._config import ServeConfig
 from ._metrics import Metrics
-from ._model import ServedModel
+from ._registry import ModelRegistry
 from .api import App
-from .nursery import ModelOwner, RestartPolicy, WorkerSpec
-from .sched import Scheduler, SchedulerConfig
 
 __all__ = ["serve"]
 
@@ -63,19 +60,10 @@ async def serve(
     async with trio.open_nursery() as root:
         if handle_signals:
             root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
-        models: list[ServedModel] = []
-        for source in config.models:
-            spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=config.max_batch,
-                              max_context=config.max_context, threads=config.threads,
-                              start_timeout_s=config.worker_start_timeout_s)
-            sched_cfg = SchedulerConfig(planner=config.planner, hang_timeout_s=config.hang_timeout_s)
-            owner = ModelOwner(source.name, spec, Scheduler(source.name, sched_cfg, metrics),
-                               policy=RestartPolicy(max_restarts=config.max_restarts, window_s=config.restart_window_s))
-            await root.start(owner.serve)
-            models.append(ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
-                                      created=int(time.time())))
-            log.info("model %s loaded on %s (pid %s)", source.name, source.runtime, owner.pid)
-        app = App(config, models, metrics)
+        registry = ModelRegistry(config, metrics, root)
+        for i, source in enumerate(config.models):
+            await registry.load(source, make_default=(i == 0))
+        app = App(config, registry, metrics)
         app_holder.append(app)
         hconfig = HypercornConfig()
         hconfig.bind = [f"{config.host}:{config.port}"]

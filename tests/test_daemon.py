@@ -266,3 +266,62 @@ async def test_many_concurrent_streams_are_batched(daemon: Daemon) -> None:
 
 def _unused(_: httpx.Response) -> None:  # keep httpx import for type hints
     pass
+
+
+async def test_unload_under_traffic_and_reload_on_demand(nursery: trio.Nursery) -> None:
+    from superfluid._config import ModelSource
+
+    cfg = mock_config()
+    import attrs
+
+    cfg = attrs.evolve(cfg, models=cfg.models + (ModelSource(spec="mock?name=small", runtime="mock", name="small"),))
+    d = await start_daemon(nursery, cfg)
+    assert [m["id"] for m in (await d.client.get("/v1/models")).json()["data"]] == ["mock", "small"]
+    body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    results: list[list[dict]] = []
+
+    async def stream_one() -> None:
+        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            results.append(await sse_events(r))
+
+    async with trio.open_nursery() as n:
+        for _ in range(4):
+            n.start_soon(stream_one)
+        with trio.fail_after(5):
+            while await metric(d, "superfluid_lanes_active") < 4:
+                await trio.sleep(0.02)
+        r = await d.client.post("/v1/models/unload", json={"model": "mock"})
+        assert r.json() == {"id": "mock", "object": "model", "deleted": True}
+    # every in-flight stream ended typed
+    for events in results:
+        assert events[-1]["error"]["code"] == "model_unloaded"
+    assert (await d.client.post("/v1/models/unload", json={"model": "small"})).status_code == 400  # the last one
+    models = (await d.client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["loaded"]) for m in models] == [("small", True), ("mock", False)]
+    # the next request naming it loads it again
+    ok = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+    assert ok.status_code == 200
+    assert (await d.client.get("/health")).json() == {"status": "ok", "models_loaded": 2, "models_known": 2}
+    d.scope.cancel()
+
+
+async def test_shared_prefix_burst_prefills_the_prefix_about_once(daemon: Daemon) -> None:
+    system = "the model runs the lane and the worker keeps the cache" * 100   # ~ 1,360 tokens
+    n = 8
+
+    async def one(i: int, out: list[dict]) -> None:
+        r = await daemon.client.post("/v1/chat/completions", json={
+            "model": "mock", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]})
+        out.append(r.json()["usage"])
+
+    usages: list[dict] = []
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i, usages)
+    prompt = usages[0]["prompt_tokens"]
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prefix = prompt - 12
+    times_prefilled = n - cached / prefix
+    assert prompt > 1100
+    assert times_prefilled <= 1.5, (times_prefilled, usages)

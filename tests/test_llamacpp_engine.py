@@ -184,6 +184,16 @@ def test_grammar_constrains_output(smol: Any) -> None:
     assert rows[-1][3] == "eos"
     text = b"".join(row[2] for row in rows).decode()
     assert isinstance(json.loads(text)["answer"], bool)
+    # a resumed lane replays its tokens through the grammar and ends the same way
+    done = tokens_of(rows)[:-1]
+    ex = fresh(smol)
+    ex.admit(Admit(lane=1, tokens=tokens + done[:2], n_prompt=len(tokens), max_new=24,
+                   sampling=Sampling(grammar=grammar)))
+    assert tokens_of(drain(ex)[1]) == tokens_of(rows)[2:]
+    # a history the grammar rejects is refused, not fed to llama.cpp (which would abort)
+    with pytest.raises(ValueError, match="grammar"):
+        ex.admit(Admit(lane=2, tokens=tokens + done[1:3], n_prompt=len(tokens), max_new=24,
+                       sampling=Sampling(grammar=grammar)))
 
 
 def test_invalid_grammar_is_refused(smol: Any) -> None:

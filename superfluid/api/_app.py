@@ -11,10 +11,16 @@ import trio
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._openai import chat_completions, completions
 
+from pathlib import Path
+
+from .._config import ModelSource
+from ..nursery import WorkerLoadFailed
+
 if TYPE_CHECKING:
     from .._config import ServeConfig
     from .._metrics import Metrics
     from .._model import ServedModel
+    from .._registry import ModelRegistry
 
 __all__ = ["App"]
 
@@ -30,21 +36,28 @@ _POST_JSON: dict[str, Handler] = {
 
 
 class App:
-    def __init__(self, config: ServeConfig, models: list[ServedModel], metrics: Metrics) -> None:
+    def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics) -> None:
         self.config = config
-        self.models = {m.name: m for m in models}
-        self.default = models[0].name if models else None
+        self.registry = registry
         self.metrics = metrics
         self.accepting = True
 
-    def resolve_model(self, name: Any) -> ServedModel:
+    async def resolve_model(self, name: Any) -> ServedModel:
+        """The named model, loaded on demand if it is known but unloaded.
+
+        Raises:
+            ApiError: 400 missing/invalid, 404 unknown, 503 failed to load.
+        """
         if name is None or name == "":
             raise ApiError(400, "missing required field: model", param="model")
         if not isinstance(name, str):
             raise ApiError(400, "invalid request: model must be a string", param="model")
-        model = self.models.get(name)
+        try:
+            model = await self.registry.get(name)
+        except WorkerLoadFailed as exc:
+            raise ApiError(503, f"model '{name}' could not be loaded: {exc}", code="model_load_failed") from None
         if model is None:
-            loaded = ", ".join(self.models) or "none"
+            loaded = ", ".join(self.registry.loaded) or "none"
             raise ApiError(404, f"model '{name}' not found; loaded: {loaded}", code="model_not_found", param="model")
         return model
 
@@ -84,17 +97,28 @@ class App:
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == "/health" and method in ("GET", "HEAD"):
-            await send_json(send, 200, {"status": "ok", "models_loaded": len(self.models),
-                                        "models_known": len(self.models)})
+            await send_json(send, 200, {"status": "ok", "models_loaded": len(self.registry.loaded),
+                                        "models_known": len(self.registry.known)})
             return
         if path in ("/v1/models", "/models") and method == "GET":
-            data = [self.models[self.default].describe()] if self.default else []
-            data += [m.describe() for name, m in sorted(self.models.items()) if name != self.default]
-            await send_json(send, 200, {"object": "list", "data": data})
+            await send_json(send, 200, {"object": "list", "data": self._model_list()})
+            return
+        if path in ("/v1/models/load", "/v1/models/unload") and method == "POST":
+            body = await read_json(scope, receive)
+            await (self._load if path.endswith("load") and not path.endswith("unload") else self._unload)(send, body)
             return
         m = re.fullmatch(r"/v1/models/(.+)", path)
         if m and method == "GET":
-            await send_json(send, 200, self.resolve_model(m.group(1)).describe())
+            model = self.registry.loaded.get(m.group(1))
+            if model is not None:
+                await send_json(send, 200, model.describe())
+            elif m.group(1) in self.registry.known:
+                await send_json(send, 200, self._known(m.group(1)))
+            else:
+                raise ApiError(404, f"model '{m.group(1)}' not found", code="model_not_found")
+            return
+        if m and method == "DELETE":
+            await self._unload(send, {"id": m.group(1)})
             return
         if path in ("/metrics", "/v1/metrics") and method == "GET":
             await send_text(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
@@ -114,8 +138,58 @@ class App:
             return
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
 
+    def _known(self, name: str) -> dict[str, Any]:
+        src = self.registry.known[name]
+        return {"id": name, "object": "model", "created": 0, "owned_by": "superfluid", "loaded": False,
+                "runtime": {"id": src.runtime}}
+
+    def _model_list(self) -> list[dict[str, Any]]:
+        reg = self.registry
+        data = [reg.loaded[reg.default].describe()] if reg.default in reg.loaded else []
+        data += [m.describe() for name, m in sorted(reg.loaded.items()) if name != reg.default]
+        data += [self._known(name) for name in sorted(reg.known) if name not in reg.loaded]
+        return data
+
+    async def _load(self, send: Send, body: dict[str, Any]) -> None:
+        ident = body.get("id") or body.get("model") or body.get("name")
+        if not isinstance(ident, str) or not ident:
+            raise ApiError(400, "missing model `id`", param="id")
+        runtime = body.get("runtime")
+        if runtime is not None and not isinstance(runtime, str):
+            raise ApiError(400, "invalid request: runtime must be a string", param="runtime")
+        reg = self.registry
+        source = reg.known.get(ident)
+        if source is None:
+            from .._models import model_name, resolve_runtime
+
+            rid = resolve_runtime(ident, runtime)
+            if rid not in ("mock", "llamacpp"):
+                raise ApiError(400, f"unknown runtime {rid!r}", code="unsupported_runtime", param="runtime")
+            if rid != "mock" and not Path(ident).is_file():
+                raise ApiError(404, f"model '{ident}' not found (not a known name or a model file)",
+                               code="model_not_found", param="id")
+            source = ModelSource(spec=ident, runtime=rid, name=model_name(ident, rid))
+        elif runtime is not None and runtime != source.runtime:
+            raise ApiError(400, f"model '{ident}' is loaded on runtime {source.runtime}", code="unsupported_runtime")
+        try:
+            model = await reg.load(source, make_default=True)
+        except WorkerLoadFailed as exc:
+            raise ApiError(503, f"model '{ident}' could not be loaded: {exc}", code="model_load_failed") from None
+        reg.default = model.name
+        await send_json(send, 200, model.describe())
+
+    async def _unload(self, send: Send, body: dict[str, Any]) -> None:
+        ident = body.get("id") or body.get("model") or body.get("name")
+        if not isinstance(ident, str) or not ident:
+            raise ApiError(400, "missing model `id`", param="id")
+        try:
+            deleted = await self.registry.unload(ident)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        await send_json(send, 200, {"id": ident, "object": "model", "deleted": deleted})
+
     async def _tokenize(self, send: Send, body: dict[str, Any]) -> None:
-        model = self.resolve_model(body.get("model") or self.default)
+        model = await self.resolve_model(body.get("model") or self.registry.default)
         text = body.get("text", body.get("content"))
         if not isinstance(text, str):
             raise ApiError(400, "invalid request: text must be a string", param="text")

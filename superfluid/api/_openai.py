@@ -120,7 +120,7 @@ async def completions(app: App, scope: dict[str, Any], receive: Receive, send: S
 
 async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any], *,
                     chat: bool) -> None:
-    model = app.resolve_model(body.get("model"))
+    model = await app.resolve_model(body.get("model"))
     klass = qos_of(app, scope)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):

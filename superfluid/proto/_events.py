@@ -157,7 +157,9 @@ class Admit(Event):
 class Tick(Event):
     """Run engine steps: prefill up to ``prefill_budget`` tokens and up to
     ``max_rounds`` decode rounds, ending early after ``time_budget_ms`` or on
-    :class:`Interrupt`. Answered by exactly one :class:`TickDone`."""
+    :class:`Interrupt`. Each engine step prefills at most about ``step_ms`` of
+    measured work, which bounds how long an Interrupt or Cancel waits.
+    Answered by exactly one :class:`TickDone`."""
 
     code: ClassVar[int] = 0x07
     seq: int = attrs.field(validator=_nonneg)
@@ -165,6 +167,7 @@ class Tick(Event):
     max_rounds: int = attrs.field(validator=_nonneg)
     time_budget_ms: int = attrs.field(validator=_nonneg)
     prefill_lanes: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+    step_ms: int = attrs.field(default=200, validator=_nonneg)
 
 
 @attrs.frozen(kw_only=True)

@@ -60,6 +60,8 @@ class Job:
     cancelled: bool = False
     preempted: bool = False
     cancel_sent: bool = False
+    prefix_key: int | None = None
+    held_ticks: int = 0
     prefill_left: int = 0
     queued_tick: int = 0
     seq: int = 0

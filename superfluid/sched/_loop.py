@@ -36,6 +36,8 @@ __all__ = ["Committer", "Scheduler", "SchedulerConfig", "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
 INBOX_SIZE = 512
+HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with a prefilling lane waits for it
+HOLD_MAX_TICKS = 64
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 
 
@@ -94,6 +96,8 @@ class Scheduler:
         job.queued_tick = self.tick_no
         job.seq = next(self._seq)
         job.created = job.created or trio.current_time()
+        if len(job.prompt) > HOLD_MIN_SHARED and job.prefix_key is None:
+            job.prefix_key = hash(tuple(job.prompt[:HOLD_MIN_SHARED]))
         self.queues[job.klass].append(job)
         self._gauges()
         self._poke()
@@ -194,6 +198,16 @@ class Scheduler:
         self.running.clear()
         self._gauges()
 
+    def fail_all(self, message: str, *, code: str) -> None:
+        """Fail every queued and running job typed (503): the model is going away."""
+        for job in list(self.running.values()):
+            job.finish_with(error=JobError(status=503, message=message, code=code))
+        self.running.clear()
+        for q in self.queues.values():
+            while q:
+                q.popleft().finish_with(error=JobError(status=503, message=message, code=code))
+        self._gauges()
+
     def fail_queued(self, message: str) -> None:
         for q in self.queues.values():
             while q:
@@ -215,7 +229,7 @@ class Scheduler:
         while True:
             await self._send_cancels(worker)
             plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
-                                     prefill_tok_s=self._prefill_rate)
+                                     prefill_tok_s=self._prefill_rate, held=self._held())
             for lane in plan.preempts:
                 job = self.running[lane]
                 job.preempted = True
@@ -259,6 +273,33 @@ class Scheduler:
                 if isinstance(event, WorkerDied):
                     raise event
                 await self._handle(event)
+
+    def _held(self) -> frozenset[int]:
+        """Jobs that should wait for a lane prefilling the prefix they share, so
+        a burst on one long system prompt prefills it about once. Among queued
+        jobs with the same prefix and no such lane, only the earliest goes ahead.
+        Interactive and completion jobs never wait; nobody waits past
+        ``HOLD_MAX_TICKS``."""
+        held: set[int] = set()
+        leaders: dict[int, Job] = {}
+        for job in self.running.values():
+            if job.prefix_key is not None and not job.preempted and job.prefill_left > 0:
+                leaders.setdefault(job.prefix_key, job)
+        for q in self.queues.values():
+            for job in q:
+                if job.prefix_key is None or job.klass.preempts or job.held_ticks >= HOLD_MAX_TICKS:
+                    continue
+                leader = leaders.get(job.prefix_key)
+                if leader is None:
+                    leaders[job.prefix_key] = job      # the first of its group goes ahead
+                    continue
+                if leader.state is JobState.RUNNING:
+                    done = len(leader.prompt) + len(leader.tokens) - leader.prefill_left
+                    if done >= _shared_len(job.prompt, leader.prompt):
+                        continue
+                held.add(job.id)
+                job.held_ticks += 1
+        return frozenset(held)
 
     def _preemptor_waiting(self) -> bool:
         if len(self.running) < self.config.planner.max_batch:
@@ -397,3 +438,11 @@ class Scheduler:
     def statistics(self) -> dict[str, Any]:
         return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),
                 "ticks": self.tick_no, **self.last_tick}
+
+
+def _shared_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b)) - 1
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

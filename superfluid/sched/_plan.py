@@ -11,6 +11,8 @@ carries the returned :class:`Plan` out. Rules (see SPEC.md, "Scheduler"):
   ``interactive`` or ``completion``, stop one lane of a strictly lower class:
   decoding lanes before prefilling ones, then the lowest class, then the
   newest. One victim per waiting preemptor per tick.
+* **Shared-prefix hold**: the loop passes ``held``, the jobs that share a long
+  prefix with a lane still prefilling it; they wait and are then seeded from it.
 * **Budgets**: while a newcomer could join at the end of the tick (a queue is
   non-empty), a tick prefills at most ``latency_prefill_s`` of work; ticks are
   short (``tick_free_ms``) while a lane is free and longer (``tick_busy_ms``)
@@ -93,7 +95,10 @@ class Planner:
         queued: Sequence[JobView],
         lanes: Sequence[LaneView],
         prefill_tok_s: float = 0.0,
+        held: frozenset[int] = frozenset(),
     ) -> Plan:
+        """Plan the next tick. Jobs in ``held`` (waiting for a lane that is
+        still prefilling their shared prefix) are not admitted this tick."""
         cfg = self.config
         per_class = {k: 0 for k in QosClass}
         for ln in lanes:
@@ -119,7 +124,7 @@ class Planner:
         admits: list[int] = []
         remaining = list(waiting)
         while free > 0 and remaining:
-            pick = next((j for j in remaining if per_class[j.klass] < cfg.cap(j.klass)), None)
+            pick = next((j for j in remaining if j.job not in held and per_class[j.klass] < cfg.cap(j.klass)), None)
             if pick is None:
                 break
             admits.append(pick.job)

@@ -172,14 +172,14 @@ class Executor:
 
     # -- one engine step -------------------------------------------------------
 
-    def step(self, *, prefill_budget: int, order: tuple[int, ...] = ()) -> StepResult:
+    def step(self, *, prefill_budget: int, order: tuple[int, ...] = (), max_step_tokens: int = PREFILL_CHUNK) -> StepResult:
         """One forward pass: one token for every decoding lane plus prompt
         chunks (at most ``prefill_budget`` tokens, in ``order`` first), then
         sample every lane whose pending tokens are all decoded."""
         res = StepResult()
         rows: list[BatchRow] = []
         owners: list[Lane] = []
-        budget = prefill_budget
+        budget = min(prefill_budget, max_step_tokens)
         prefill_lanes = sorted(
             (ln for ln in self.lanes.values() if ln.pending > 1),
             key=lambda ln: (order.index(ln.lane) if ln.lane in order else len(order), ln.pending),

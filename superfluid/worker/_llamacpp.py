@@ -405,8 +405,8 @@ def _grammar_stage(vocab: Any, grammar: str) -> Any:
 def _check_sampling(s: Sampling) -> None:
     if s.repeat_penalty <= 0:
         raise ValueError("repeat_penalty must be > 0")
-    if not 0 < s.top_p <= 1:
-        raise ValueError("top_p must be in (0, 1]")
+    if not 0 <= s.top_p <= 1:
+        raise ValueError("top_p must be in [0, 1]")
     if not 0 <= s.min_p <= 1:
         raise ValueError("min_p must be in [0, 1]")
     if s.top_k < 0:

@@ -78,6 +78,7 @@ class _Worker:
         self.runtime = runtime
         self.send_lock = trio.StrictFIFOLock()
         self.interrupt = False
+        self.prefill_s_per_token = 0.0   # measured; sizes prefill steps to the tick's step_ms
 
     async def send(self, event: Any) -> None:
         async with self.send_lock:
@@ -134,9 +135,12 @@ class _Worker:
             if not (prefilling or (decoding and rounds < tick.max_rounds)):
                 break
             step_budget = budget if prefilling else 0
+            step_cap = self._step_cap(tick.step_ms)
+            t_step = trio.current_time()
             try:
                 res = await trio.to_thread.run_sync(
-                    lambda: self.executor.step(prefill_budget=step_budget, order=tick.prefill_lanes)
+                    lambda: self.executor.step(prefill_budget=step_budget, order=tick.prefill_lanes,
+                                               max_step_tokens=step_cap)
                 )
             except RuntimeError as exc:
                 # the engine could not run the batch: fail every lane it held
@@ -144,6 +148,10 @@ class _Worker:
                     self.executor.cancel(tag, publish=False)
                     await self.send(Fault(lane=tag, kind="engine", message=str(exc)))
                 break
+            if res.prefill_tokens >= 32:
+                per_token = (trio.current_time() - t_step) / res.prefill_tokens
+                old = self.prefill_s_per_token
+                self.prefill_s_per_token = per_token if not old else 0.7 * old + 0.3 * per_token
             budget -= res.prefill_tokens
             prefill += res.prefill_tokens
             decode += res.decode_tokens
@@ -161,6 +169,13 @@ class _Worker:
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
             kv_total=self.engine.info.n_seq * self.engine.info.n_ctx_seq,
         ))
+
+    def _step_cap(self, step_ms: int) -> int:
+        """Prefill tokens one engine step may take: about ``step_ms`` of measured work."""
+        if not self.prefill_s_per_token:
+            return 256
+        tokens = int(step_ms / 1000 / self.prefill_s_per_token) // 64 * 64
+        return max(64, min(2048, tokens))
 
     async def serve_reader(self, recv: trio.abc.ReceiveStream, ops: trio.MemorySendChannel[Any],
                            cancel_scope: trio.CancelScope) -> None:

@@ -9,7 +9,7 @@ as errors. Costs are real sleeps per prefill token and per decode step.
 Model spec: ``mock`` or ``mock?key=value&...`` with keys ``n_ctx`` (per-lane
 window, default 4096), ``step_ms`` (per decode step, default 2), ``prefill_us``
 (per prompt token, default 20), ``eos_every`` (mean reply length, default 48),
-``refuse_load`` (fail to load).
+``refuse_load`` (fail to load), ``name`` (the model's name in the daemon).
 
 Faults, asked for inside a prompt: ``[[mock:crash_after=N]]`` SIGKILLs the
 worker when the lane would draw generated token N; ``[[mock:hang_after=N]]``
@@ -63,6 +63,8 @@ def parse_mock_spec(spec: str) -> dict[str, float]:
     opts = {"n_ctx": 4096.0, "step_ms": 2.0, "prefill_us": 20.0, "eos_every": 48.0, "refuse_load": 0.0, "n_seq": 0.0}
     _, _, query = spec.partition("?")
     for key, value in parse_qsl(query):
+        if key == "name":
+            continue  # the daemon's name for this mock model
         if key not in opts:
             raise ValueError(f"unknown mock option {key!r}")
         opts[key] = float(value)
