@@ -305,7 +305,9 @@ async def test_unload_under_traffic_and_reload_on_demand(nursery: trio.Nursery) 
     d.scope.cancel()
 
 
-async def test_shared_prefix_burst_prefills_the_prefix_about_once(daemon: Daemon) -> None:
+async def test_shared_prefix_burst_prefills_the_prefix_about_once(nursery: trio.Nursery) -> None:
+    # prefill slow enough (0.3 ms/token) that the whole burst is queued while the first prefills
+    daemon = await start_daemon(nursery, mock_config("mock?step_ms=1&prefill_us=300"))
     system = "the model runs the lane and the worker keeps the cache" * 100   # ~ 1,360 tokens
     n = 8
 
@@ -325,3 +327,4 @@ async def test_shared_prefix_burst_prefills_the_prefix_about_once(daemon: Daemon
     times_prefilled = n - cached / prefix
     assert prompt > 1100
     assert times_prefilled <= 1.5, (times_prefilled, usages)
+    daemon.scope.cancel()

@@ -24,7 +24,7 @@ from superfluid.worker._executor import Executor
 
 pytestmark = pytest.mark.real
 
-L = pytest.importorskip("llama_cpp")
+pytest.importorskip("llama_cpp")
 
 SMOL = os.environ.get("SUPERFLUID_TEST_GGUF", "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 GEMMA = os.environ.get("SUPERFLUID_TEST_GEMMA", "/work/models/gemma-3-270m-q4_k_m.gguf")

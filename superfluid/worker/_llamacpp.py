@@ -175,6 +175,7 @@ def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int,
 def _load_model(path: str) -> Any:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no model file at {path}")
+    _LOG.take()
     model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}: {_LOG.take() or 'no reason given'}")
@@ -396,6 +397,7 @@ def _logit_bias_stage(n_vocab: int, bias: tuple[tuple[int, float], ...]) -> Any:
 
 
 def _grammar_stage(vocab: Any, grammar: str) -> Any:
+    _LOG.take()  # drop stale lines: what follows a NULL is this grammar's reason
     stage = L.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
     if not stage:
         raise ValueError(f"invalid grammar: {_LOG.take() or 'llama.cpp could not parse it'}")
