@@ -328,3 +328,48 @@ async def test_shared_prefix_burst_prefills_the_prefix_about_once(nursery: trio.
     assert prompt > 1100
     assert times_prefilled <= 1.5, (times_prefilled, usages)
     daemon.scope.cancel()
+
+
+async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery) -> None:
+    """All lanes busy with background agents; a chat gets a lane at the next tick
+    and every preempted agent stream resumes with nothing repeated or lost."""
+    d = await start_daemon(nursery, mock_config("mock?step_ms=20&prefill_us=100", max_batch=2))
+    agent = {"model": "mock", "max_tokens": 60, "ignore_eos": True, "stream": True, "temperature": 0}
+
+    def agent_body(i: int) -> dict:
+        return {**agent, "messages": [{"role": "user", "content": f"agent {i} " + "the lane runs " * 200}]}
+
+    refs = {}
+    for i in range(2):
+        async with d.client.stream("POST", "/v1/chat/completions", json=agent_body(i)) as r:
+            refs[i] = stream_text(await sse_events(r))
+    got: dict[int, str] = {}
+    chat_ttft: list[float] = []
+
+    async def run_agent(i: int) -> None:
+        async with d.client.stream("POST", "/v1/chat/completions", json=agent_body(i),
+                                   headers={"x-superfluid-qos": "background"}) as r:
+            got[i] = stream_text(await sse_events(r))
+
+    async def run_chat() -> None:
+        with trio.fail_after(5):
+            while await metric(d, "superfluid_lanes_active") < 2:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        t0 = trio.current_time()
+        async with d.client.stream("POST", "/v1/chat/completions", headers={"x-superfluid-qos": "interactive"},
+                                   json={**CHAT, "max_tokens": 8, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    chat_ttft.append(trio.current_time() - t0)
+                    break
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run_agent, 0)
+        n.start_soon(run_agent, 1)
+        n.start_soon(run_chat)
+    assert await metric(d, "superfluid_preemptions_total") >= 1
+    assert got == refs
+    # without preemption the chat would wait for an agent to finish: 60 rounds x 20 ms
+    assert chat_ttft and chat_ttft[0] < 0.6, chat_ttft
+    d.scope.cancel()

@@ -1,0 +1,238 @@
+"""Pass conditions: pure functions over a scenario's recorded numbers.
+
+Each check takes the ``numbers`` dict a scenario wrote into its result file
+and returns a :class:`Check` (passed, and one line saying why). No I/O and no
+clocks, so each can be tested on recorded fixtures, and re-judged later from
+a result file alone. Thresholds are constants: scales shrink sizes, never the
+bar.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+
+__all__ = ["CHECKS", "CONDITIONS", "Check", "judge", "prefix_prefills"]
+
+OK_OR_TYPED = ("ok", "http", "event")
+CHAT_TTFT_LIMIT_S = 1.0
+AGENT_STALL_LIMIT_S = 30.0
+LANES_FREE_WITHIN_S = 1.0
+PREFIX_PREFILLS_MAX = 2.0
+SHARED_TTFT_RATIO_MAX = 0.5
+
+
+@attrs.frozen
+class Check:
+    passed: bool
+    why: str
+
+
+def _fail(why: str) -> Check:
+    return Check(False, why)
+
+
+def _diverges(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _describe(reply: dict[str, Any]) -> str:
+    outcome = reply.get("outcome", "?")
+    err = reply.get("error")
+    return f"{outcome} ({err})" if err else str(outcome)
+
+
+def worker_kill(n: dict[str, Any]) -> Check:
+    if not n.get("workers_killed"):
+        return _fail(f"no worker was killed ({n.get('kill_note') or 'the kill point was never reached'})")
+    ref = n.get("reference_text") or ""
+    cut = n.get("cut") or {}
+    cut_text = cut.get("text") or ""
+    completed = cut.get("outcome") == "ok" and cut_text == ref
+    typed = cut.get("outcome") in ("http", "event")
+    if not (completed or typed):
+        if cut.get("outcome") == "ok":
+            return _fail(f"the cut stream completed with text that differs from the reference "
+                         f"(at char {_diverges(cut_text, ref)} of {len(ref)})")
+        return _fail(f"the cut stream ended without a typed error: {_describe(cut)}")
+    if not ref.startswith(cut_text):
+        return _fail(f"delivered text is not a prefix of the reference (diverges at char {_diverges(cut_text, ref)})")
+    if n.get("recovery_s") is None:
+        return _fail("the server did not serve again without outside help")
+    after = n.get("after") or {}
+    if after.get("outcome") != "ok":
+        return _fail(f"the request after recovery failed: {_describe(after)}")
+    if (after.get("text") or "") != ref:
+        return _fail(f"the reply after recovery differs from the reference (at char {_diverges(after.get('text') or '', ref)})")
+    how = "completed with the full text" if completed else "ended with a typed error"
+    return Check(True, f"cut stream {how}; served again after {n['recovery_s']:.2f} s; same text after recovery")
+
+
+def daemon_restart(n: dict[str, Any]) -> Check:
+    if n.get("crashed_at_chunk") is None:
+        return _fail("the server was never crashed mid-stream")
+    if not n.get("restarted"):
+        return _fail(f"did not restart on its state dir: {n.get('start_error') or 'unknown'}")
+    first = n.get("first") or {}
+    if first.get("outcome") != "ok":
+        return _fail(f"the first reply after restart failed: {_describe(first)}")
+    ref = n.get("reference_text") or ""
+    if (first.get("text") or "") != ref:
+        return _fail(f"the first reply after restart differs from the pre-crash reference "
+                     f"(at char {_diverges(first.get('text') or '', ref)})")
+    return Check(True, f"restarted in {n.get('restart_to_ready_s', 0):.2f} s; same reply as before the crash")
+
+
+def agents_interactive(n: dict[str, Any]) -> Check:
+    name = n.get("judged")
+    p = (n.get("passes") or {}).get(name)
+    if not p:
+        return _fail(f"the judged pass {name!r} was not run")
+    chat = p.get("chat") or {}
+    if chat.get("outcome") != "ok":
+        return _fail(f"[{name}] the interactive chat failed: {_describe(chat)}")
+    ttft = chat.get("ttft_s")
+    if ttft is None or ttft > CHAT_TTFT_LIMIT_S:
+        return _fail(f"[{name}] interactive TTFT {ttft} s behind the agents exceeds {CHAT_TTFT_LIMIT_S} s")
+    if p.get("agents_failed", 0):
+        return _fail(f"[{name}] {p['agents_failed']} agent request(s) failed")
+    stall = p.get("max_stall_s") or 0.0
+    if stall > AGENT_STALL_LIMIT_S:
+        return _fail(f"[{name}] an agent stream stalled {stall:.1f} s (> {AGENT_STALL_LIMIT_S:.0f} s)")
+    return Check(True, f"[{name}] chat TTFT {ttft:.2f} s behind the agents; no agent failed or stalled")
+
+
+def kv_exhaustion(n: dict[str, Any]) -> Check:
+    outcomes: dict[str, int] = n.get("outcomes") or {}
+    total = sum(outcomes.values())
+    if total != n.get("requests"):
+        return _fail(f"only {total} of {n.get('requests')} requests were recorded")
+    untyped = {k: v for k, v in outcomes.items() if k not in OK_OR_TYPED and v}
+    if untyped:
+        return _fail("untyped failures: " + ", ".join(f"{v} {k}" for k, v in sorted(untyped.items())))
+    fresh = n.get("fresh") or {}
+    if fresh.get("outcome") != "ok":
+        return _fail(f"the fresh request after the burst failed: {_describe(fresh)}")
+    return Check(True, f"{outcomes.get('ok', 0)} ok, {total - outcomes.get('ok', 0)} typed errors; fresh request ok")
+
+
+def unload_reload(n: dict[str, Any]) -> Check:
+    status = n.get("unload_status")
+    if not isinstance(status, int) or not 200 <= status < 300:
+        return _fail(f"the unload call was not accepted: {n.get('unload_error') or f'HTTP {status}'}")
+    for i, s in enumerate(n.get("streams") or []):
+        if s.get("outcome") not in OK_OR_TYPED:
+            return _fail(f"in-flight stream {i} ended without a typed error: {_describe(s)}")
+    if not n.get("served_again"):
+        return _fail(f"the model did not serve again ({n.get('reload_note') or 'no reload path worked'})")
+    return Check(True, f"in-flight streams ok or typed; served again ({n.get('reloaded_by')})")
+
+
+def tool_session(n: dict[str, Any]) -> Check:
+    if n.get("errors", 0):
+        return _fail(f"request error at turn {n.get('turns_done', 0) + 1}: {n.get('first_error')}")
+    if n.get("leaks", 0):
+        return _fail(f"{n['leaks']} turn(s) leaked tool-call markup into the content")
+    if n.get("emitted") != n.get("parsed"):
+        return _fail(f"{n.get('emitted')} tool calls emitted but {n.get('parsed')} parsed")
+    if n.get("turns_done") != n.get("turns"):
+        return _fail(f"only {n.get('turns_done')} of {n.get('turns')} turns done within the time budget")
+    return Check(True, f"{n.get('turns')} turns, {n.get('parsed')} parsed calls, no leaks, no errors")
+
+
+def _disconnect_mode(name: str, m: dict[str, Any]) -> Check:
+    if not m:
+        return _fail(f"{name}: not run")
+    if m.get("dropped", 0) != m.get("requests"):
+        return _fail(f"{name}: {m.get('requests', 0) - m.get('dropped', 0)} request(s) ended before the client "
+                     f"dropped them, so nothing was tested")
+    if m.get("probes_failed", 0):
+        return _fail(f"{name}: {m['probes_failed']} probe(s) after the drop failed")
+    if m.get("busy_observable"):
+        t = m.get("lanes_zero_after_s")
+        if t is None:
+            return _fail(f"{name}: busy lanes never reached 0 after the disconnect")
+        if t > LANES_FREE_WITHIN_S:
+            return _fail(f"{name}: busy lanes reached 0 only {t:.2f} s after the disconnect "
+                         f"(> {LANES_FREE_WITHIN_S} s)")
+        return Check(True, f"{name}: lanes free {t:.2f} s after the drop")
+    idle, probe = m.get("idle_ttft_p50"), m.get("probe_ttft_p50")
+    if idle is None or probe is None:
+        return _fail(f"{name}: no probe latency to compare")
+    if probe > 2 * idle + 0.5:
+        return _fail(f"{name}: probe TTFT p50 {probe:.2f} s after the drop > 2 x idle {idle:.2f} s + 0.5 s")
+    return Check(True, f"{name}: probe TTFT p50 {probe:.2f} s vs idle {idle:.2f} s")
+
+
+def client_disconnect(n: dict[str, Any]) -> Check:
+    modes = n.get("modes") or {}
+    checks = [_disconnect_mode(k, modes.get(k) or {}) for k in ("stream", "nonstream")]
+    for c in checks:
+        if not c.passed:
+            return c
+    return Check(True, "; ".join(c.why for c in checks))
+
+
+def prefix_prefills(n: dict[str, Any]) -> float | None:
+    """How many times the shared prefix was prefilled, from reported cached tokens."""
+    prefix = (n.get("prompt_tokens") or 0) - (n.get("question_tokens") or 0)
+    if prefix <= 0 or not n.get("cached_reported"):
+        return None
+    return round(n.get("requests", 0) - (n.get("cached_sum") or 0) / prefix, 3)
+
+
+def shared_prefix(n: dict[str, Any]) -> Check:
+    if n.get("shared_failed", 0):
+        return _fail(f"{n['shared_failed']} request(s) of the shared burst failed")
+    prefills = prefix_prefills(n)
+    if prefills is not None:
+        if prefills > PREFIX_PREFILLS_MAX:
+            return _fail(f"the shared prefix was prefilled {prefills:.1f} times (> {PREFIX_PREFILLS_MAX:.0f})")
+        return Check(True, f"shared prefix prefilled {prefills:.1f} times for {n.get('requests')} requests")
+    shared, cold = n.get("shared_ttft_p50"), n.get("cold_ttft_p50")
+    if shared is None or cold is None:
+        return _fail("no cached-token report and no TTFT to compare")
+    if shared > SHARED_TTFT_RATIO_MAX * cold:
+        return _fail(f"shared TTFT p50 {shared:.2f} s > {SHARED_TTFT_RATIO_MAX} x cold {cold:.2f} s "
+                     f"(no cached-token report)")
+    return Check(True, f"shared TTFT p50 {shared:.2f} s vs cold {cold:.2f} s")
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], Check]] = {
+    "worker_kill": worker_kill, "daemon_restart": daemon_restart, "agents_interactive": agents_interactive,
+    "kv_exhaustion": kv_exhaustion, "unload_reload": unload_reload, "tool_session": tool_session,
+    "client_disconnect": client_disconnect, "shared_prefix": shared_prefix,
+}
+
+CONDITIONS = {
+    "worker_kill": "the cut stream ends with a typed error or completes with the reference text; what it delivered "
+                   "is a prefix of the reference; the server serves again by itself; the next reply equals the "
+                   "reference",
+    "daemon_restart": "the server restarts on its state dir and the first reply after restart equals the "
+                      "pre-crash reference",
+    "agents_interactive": f"the chat succeeds with TTFT <= {CHAT_TTFT_LIMIT_S:g} s, no agent fails and no agent "
+                          f"stream stalls > {AGENT_STALL_LIMIT_S:g} s (judged on the QoS pass where the server "
+                          f"takes QoS, else the plain pass)",
+    "kv_exhaustion": "every request ends ok or with a typed error (HTTP error or SSE error event), none reset, "
+                     "timed out, truncated or malformed; a fresh request afterwards succeeds",
+    "unload_reload": "the unload call is accepted, every in-flight stream ends ok or with a typed error, and the "
+                     "model serves again",
+    "tool_session": "no tool-call markup leaks into content, every emitted call is parsed, every turn is done, "
+                    "no request fails",
+    "client_disconnect": f"in both modes (stream, non-stream) every request was dropped mid-generation, probes "
+                         f"after the drop succeed, and busy lanes reach 0 within {LANES_FREE_WITHIN_S:g} s where "
+                         f"observable (else probe TTFT p50 <= 2 x idle + 0.5 s)",
+    "shared_prefix": f"the shared burst has no failures and the shared prefix is prefilled at most "
+                     f"{PREFIX_PREFILLS_MAX:g} times by reported cached tokens (without a report: shared TTFT p50 "
+                     f"<= {SHARED_TTFT_RATIO_MAX:g} x cold)",
+}
+
+
+def judge(scenario: str, numbers: dict[str, Any]) -> Check:
+    return CHECKS[scenario](numbers)
