@@ -8,11 +8,13 @@ import httpx
 import pytest
 import trio
 
+from superfluid._models import cache_dir
 from superfluid._config import ModelSource, ServeConfig
 from superfluid._server import serve
 from superfluid.sched import PlannerConfig
 
-REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+GEMMA_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GEMMA", cache_dir() / "gemma-3-270m-q4_k_m.gguf"))
 
 
 class Daemon:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from superfluid._models import cache_dir
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,8 +28,8 @@ pytestmark = pytest.mark.real
 
 pytest.importorskip("llama_cpp")
 
-SMOL = os.environ.get("SUPERFLUID_TEST_GGUF", "/work/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-GEMMA = os.environ.get("SUPERFLUID_TEST_GEMMA", "/work/models/gemma-3-270m-q4_k_m.gguf")
+SMOL = os.environ.get("SUPERFLUID_TEST_GGUF", str(cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+GEMMA = os.environ.get("SUPERFLUID_TEST_GEMMA", str(cache_dir() / "gemma-3-270m-q4_k_m.gguf"))
 
 PROMPTS = (
     "The capital of France is",

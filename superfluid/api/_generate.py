@@ -99,8 +99,26 @@ class Follower:
 async def watch_disconnect(receive: Receive) -> AsyncIterator[trio.CancelScope]:
     """Cancel the block when the client disconnects.
 
+    Raises:
+        ApiError: whatever the block raised, unwrapped from the nursery's group.
+
     Cancellation: the watcher task is cancelled when the block exits.
     """
+    try:
+        async with _watching(receive) as scope:
+            yield scope
+    except BaseExceptionGroup as group:
+        typed, rest = group.split(ApiError)
+        if rest is not None or typed is None:
+            raise
+        leaf: BaseException = typed
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]  # split() never returns an empty group
+        raise leaf from None
+
+
+@asynccontextmanager
+async def _watching(receive: Receive) -> AsyncIterator[trio.CancelScope]:
     async with trio.open_nursery() as nursery:
         scope = trio.CancelScope()
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from ..chat import TemplateRenderError
@@ -78,6 +80,31 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def grammar_from_response_format(rf: Any) -> str:
+    """``""`` (free text), ``"json"``, or ``"json_schema:<schema>"`` for the worker.
+
+    Raises:
+        ApiError: a malformed ``response_format``.
+    """
+    if rf is None:
+        return ""
+    if not isinstance(rf, dict):
+        raise ApiError(400, "invalid request: response_format must be an object", param="response_format")
+    kind = rf.get("type")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "invalid request: response_format.json_schema.schema must be an object",
+                           param="response_format")
+        return "json_schema:" + json.dumps(schema)
+    raise ApiError(400, f"invalid request: unknown response_format type {kind!r}", param="response_format")
+
+
 def _max_tokens(body: dict[str, Any]) -> int | None:
     mt = integer(body, "max_completion_tokens", lo=1, hi=10_000_000)
     return mt if mt is not None else integer(body, "max_tokens", lo=1, hi=10_000_000)
@@ -132,13 +159,15 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
     stops = stops_from(body)
     sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)),
                              want_logprobs=_logprobs_want(body, chat))
-    if body.get("response_format") not in (None, {"type": "text"}) or body.get("tools"):
+    if body.get("tools"):
+        raise ApiError(400, "tools are not supported yet", code="unsupported_parameter", param="tools")
+    grammar = grammar_from_response_format(body.get("response_format"))
+    if grammar:
         cap = model.owner.ack.capabilities.get("grammar", True) if model.owner.ack else True
         if cap is not True:
             raise ApiError(400, f"structured output is not available on this runtime: {cap}",
                            code="unsupported_parameter", param="response_format")
-        raise ApiError(400, "response_format and tools are not supported yet", code="unsupported_parameter",
-                       param="response_format")
+        sampling = attrs.evolve(sampling, grammar=grammar)
     if chat:
         messages = parse_messages(body)
         kwargs = body.get("chat_template_kwargs") or {}
@@ -218,6 +247,10 @@ async def _stream(send: Send, job: Any, follower: Follower, *, rid: str, created
             obj["usage"] = _usage(job)
         return encode_sse_json(obj)
 
+    # errors before the worker admitted the job (e.g. an uncompilable grammar) are HTTP errors
+    await job.wait_started()
+    if job.error is not None and not job.tokens:
+        raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     try:
         if chat:

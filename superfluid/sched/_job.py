@@ -60,6 +60,7 @@ class Job:
     cancelled: bool = False
     preempted: bool = False
     cancel_sent: bool = False
+    started: bool = False           # a worker admitted it (its request was valid for the runtime)
     prefix_key: int | None = None
     held_ticks: int = 0
     prefill_left: int = 0
@@ -88,6 +89,11 @@ class Job:
         Cancellation: a plain checkpointed wait; cancelling it touches nothing.
         """
         while len(self.tokens) <= cursor and not self.done:
+            await self._changed.wait()
+
+    async def wait_started(self) -> None:
+        """Wait until a worker admitted the job, or it ended (possibly refused)."""
+        while not (self.started or self.done or self.tokens):
             await self._changed.wait()
 
     def finish_with(self, finish: str | None = None, error: JobError | None = None) -> None:

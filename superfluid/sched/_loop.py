@@ -365,9 +365,12 @@ class Scheduler:
             await self._emit(event)
         elif isinstance(event, Admitted):
             job = self.running.get(event.lane)
-            if job is not None and job.tokens_at_admit == 0:
-                job.cached = event.cached
-                self.metrics.inc("superfluid_warm_prefix_tokens_total", event.cached)
+            if job is not None:
+                if not job.started:
+                    job.cached = event.cached
+                    self.metrics.inc("superfluid_warm_prefix_tokens_total", event.cached)
+                    job.started = True
+                job.publish()
         elif isinstance(event, Fault):
             job = self.running.pop(event.lane, None) if event.lane >= 0 else None
             if job is not None:

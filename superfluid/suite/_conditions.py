@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import attrs
 
-__all__ = ["CHECKS", "CONDITIONS", "Check", "judge", "prefix_prefills"]
+__all__ = ["CHECKS", "CONDITIONS", "Check", "judge", "prefix_prefills", "result", "unsupported"]
 
 OK_OR_TYPED = ("ok", "http", "event")
 CHAT_TTFT_LIMIT_S = 1.0
@@ -236,3 +236,16 @@ CONDITIONS = {
 
 def judge(scenario: str, numbers: dict[str, Any]) -> Check:
     return CHECKS[scenario](numbers)
+
+
+def result(scenario: str, numbers: dict[str, Any], headline: str) -> dict[str, Any]:
+    """A scenario's result: the verdict comes from its check over ``numbers``."""
+    check = judge(scenario, numbers)
+    return {"verdict": "pass" if check.passed else "fail", "headline": headline,
+            "reason": "" if check.passed else check.why, "check": check.why,
+            "condition": CONDITIONS[scenario], "numbers": numbers}
+
+
+def unsupported(scenario: str, reason: str) -> dict[str, Any]:
+    return {"verdict": "unsupported", "headline": f"n/a: {reason}", "reason": reason,
+            "condition": CONDITIONS[scenario], "numbers": {}}

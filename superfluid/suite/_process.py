@@ -27,15 +27,21 @@ from ._client import Client
 from ._corpus import Scale
 from ._systems import SystemSpec, render_argv
 
-__all__ = ["Context", "Server", "StartFailed", "Target"]
+__all__ = ["Context", "ScenarioError", "Server", "StartFailed", "Target"]
 
 
 class StartFailed(Exception):
     """The system did not become ready."""
 
 
+class ScenarioError(Exception):
+    """The scenario could not run as designed (verdict ``error``, not ``fail``)."""
+
+
 def _port_free(port: int) -> bool:
+    """Nobody listens there (bound as a server would, so TIME_WAIT leftovers do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -108,9 +114,15 @@ class Server:
             state = self.run_dir / f"sess-{self.spec.name}"
             if fresh_state and state.exists():
                 shutil.rmtree(state)
-        if not _port_free(self.port):
+        for _ in range(100):  # after a crash the old listener may linger a moment
+            if _port_free(self.port):
+                break
+            await trio.sleep(0.1)
+        else:
             raise StartFailed(f"port {self.port} is already in use")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._log is not None:
+            self._log.close()
         self._log = open(self.log_path, "ab")
         argv = self.argv()
         self._log.write(f"\n=== suite: starting {' '.join(argv)}\n".encode())
@@ -157,9 +169,10 @@ class Server:
         if self.proc is None or not pattern:
             return []
         out = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
+        for p in psutil.process_iter(["pid", "cmdline", "status"]):
             try:
                 if p.pid != self.proc.pid and os.getpgid(p.pid) == self.proc.pid \
+                        and p.info["status"] != psutil.STATUS_ZOMBIE \
                         and pattern in " ".join(p.info["cmdline"] or ()):
                     out.append(p.pid)
             except (ProcessLookupError, psutil.Error, OSError):
@@ -182,6 +195,25 @@ class Server:
             except ProcessLookupError:
                 pass
         self._signal_group(signal.SIGKILL)
+
+    async def wait_gone(self, timeout: float = 10.0) -> None:
+        """After :meth:`crash`: reap the server and wait for its group to empty."""
+        if self.proc is None:
+            return
+        with trio.move_on_after(timeout):
+            await self.proc.wait()
+            while self._group_members():
+                await trio.sleep(0.05)
+
+    def _group_members(self) -> list[int]:
+        out = []
+        for pid in psutil.pids():
+            try:
+                if self.proc is not None and os.getpgid(pid) == self.proc.pid:
+                    out.append(pid)
+            except OSError:
+                continue
+        return out
 
     async def stop(self, *, grace: float = 15.0) -> None:
         """SIGTERM the group, wait, SIGKILL the group, wait for the port to close."""

@@ -84,6 +84,9 @@ class Executor:
         self.max_lanes = max(1, min(max_lanes, engine.info.n_seq))
         self.slots = [_Slot() for _ in range(engine.info.n_seq)]
         self.lanes: dict[int, Lane] = {}
+        self.shared = engine.info.kv_layout != "per_seq"
+        # cells in the KV pool: one buffer per sequence, or one shared pool
+        self.pool_cells = int(engine.info.extra.get("n_ctx", 0)) or engine.info.n_seq * engine.info.n_ctx_seq
         self._clock = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0}
 
@@ -170,6 +173,21 @@ class Executor:
     def kv_used(self) -> int:
         return sum(len(s.tokens) for s in self.slots if s.owner is not None)
 
+    def _make_room(self, cells: int) -> None:
+        """Shared pool: evict least-recently-used cached sequences until ``cells``
+        more fit. Live lanes are never evicted (each lane fits its window, and
+        the pool holds max_batch windows)."""
+        if not self.shared:
+            return
+        used = sum(len(s.tokens) for s in self.slots)
+        cached = sorted((s for s in self.slots if s.owner is None and s.tokens), key=lambda s: s.last_use)
+        for slot in cached:
+            if used + cells <= self.pool_cells:
+                return
+            used -= len(slot.tokens)
+            self.engine.seq_rm(self.slots.index(slot), 0, -1)
+            slot.tokens = []
+
     # -- one engine step -------------------------------------------------------
 
     def step(self, *, prefill_budget: int, order: tuple[int, ...] = (), max_step_tokens: int = PREFILL_CHUNK) -> StepResult:
@@ -200,6 +218,7 @@ class Executor:
             budget -= take
         if not rows:
             return res
+        self._make_room(sum(len(r.tokens) for r in rows))
         outs = self.engine.decode(rows)
         self.stats["steps"] += 1
         for i, (row, ln, out) in enumerate(zip(rows, owners, outs)):

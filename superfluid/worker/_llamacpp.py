@@ -396,7 +396,26 @@ def _logit_bias_stage(n_vocab: int, bias: tuple[tuple[int, float], ...]) -> Any:
     return L.llama_sampler_init_logit_bias(n_vocab, len(bias), arr)
 
 
+def to_gbnf(grammar: str) -> str:
+    """The daemon sends ``json``, ``json_schema:<schema JSON>`` or raw GBNF.
+
+    Raises:
+        ValueError: the schema cannot be turned into a grammar.
+    """
+    from llama_cpp import llama_grammar
+
+    if grammar == "json":
+        return llama_grammar.JSON_GBNF
+    if grammar.startswith("json_schema:"):
+        try:
+            return llama_grammar.json_schema_to_gbnf(grammar[len("json_schema:"):])
+        except Exception as exc:  # the converter raises many types for unsupported schemas
+            raise ValueError(f"JSON schema cannot be compiled to a grammar: {exc}") from None
+    return grammar
+
+
 def _grammar_stage(vocab: Any, grammar: str) -> Any:
+    grammar = to_gbnf(grammar)
     _LOG.take()  # drop stale lines: what follows a NULL is this grammar's reason
     stage = L.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
     if not stage:

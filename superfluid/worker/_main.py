@@ -167,7 +167,7 @@ class _Worker:
             seq=tick.seq, rounds=rounds, prefill_tokens=prefill, decode_tokens=decode,
             busy_ms=(trio.current_time() - t0) * 1000, interrupted=interrupted,
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
-            kv_total=self.engine.info.n_seq * self.engine.info.n_ctx_seq,
+            kv_total=self.executor.pool_cells,
         ))
 
     def _step_cap(self, step_ms: int) -> int:

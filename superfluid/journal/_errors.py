@@ -1,0 +1,42 @@
+"""Journal errors. Log damage is :class:`~superfluid.proto.WalCorrupt`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["JournalClosed", "JournalError", "JournalLocked", "JournalWriteError", "SessionStateError"]
+
+
+class JournalError(Exception):
+    """Base class of the session journal's own errors."""
+
+
+class JournalLocked(JournalError):
+    """Another server holds ``<dir>/serve.lock``."""
+
+    def __init__(self, directory: Path, pid: int | None) -> None:
+        self.directory = directory
+        self.pid = pid
+        holder = f"pid {pid}" if pid is not None else "another process"
+        super().__init__(
+            f"sessions directory {directory} is in use by another superfluid server ({holder} holds "
+            f"{directory / 'serve.lock'}); stop that server or pass a different --sessions directory"
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.directory, self.pid))
+
+
+class JournalClosed(JournalError):
+    """The journal was closed; it accepts no more records."""
+
+
+class JournalWriteError(JournalError):
+    """A write or fsync of ``wal.log`` failed. The journal then refuses every
+    later append (what reached the disk is unknown until the next replay)."""
+
+
+class SessionStateError(JournalError):
+    """An append that breaks a session's rules: the first event must be
+    ``Created``, a session is created once, and a finished session takes no
+    more events."""

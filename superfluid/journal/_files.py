@@ -1,0 +1,309 @@
+"""Blocking file work for the journal. Everything here runs in a worker
+thread (``trio.to_thread.run_sync``), never on the trio thread."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+from pathlib import Path
+
+import attrs
+
+from ..proto._link import NEED_DATA
+from ..proto._wal import (
+    DAEMON_SESSION,
+    MAGIC,
+    WalCorrupt,
+    WalEnd,
+    WalReader,
+    WalRecord,
+    body_epoch_bump,
+    encode_record,
+)
+from ._errors import JournalLocked
+from ._session import SessionLog
+
+__all__ = [
+    "COMPACT_NAME",
+    "LOCK_NAME",
+    "PREV_NAME",
+    "WAL_NAME",
+    "LogState",
+    "Opened",
+    "close_quietly",
+    "open_log",
+    "write_and_sync",
+    "write_compacted",
+]
+
+log = logging.getLogger("superfluid.journal")
+
+WAL_NAME = "wal.log"
+LOCK_NAME = "serve.lock"
+COMPACT_NAME = "wal.log.compact"
+PREV_NAME = "wal.log.prev"
+_CHUNK = 1 << 20
+
+
+# ---- primitives -------------------------------------------------------------------
+
+
+def _sync(fd: int, *, full: bool) -> None:
+    # F_FULLFSYNC (macOS) also flushes the drive's write cache; os.fsync there does not.
+    if full and hasattr(fcntl, "F_FULLFSYNC"):
+        fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
+    else:
+        os.fsync(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def close_quietly(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
+    """Append ``data`` at ``committed`` (the end of the last good record) and
+    make it durable. On failure, try to cut the file back to ``committed`` so
+    a half-written batch is not left behind, then re-raise."""
+    try:
+        _write_all(fd, data)
+        _sync(fd, full=full)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, committed)
+            os.lseek(fd, committed, os.SEEK_SET)
+        raise
+
+
+def _take_lock(directory: Path) -> int:
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        raise JournalLocked(directory, int(text) if text.isdigit() else None) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    # the pid is informational (for JournalLocked); the flock is the lock
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+# ---- replay -------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class LogState:
+    """What the records of ``wal.log`` add up to."""
+
+    sessions: dict[str, SessionLog] = attrs.field(factory=dict)
+    epoch: int = 0
+    seq: int = 0  # records applied to sessions (orders sessions for retention)
+    records: int = 0  # records in the file
+    duplicates: int = 0
+    daemon_record: WalRecord | None = None  # the newest epoch bump
+
+    def apply(self, record: WalRecord) -> None:
+        self.records += 1
+        self.epoch = max(self.epoch, record.epoch)
+        if record.session == DAEMON_SESSION:
+            if self.daemon_record is None or record.event_id > self.daemon_record.event_id:
+                self.daemon_record = record
+            return
+        session = self.sessions.get(record.session)
+        if session is None:
+            session = self.sessions[record.session] = SessionLog(record.session)
+        if session.apply(record, self.seq):
+            self.seq += 1
+        else:
+            self.duplicates += 1
+            log.warning("session log: skipped duplicate event %d of session %s", record.event_id, record.session)
+
+
+def _replay(fd: int, state: LogState, *, max_record_size: int) -> WalEnd:
+    os.lseek(fd, 0, os.SEEK_SET)
+    reader = WalReader(max_record_size=max_record_size)
+    while True:
+        reader.receive_data(os.read(fd, _CHUNK))  # b"" at EOF
+        while True:
+            item = reader.next_record()
+            if item is NEED_DATA:
+                break
+            if isinstance(item, WalEnd):
+                return item
+            assert isinstance(item, WalRecord)
+            state.apply(item)
+
+
+@attrs.define(eq=False, kw_only=True)
+class Opened:
+    """A locked, replayed, epoch-bumped log, ready to append to."""
+
+    directory: Path
+    lock_fd: int
+    fd: int
+    state: LogState
+    size: int
+    fsyncs: int
+    replayed: int
+    truncated: int
+    moved_aside: Path | None
+
+
+def _move_aside(path: Path, *, corrupt: bool) -> Path:
+    if corrupt:
+        for n in itertools.count(1):
+            target = path.with_name(f"{path.name}.corrupt-{n}")
+            if not target.exists():
+                break
+    else:
+        target = path.with_name(PREV_NAME)
+    os.replace(path, target)
+    return target
+
+
+def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: bool, now_ms: int) -> Opened:
+    """Lock ``directory``, replay ``wal.log``, repair a torn tail, and append
+    an epoch bump. See :func:`superfluid.journal.open_journal` for the rules.
+
+    Raises:
+        JournalLocked, WalCorrupt, OSError.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    lock_fd = _take_lock(directory)
+    fd = -1
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(directory / COMPACT_NAME)  # a compaction that never reached its rename
+        path = directory / WAL_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        state = LogState()
+        moved: Path | None = None
+        try:
+            end = _replay(fd, state, max_record_size=max_record_size)
+        except WalCorrupt as exc:
+            if not fresh:
+                raise exc.with_path(str(path)) from None
+            os.close(fd)
+            fd = -1
+            moved = _move_aside(path, corrupt=True)
+            log.warning("%s\n--sessions-cache: kept the damaged log as %s and started a fresh one",
+                        exc.with_path(str(path)), moved)
+        else:
+            if fresh and end.size > len(MAGIC):
+                os.close(fd)
+                fd = -1
+                moved = _move_aside(path, corrupt=False)
+                log.info("--sessions-cache: kept the previous session log as %s and started a fresh one", moved)
+        replayed = state.records
+        truncated = 0
+        if moved is not None:
+            # a fresh log still fences the old one's epochs
+            state = LogState(epoch=state.epoch, daemon_record=state.daemon_record)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            end = WalEnd(offset=0, size=0, torn=False)
+        elif end.torn:
+            truncated = end.size - end.offset
+            log.warning("session log %s: %s; truncated %d bytes of torn tail at byte %d (nothing in it "
+                        "was acknowledged)", path, end.reason, truncated, end.offset)
+        fsyncs = 0
+        if end.offset < len(MAGIC):
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            _write_all(fd, MAGIC)
+            _sync(fd, full=full_fsync)
+            _fsync_dir(directory)
+            fsyncs += 1
+            size = len(MAGIC)
+        else:
+            if end.torn:
+                os.ftruncate(fd, end.offset)
+                _sync(fd, full=full_fsync)
+                fsyncs += 1
+            size = end.offset
+            os.lseek(fd, size, os.SEEK_SET)
+        previous = state.daemon_record
+        bump = WalRecord(session=DAEMON_SESSION, event_id=0 if previous is None else previous.event_id + 1,
+                         epoch=state.epoch + 1, ts=now_ms, body=body_epoch_bump())
+        data = encode_record(bump)
+        write_and_sync(fd, data, size, full=full_fsync)
+        fsyncs += 1
+        state.apply(bump)
+        return Opened(directory=directory, lock_fd=lock_fd, fd=fd, state=state, size=size + len(data),
+                      fsyncs=fsyncs, replayed=replayed, truncated=truncated, moved_aside=moved)
+    except BaseException:
+        close_quietly(fd)
+        close_quietly(lock_fd)
+        raise
+
+
+# ---- compaction -------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Compacted:
+    fd: int
+    size: int
+    records: int
+    dir_error: OSError | None  # the rename happened, but its directory fsync failed
+
+
+def write_compacted(directory: Path, head: WalRecord, sessions: list[SessionLog], *,
+                    full_fsync: bool, max_record_size: int) -> Compacted:
+    """Write ``head`` and the sessions' records to a temp file, fsync it and
+    rename it over ``wal.log``; then fsync the directory.
+
+    The returned descriptor is positioned at the end, ready to append to.
+    Before the rename any failure leaves ``wal.log`` untouched (and raises);
+    after it the new file is the log, so it is returned even if the directory
+    fsync failed (``dir_error``).
+    """
+    tmp = directory / COMPACT_NAME
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        buf = bytearray(MAGIC)
+        count = 0
+        for session in itertools.chain(((head,),), (s.records() for s in sessions)):
+            for record in session:
+                buf += encode_record(record, max_record_size=max_record_size)
+                count += 1
+                if len(buf) >= _CHUNK:
+                    _write_all(fd, bytes(buf))
+                    buf.clear()
+        _write_all(fd, bytes(buf))
+        _sync(fd, full=full_fsync)
+        size = os.lseek(fd, 0, os.SEEK_END)
+        os.replace(tmp, directory / WAL_NAME)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    try:
+        _fsync_dir(directory)
+    except OSError as exc:
+        return Compacted(fd=fd, size=size, records=count, dir_error=exc)
+    return Compacted(fd=fd, size=size, records=count, dir_error=None)

@@ -1,0 +1,484 @@
+"""The session journal: ``wal.log`` on disk, group-committed from trio.
+
+Opening (:func:`open_journal`), in a worker thread:
+
+1. Take ``<dir>/serve.lock`` (``flock``, non-blocking): one server per
+   sessions directory; a second gets :class:`JournalLocked` naming the pid.
+2. Replay ``wal.log``. A torn tail (a crash mid-write) is truncated with a
+   warning; damage anywhere else raises :class:`~superfluid.proto.WalCorrupt`
+   unless ``fresh=True`` (``--sessions-cache``), which keeps the damaged log
+   as ``wal.log.corrupt-<n>`` (a healthy one as ``wal.log.prev``) and starts
+   an empty log.
+3. Append an ``epoch_bump`` with epoch = previous maximum + 1, so every
+   record written from now on is distinguishable from (and fences) whatever
+   was generating before the restart.
+
+Appending (:meth:`Journal.append_many`) is a leader/follower group commit:
+each call encodes its records and queues them (ids assigned in queue order),
+then takes the commit lock; whoever holds the lock writes *everything*
+queued with one ``write`` and one ``fsync`` (in a thread), so callers that
+queued while an fsync was in flight share the next one. A call returns only
+after its records are durable.
+
+Retention (compaction), copied to SPEC.md:
+
+    wal.log is rewritten when it reaches ``compact_at_bytes`` (default
+    64 MiB). The rewrite keeps, in order of creation: the newest epoch bump;
+    every session that is unfinished and was written to since this start, or
+    that has records waiting to be written; the ``keep_interrupted`` (1000)
+    most recently active unfinished sessions left over from earlier runs
+    (they can still be resumed by id); and the ``keep_finished`` (1000) most
+    recently finished sessions. Everything else (older finished sessions,
+    older interrupted ones) is dropped from the file and from memory. Kept
+    records are rewritten byte for byte (same ids, epochs and timestamps).
+    The rewrite goes to ``wal.log.compact``, is fsynced, renamed over
+    ``wal.log`` and the directory is fsynced, so a crash at any point leaves
+    either the old or the new log, both complete. The next compaction
+    happens at max(``compact_at_bytes``, 2 x the size after this one), so a
+    large live set cannot make it run on every append. Appends wait while a
+    compaction runs (one pause per ``compact_at_bytes`` written).
+
+Durability: a record is durable when ``append_many`` returns. After a crash
+replay recovers every such record; a torn tail can only hold records whose
+``append_many`` had not returned. After a failed ``write``/``fsync`` the
+journal refuses further appends (:class:`JournalWriteError`) because what
+reached the disk is unknown until the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from ..proto._errors import LocalProtocolError
+from ..proto._wal import CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record, ends_session
+from ._errors import JournalClosed, JournalError, JournalWriteError, SessionStateError
+from ._files import WAL_NAME, Opened, close_quietly, open_log, write_and_sync, write_compacted
+from ._session import SessionLog
+
+__all__ = ["Journal", "JournalConfig", "JournalStatistics", "open_journal"]
+
+log = logging.getLogger("superfluid.journal")
+
+_MiB = 1024 * 1024
+_CLOSING = -1  # in Journal._next_ids: the session's last event is queued, not yet committed
+
+
+def _unix_ms() -> int:
+    # Wall-clock time as record data (``ts``), never used to measure durations.
+    return time.time_ns() // 1_000_000
+
+
+@attrs.frozen(kw_only=True)
+class JournalConfig:
+    """Limits and policy of the session journal (see the module docstring)."""
+
+    compact_at_bytes: int = 64 * _MiB
+    keep_finished: int = 1000
+    keep_interrupted: int = 1000
+    max_pending_bytes: int = 16 * _MiB  # queued, not yet written; appenders wait beyond it
+    max_record_size: int = MAX_RECORD_SIZE
+    full_fsync: bool = False  # F_FULLFSYNC where the platform has it (SUPERFLUID_FULLFSYNC)
+    commit_shield_s: float = 60.0  # bound on the shielded write+fsync a lock holder does for others
+    close_timeout_s: float = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class JournalStatistics:
+    epoch: int
+    sessions: int  # in memory (= in the log)
+    open_sessions: int  # of which unfinished
+    records: int  # records in wal.log now
+    appended: int  # records appended since open
+    bytes: int  # size of wal.log
+    fsyncs: int  # fsyncs of the log since open (epoch bump and compactions included)
+    batches: int  # group commits: one write + one fsync each
+    pending_records: int
+    pending_bytes: int
+    compactions: int
+    replayed: int  # records read at open
+    truncated_bytes: int  # torn tail cut at open
+
+
+@attrs.define(eq=False)
+class _Ticket:
+    records: list[WalRecord]
+    data: bytes
+    committed: bool = False
+    error: BaseException | None = None
+
+
+class Journal:
+    """An open session log. Made by :func:`open_journal`; not thread-safe
+    (one trio run).
+
+    Attributes:
+        directory: the sessions directory.
+        path: ``<directory>/wal.log``.
+        epoch: this run's epoch (written by the opening epoch bump).
+        sessions: session id -> :class:`SessionLog` of every retained session,
+            updated as records commit. Read it; don't mutate it.
+    """
+
+    def __init__(self, opened: Opened, config: JournalConfig) -> None:
+        self.config = config
+        self.directory = opened.directory
+        self.path = opened.directory / WAL_NAME
+        self._fd = opened.fd
+        self._lock_fd = opened.lock_fd
+        self._state = opened.state
+        self.sessions: dict[str, SessionLog] = self._state.sessions
+        self.epoch = self._state.epoch
+        # next event id of every session that may still be appended to
+        self._next_ids = {sid: s.last_event_id + 1 for sid, s in self.sessions.items() if not s.done}
+        self._queue: list[_Ticket] = []
+        self._pending_bytes = 0
+        self._pending_records = 0
+        self._space = trio.Event()
+        self._commit_lock = trio.Lock()
+        self._size = opened.size
+        self._compact_at = config.compact_at_bytes
+        self._compact_requested = False
+        self._closing = False
+        self._closed = False
+        self._broken: OSError | None = None
+        self._fsyncs = opened.fsyncs
+        self._batches = 0
+        self._appended = 0
+        self._compactions = 0
+        self._replayed = opened.replayed
+        self._truncated = opened.truncated
+
+    # -- reading ------------------------------------------------------------------
+
+    def interrupted(self) -> list[SessionLog]:
+        """Unfinished sessions last written before this run (oldest first):
+        generations cut off by a crash or restart, resumable from their log."""
+        found = [s for s in self.sessions.values() if not s.done and s.epoch < self.epoch]
+        return sorted(found, key=lambda s: s.last_seq)
+
+    def statistics(self) -> JournalStatistics:
+        return JournalStatistics(
+            epoch=self.epoch,
+            sessions=len(self.sessions),
+            open_sessions=sum(not s.done for s in self.sessions.values()),
+            records=self._state.records,
+            appended=self._appended,
+            bytes=self._size,
+            fsyncs=self._fsyncs,
+            batches=self._batches,
+            pending_records=self._pending_records,
+            pending_bytes=self._pending_bytes,
+            compactions=self._compactions,
+            replayed=self._replayed,
+            truncated_bytes=self._truncated,
+        )
+
+    # -- appending ------------------------------------------------------------------
+
+    async def append(self, session: str, body: Mapping[str, Any], *, ts: int | None = None) -> WalRecord:
+        """Append one event; see :meth:`append_many`."""
+        (record,) = await self.append_many([(session, body)], ts=ts)
+        return record
+
+    async def append_many(
+        self, items: Iterable[tuple[str, Mapping[str, Any]]], *, ts: int | None = None
+    ) -> list[WalRecord]:
+        """Append ``(session, body)`` events and wait until they are durable.
+
+        Records of one call are written contiguously, in order, with
+        per-session event ids assigned here (0 for ``created``, then +1).
+        Calls made while another call's fsync is in flight are written
+        together by the next write and fsync (group commit).
+
+        Args:
+            items: ``(session id, event body)`` pairs; bodies as built by
+                ``superfluid.proto.body_*``. Several sessions may be mixed
+                (one tick's spans for all lanes).
+            ts: unix ms for every record of this call (default: now).
+
+        Returns:
+            The committed records, with their event ids.
+
+        Raises:
+            ValueError: an invalid body or session id, or an oversized record.
+            SessionStateError: the first event of a session is not
+                ``created``, a session is created twice, or a finished
+                session gets another event. Nothing of the call is queued.
+            JournalWriteError: the write or fsync failed (the journal then
+                refuses all further appends).
+            JournalClosed: the journal is closing.
+
+        Cancellation: if cancelled before its records are queued, nothing is
+        written. Once queued (after the first checkpoint that returns), they
+        *will* be committed, in order, by whichever call holds the commit
+        lock; a cancelled caller just doesn't wait to learn it. Watch
+        :attr:`sessions` (or ``last_event_id``) for the committed state.
+
+        Resource handling: queued bytes are bounded by
+        ``config.max_pending_bytes``; beyond it callers wait for room.
+        """
+        items = list(items)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_usable()
+        while self._pending_bytes >= self.config.max_pending_bytes:
+            await self._space.wait()
+            self._check_usable()
+        if not items:
+            return []
+        ticket = self._enqueue(items, _unix_ms() if ts is None else ts)
+        await self._commit_through()
+        if ticket.error is not None:
+            if isinstance(ticket.error, JournalClosed):
+                raise JournalClosed(str(ticket.error))
+            raise JournalWriteError(f"writing {self.path} failed: {ticket.error}") from ticket.error
+        if not ticket.committed:
+            raise JournalError(f"{self.path}: the commit did not finish within {self.config.commit_shield_s} s")
+        return ticket.records
+
+    async def compact(self) -> None:
+        """Compact ``wal.log`` now, whatever its size (see the module docstring).
+
+        Raises:
+            JournalWriteError, JournalClosed: as for :meth:`append_many`.
+
+        Cancellation: as for :meth:`append_many`: once started, the rewrite
+        runs to its end.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        self._check_usable()
+        self._compact_requested = True
+        await self._commit_through()
+        self._check_usable()
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise JournalWriteError(f"{self.path} failed earlier ({self._broken}); it takes no more records")
+        if self._closing:
+            raise JournalClosed(f"{self.path} is closed")
+
+    def _enqueue(self, items: list[tuple[str, Mapping[str, Any]]], ts: int) -> _Ticket:
+        """Validate, number and encode ``items`` and queue them as one ticket.
+        Synchronous, so ids are assigned in queue order; all or nothing."""
+        staged: dict[str, int] = {}
+        records: list[WalRecord] = []
+        for session, body in items:
+            if type(session) is not str or session == DAEMON_SESSION:
+                raise ValueError(f"a session id must be a non-empty string, got {session!r}")
+            kind = body.get("type") if isinstance(body, Mapping) else None
+            if kind == EPOCH_BUMP:
+                raise ValueError("epoch bumps are written by the journal itself")
+            next_id = staged.get(session, self._next_ids.get(session))
+            if next_id == _CLOSING or (next_id is None and session in self.sessions):
+                raise SessionStateError(f"session {session} has finished; it takes no more events")
+            if next_id is None:
+                if kind != CREATED:
+                    raise SessionStateError(f"unknown session {session}: its first event must be 'created'")
+                next_id = 0
+            elif kind == CREATED:
+                raise SessionStateError(f"session {session} already exists")
+            record = WalRecord(session=session, event_id=next_id, epoch=self.epoch, ts=ts, body=body)
+            records.append(record)
+            staged[session] = _CLOSING if ends_session(record.body) else next_id + 1
+        try:
+            data = b"".join(encode_record(r, max_record_size=self.config.max_record_size) for r in records)
+        except LocalProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        self._next_ids.update(staged)
+        ticket = _Ticket(records, data)
+        self._queue.append(ticket)
+        self._pending_bytes += len(data)
+        self._pending_records += len(records)
+        return ticket
+
+    async def _commit_through(self) -> None:
+        """Hold the commit lock and write out the queue.
+
+        ``acquire_nowait`` first: a caller that is already cancelled must not
+        leave its queued ticket behind with the lock free. If we have to wait
+        and are cancelled, the current holder sees no waiter and drains our
+        ticket itself.
+        """
+        try:
+            self._commit_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._commit_lock.acquire()
+        try:
+            # Bounded shield: the write+fsync must finish for the callers
+            # whose records it carries, even if *this* caller is cancelled.
+            with trio.move_on_after(self.config.commit_shield_s, shield=True) as scope:
+                await self._drain()
+            if scope.cancelled_caught and self._queue:
+                log.warning("session log: commit exceeded %s s; %d records wait for the next commit",
+                            self.config.commit_shield_s, self._pending_records)
+        finally:
+            self._commit_lock.release()
+
+    async def _drain(self, *, compact: bool = True) -> None:
+        """Commit queued tickets until the queue is empty or another task is
+        waiting for the lock (it takes over), then compact if due."""
+        while self._queue:
+            await self._commit_batch()
+            if self._commit_lock.statistics().tasks_waiting:
+                break
+        due = self._compact_requested or self._size >= self._compact_at
+        if compact and due and not (self._closed or self._broken):
+            await self._compact()
+
+    async def _commit_batch(self) -> None:
+        batch, self._queue = self._queue, []
+        self._pending_bytes = self._pending_records = 0
+        self._space.set()
+        self._space = trio.Event()
+        failure: BaseException | None = None
+        if self._closed:
+            failure = JournalClosed(f"{self.path} closed before these records were written")
+        elif self._broken is not None:
+            failure = self._broken
+        else:
+            data = b"".join(t.data for t in batch)
+            try:
+                await trio.to_thread.run_sync(
+                    partial(write_and_sync, self._fd, data, self._size, full=self.config.full_fsync)
+                )
+            except OSError as exc:
+                log.error("session log %s: write/fsync failed (%s); refusing further appends", self.path, exc)
+                self._broken = failure = exc
+            else:
+                self._size += len(data)
+                self._fsyncs += 1
+                self._batches += 1
+        for ticket in batch:
+            if failure is not None:
+                ticket.error = failure
+                continue
+            for record in ticket.records:
+                self._state.apply(record)
+                if self._next_ids.get(record.session) == _CLOSING and ends_session(record.body):
+                    del self._next_ids[record.session]
+            self._appended += len(ticket.records)
+            ticket.committed = True
+
+    # -- compaction ------------------------------------------------------------------
+
+    def _retention(self) -> tuple[list[SessionLog], list[str]]:
+        """Which sessions a compaction keeps (in creation order) and drops."""
+        busy = {r.session for t in self._queue for r in t.records}
+        keep: list[SessionLog] = []
+        interrupted: list[SessionLog] = []
+        finished: list[SessionLog] = []
+        for s in self.sessions.values():
+            if s.done:
+                finished.append(s)
+            elif s.epoch >= self.epoch or s.session in busy:
+                keep.append(s)
+            else:
+                interrupted.append(s)
+        drop: list[str] = []
+        for group, limit in ((finished, self.config.keep_finished), (interrupted, self.config.keep_interrupted)):
+            group.sort(key=lambda s: s.last_seq)
+            cut = max(0, len(group) - max(0, limit))
+            drop += [s.session for s in group[:cut]]
+            keep += group[cut:]
+        keep.sort(key=lambda s: s.first_seq)
+        return keep, drop
+
+    async def _compact(self) -> None:
+        self._compact_requested = False
+        keep, drop = self._retention()
+        head = self._state.daemon_record
+        assert head is not None  # the opening epoch bump
+        # Sessions being dropped take no appends while the rewrite runs.
+        parked = {sid: self._next_ids.pop(sid) for sid in drop if sid in self._next_ids}
+        before = self._size
+        try:
+            result = await trio.to_thread.run_sync(partial(
+                write_compacted, self.directory, head, keep,
+                full_fsync=self.config.full_fsync, max_record_size=self.config.max_record_size,
+            ))
+        except OSError as exc:
+            self._next_ids.update(parked)
+            self._compact_at = max(self._compact_at, 2 * self._size)
+            log.error("session log %s: compaction failed (%s); next attempt at %d bytes",
+                      self.path, exc, self._compact_at)
+            return
+        old, self._fd = self._fd, result.fd
+        close_quietly(old)
+        self._size = result.size
+        self._state.records = result.records
+        for sid in drop:
+            del self.sessions[sid]
+        self._compact_at = max(self.config.compact_at_bytes, 2 * result.size)
+        self._compactions += 1
+        self._fsyncs += 1
+        log.info("session log %s compacted: %d -> %d bytes, kept %d sessions, dropped %d",
+                 self.path, before, result.size, len(keep), len(drop))
+        if result.dir_error is not None:
+            log.error("session log %s: fsync of the directory after compaction failed (%s); "
+                      "refusing further appends", self.path, result.dir_error)
+            self._broken = result.dir_error
+
+    # -- closing ---------------------------------------------------------------------
+
+    def _close(self) -> None:
+        self._closing = self._closed = True
+        for ticket in self._queue:
+            ticket.error = JournalClosed(f"{self.path} closed before these records were written")
+        self._queue = []
+        self._space.set()
+        close_quietly(self._fd)
+        close_quietly(self._lock_fd)  # closing the descriptor releases the flock
+        self._fd = self._lock_fd = -1
+
+
+@asynccontextmanager
+async def open_journal(
+    directory: Path | str, *, fresh: bool = False, config: JournalConfig | None = None
+) -> AsyncIterator[Journal]:
+    """Open the session log in ``directory`` for the lifetime of the block.
+
+    Args:
+        directory: the sessions directory (created if missing).
+        fresh: ``--sessions-cache``: start an empty log, keeping the old one
+            as ``wal.log.prev`` (or ``wal.log.corrupt-<n>`` if it was damaged).
+        config: limits and retention policy.
+
+    Returns:
+        The :class:`Journal`, replayed and with this run's epoch written.
+
+    Raises:
+        JournalLocked: another server holds the directory.
+        WalCorrupt: the log is damaged other than in its tail (and not ``fresh``).
+        OSError: the directory or log cannot be created, read or written.
+
+    Cancellation: the opening (lock, replay, epoch bump) runs in a thread and
+    completes before a cancellation is seen; the log is then closed as below.
+
+    Resource handling: on exit, records already queued are written (bounded
+    by ``config.close_timeout_s``, shielded); later appends raise
+    :class:`JournalClosed`. The log and the lock file are closed, which
+    releases the lock; ``serve.lock`` itself stays (deleting it would race
+    with a starting server).
+    """
+    config = config or JournalConfig()
+    opened = await trio.to_thread.run_sync(partial(
+        open_log, Path(directory), fresh=fresh, max_record_size=config.max_record_size,
+        full_fsync=config.full_fsync, now_ms=_unix_ms(),
+    ))
+    journal = Journal(opened, config)
+    try:
+        yield journal
+    finally:
+        journal._closing = True
+        with trio.move_on_after(config.close_timeout_s, shield=True):
+            async with journal._commit_lock:
+                await journal._drain(compact=False)
+        journal._close()

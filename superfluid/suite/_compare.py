@@ -1,0 +1,100 @@
+"""``compare``: result directories -> one Markdown report.
+
+A manifest bullet per directory, a grid (scenario x system: ``pass``,
+``**FAIL**``, ``n/a``, ``error``) with a pass count per system, then one
+section per scenario: its pass condition, and per system the mark, the
+headline, the one-line reason when it did not pass, and the result file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ._conditions import CONDITIONS
+
+__all__ = ["MARKS", "compare", "load_results"]
+
+MARKS = {"pass": "pass", "fail": "**FAIL**", "unsupported": "n/a", "error": "error"}
+_ORDER = list(CONDITIONS)
+
+
+def load_results(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(manifests, cells); each cell carries ``_file`` and ``_column``."""
+    manifests: list[dict[str, Any]] = []
+    cells: list[dict[str, Any]] = []
+    for d in dirs:
+        mpath = d / "manifest.json"
+        manifest = json.loads(mpath.read_text()) if mpath.exists() else {}
+        manifest["_dir"] = str(d)
+        manifests.append(manifest)
+        for f in sorted(d.glob("*--*.json")):
+            try:
+                cell = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if not isinstance(cell, dict) or "verdict" not in cell:
+                continue
+            scenario, _, system = f.stem.partition("--")
+            cell.setdefault("scenario", scenario)
+            cell.setdefault("system", system)
+            cell["_file"] = str(f)
+            cell["_dir"] = d.name
+            cells.append(cell)
+    systems_per_dir: dict[str, set[str]] = {}
+    for c in cells:
+        systems_per_dir.setdefault(c["system"], set()).add(c["_dir"])
+    for c in cells:
+        c["_column"] = c["system"] if len(systems_per_dir[c["system"]]) == 1 else f"{c['system']} [{c['_dir']}]"
+    return manifests, cells
+
+
+def _manifest_line(m: dict[str, Any]) -> str:
+    mach = m.get("machine") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items() if v)
+    parts = [f"`{m['_dir']}`", f"box {m.get('box', '?')}", f"scale **{m.get('scale', '?')}**",
+             f"{mach.get('cpus', '?')} CPUs, {mach.get('memory_gib', '?')} GiB, {mach.get('platform', '?')}",
+             f"systems {', '.join(m.get('systems') or [])}", versions,
+             f"{m.get('started', '?')} to {m.get('finished') or 'unfinished'}"]
+    if m.get("scale") != "full":
+        parts.append("reduced sizes: not the published setup")
+    return "- " + "; ".join(p for p in parts if p)
+
+
+def compare(dirs: list[Path]) -> str:
+    manifests, cells = load_results(dirs)
+    columns: list[str] = []
+    for c in cells:
+        if c["_column"] not in columns:
+            columns.append(c["_column"])
+    scenarios = [s for s in _ORDER if any(c["scenario"] == s for c in cells)]
+    scenarios += sorted({c["scenario"] for c in cells} - set(scenarios))
+    grid = {(c["scenario"], c["_column"]): c for c in cells}
+    out = ["# Serving-semantics suite", ""]
+    out += [_manifest_line(m) for m in manifests]
+    out += ["", "| scenario | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for s in scenarios:
+        marks = [MARKS.get(grid[(s, col)]["verdict"], "?") if (s, col) in grid else "" for col in columns]
+        out.append(f"| {s} | " + " | ".join(marks) + " |")
+    totals = []
+    for col in columns:
+        mine = [grid[(s, col)] for s in scenarios if (s, col) in grid]
+        passed = sum(1 for c in mine if c["verdict"] == "pass")
+        totals.append(f"{passed}/{len(mine)}")
+    out.append("| **passes** | " + " | ".join(totals) + " |")
+    for s in scenarios:
+        out += ["", f"## {s}", ""]
+        condition = next((grid[(s, col)].get("condition") for col in columns
+                          if (s, col) in grid and grid[(s, col)].get("condition")), CONDITIONS.get(s, "?"))
+        out += [f"Pass condition: {condition}.", ""]
+        for col in columns:
+            c = grid.get((s, col))
+            if c is None:
+                continue
+            mark = MARKS.get(c["verdict"], c["verdict"])
+            line = f"- **{col}** ({mark}): {c.get('headline') or ''} — `{c['_file']}`"
+            out.append(line)
+            if c["verdict"] != "pass" and c.get("reason"):
+                out.append(f"  - why: {c['reason']}")
+    return "\n".join(out) + "\n"

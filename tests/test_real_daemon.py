@@ -1,0 +1,129 @@
+"""The daemon on the real llama.cpp runtime (SmolLM2-135M; Gemma 3 270M for the shared pool)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import trio
+
+from superfluid._config import ModelSource, ServeConfig
+from superfluid.sched import PlannerConfig
+
+from .conftest import GEMMA_GGUF, REAL_GGUF, Daemon, sse_events, start_daemon, stream_text
+
+pytestmark = pytest.mark.real
+
+if os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1":
+    pytest.importorskip("llama_cpp")
+    if not REAL_GGUF.exists():
+        pytest.skip(f"no model at {REAL_GGUF} (python -m superfluid._models fetches it)", allow_module_level=True)
+
+
+def real_config(path: os.PathLike[str], name: str, *, max_batch: int = 4, max_context: int = 2048) -> ServeConfig:
+    return ServeConfig(models=(ModelSource(spec=str(path), runtime="llamacpp", name=name),), port=0,
+                       max_batch=max_batch, max_context=max_context, planner=PlannerConfig(max_batch=max_batch),
+                       hang_timeout_s=120.0)
+
+
+@pytest.fixture
+async def smol(nursery: trio.Nursery) -> Daemon:
+    d = await start_daemon(nursery, real_config(REAL_GGUF, "smol"))
+    yield d
+    await d.client.aclose()
+    d.scope.cancel()
+
+
+def chat(content: str, **kw: object) -> dict:
+    return {"model": "smol", "messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+
+
+async def metric(d: Daemon, name: str) -> float:
+    text = (await d.client.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def test_chat_with_the_embedded_model(smol: Daemon) -> None:
+    r = (await smol.client.post("/v1/chat/completions", json=chat("Say hello to Bob.", max_tokens=24))).json()
+    text = r["choices"][0]["message"]["content"]
+    assert "Bob" in text, text
+    assert r["choices"][0]["finish_reason"] in ("stop", "length")
+    models = (await smol.client.get("/v1/models")).json()["data"]
+    assert models[0]["runtime"]["id"] == "llamacpp" and models[0]["capabilities"]["grammar"] is True
+
+
+async def test_concurrent_requests_are_batched_and_match_alone(smol: Daemon) -> None:
+    prompts = [f"Write one sentence about the number {i}." for i in range(4)]
+    alone = []
+    for p in prompts:
+        r = await smol.client.post("/v1/chat/completions", json=chat(p, max_tokens=20, ignore_eos=True))
+        alone.append(r.json()["choices"][0]["message"]["content"])
+    before = await metric(smol, "superfluid_batched_rounds_total")
+    together: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        async with smol.client.stream("POST", "/v1/chat/completions",
+                                      json=chat(prompts[i], max_tokens=20, ignore_eos=True, stream=True)) as r:
+            together[i] = stream_text(await sse_events(r))
+
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(one, i)
+    assert await metric(smol, "superfluid_batched_rounds_total") > before
+    assert [together[i] for i in range(4)] == alone
+
+
+async def test_stop_max_tokens_logprobs_and_prefix_cache(smol: Daemon) -> None:
+    base = chat("Write a short poem about the sea.", max_tokens=40, ignore_eos=True)
+    first = (await smol.client.post("/v1/chat/completions", json=base)).json()
+    text = first["choices"][0]["message"]["content"]
+    assert first["usage"]["completion_tokens"] <= 40
+    again = (await smol.client.post("/v1/chat/completions", json=base)).json()
+    assert again["choices"][0]["message"]["content"] == text
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
+    words = text.split()
+    assert len(words) > 6, text
+    stop_word = " " + words[5]
+    stopped = (await smol.client.post("/v1/chat/completions", json={**base, "stop": [stop_word]})).json()
+    assert stopped["choices"][0]["message"]["content"] == text[: text.index(stop_word)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    short = (await smol.client.post("/v1/chat/completions", json={**base, "max_tokens": 3})).json()
+    assert short["usage"]["completion_tokens"] == 3 and short["choices"][0]["finish_reason"] == "length"
+    lp = (await smol.client.post("/v1/chat/completions", json={**base, "max_tokens": 4, "logprobs": True,
+                                                                "top_logprobs": 3})).json()
+    content = lp["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+    assert all(c["logprob"] <= 0 for c in content)
+
+
+async def test_json_schema_output_parses_and_validates(smol: Daemon) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    body = chat("Give the largest city of Japan as JSON.", max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    r = (await smol.client.post("/v1/chat/completions", json=body)).json()
+    doc = json.loads(r["choices"][0]["message"]["content"])
+    assert set(doc) == {"city", "population"}
+    assert isinstance(doc["city"], str) and isinstance(doc["population"], int)
+    bad = chat("x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "frobnicate"}}})
+    for stream in (False, True):
+        r = await smol.client.post("/v1/chat/completions", json={**bad, "stream": stream})
+        assert r.status_code == 400, r.text
+        assert "grammar" in r.json()["error"]["message"]
+
+
+@pytest.mark.skipif(not GEMMA_GGUF.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
+                    reason="Gemma 3 270M not fetched")
+async def test_gemma_shared_pool(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, real_config(GEMMA_GGUF, "gemma", max_batch=2, max_context=1024))
+    info = (await d.client.get("/v1/models")).json()["data"][0]
+    assert info["capabilities"]["prefix_cache"] is not None
+    outs = []
+    for _ in range(2):
+        r = (await d.client.post("/v1/completions", json={"model": "gemma", "prompt": "The capital of France is",
+                                                          "max_tokens": 8, "temperature": 0})).json()
+        outs.append(r["choices"][0]["text"])
+    assert outs[0] == outs[1] and outs[0].strip()
+    d.scope.cancel()
