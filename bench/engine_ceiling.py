@@ -76,3 +76,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def run_ceiling(model: str, *, lanes: tuple[int, ...], tokens: int, threads: int) -> dict[int, float]:
+    """Aggregate tok/s per lane count (used by bench/throughput.py)."""
+    engine = LlamaEngine(model, max_batch=max(lanes), max_context=4096, threads=threads)
+    try:
+        work = prompts(engine)
+        run_level(engine, work, max(lanes), 16)  # warm-up
+        return {n: run_level(engine, work, n, tokens)["tok_s"] for n in lanes}
+    finally:
+        engine.close()

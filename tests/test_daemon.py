@@ -373,3 +373,37 @@ async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery
     # without preemption the chat would wait for an agent to finish: 60 rounds x 20 ms
     assert chat_ttft and chat_ttft[0] < 0.6, chat_ttft
     d.scope.cancel()
+
+
+async def test_eight_streams_survive_repeated_worker_kills(nursery: trio.Nursery) -> None:
+    """SIGKILL the worker at random points during eight concurrent streams:
+    every stream completes with exactly the uninterrupted text."""
+    import random
+
+    d = await start_daemon(nursery, mock_config("mock?step_ms=4&prefill_us=20", max_batch=8))
+    bodies = [{**CHAT, "messages": [{"role": "user", "content": f"stream {i}"}], "max_tokens": 120,
+               "ignore_eos": True, "stream": True, "temperature": 0.9 if i % 2 else 0, "seed": 1000 + i}
+              for i in range(8)]
+    refs: dict[int, str] = {}
+    got: dict[int, str] = {}
+
+    async def one(i: int, out: dict[int, str]) -> None:
+        async with d.client.stream("POST", "/v1/chat/completions", json=bodies[i]) as r:
+            events = await sse_events(r)
+        assert not any("error" in e for e in events), events[-1]
+        out[i] = stream_text(events)
+
+    async with trio.open_nursery() as n:
+        for i in range(8):
+            n.start_soon(one, i, refs)
+    rng = random.Random(7)
+    async with trio.open_nursery() as n:
+        for i in range(8):
+            n.start_soon(one, i, got)
+        for _ in range(3):
+            await trio.sleep(rng.uniform(0.05, 0.2))
+            for pid in worker_pids():
+                os.kill(pid, signal.SIGKILL)
+    assert got == refs
+    assert await metric(d, "superfluid_worker_respawns_total") >= 1
+    d.scope.cancel()

@@ -127,3 +127,34 @@ async def test_gemma_shared_pool(nursery: trio.Nursery) -> None:
         outs.append(r["choices"][0]["text"])
     assert outs[0] == outs[1] and outs[0].strip()
     d.scope.cancel()
+
+
+async def test_worker_kill_mid_streams_continues_identically(smol: Daemon) -> None:
+    import signal
+
+    from .conftest import worker_pids
+
+    bodies = [chat(f"Tell a story about a robot named R{i}.", max_tokens=48, ignore_eos=True, stream=True)
+              for i in range(4)]
+    refs: dict[int, str] = {}
+    got: dict[int, str] = {}
+
+    async def one(i: int, out: dict[int, str]) -> None:
+        async with smol.client.stream("POST", "/v1/chat/completions", json=bodies[i]) as r:
+            events = await sse_events(r)
+        assert not any("error" in e for e in events), events[-1]
+        out[i] = stream_text(events)
+
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(one, i, refs)
+    async with trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(one, i, got)
+        with trio.fail_after(60):
+            while await metric(smol, "superfluid_decode_tokens_total") < 4 * 48 + 40:
+                await trio.sleep(0.05)
+        for pid in worker_pids("llamacpp"):
+            os.kill(pid, signal.SIGKILL)
+    assert got == refs
+    assert await metric(smol, "superfluid_worker_respawns_total") == 1

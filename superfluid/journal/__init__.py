@@ -6,12 +6,12 @@ The record format and event bodies are pure protocol code in
 
 from __future__ import annotations
 
-from ..proto._wal import WalCorrupt as WalCorrupt
 from ._errors import JournalClosed as JournalClosed
 from ._errors import JournalError as JournalError
 from ._errors import JournalLocked as JournalLocked
 from ._errors import JournalWriteError as JournalWriteError
 from ._errors import SessionStateError as SessionStateError
+from ._errors import WalCorrupt as WalCorrupt
 from ._journal import Journal as Journal
 from ._journal import JournalConfig as JournalConfig
 from ._journal import JournalStatistics as JournalStatistics

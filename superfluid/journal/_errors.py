@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["JournalClosed", "JournalError", "JournalLocked", "JournalWriteError", "SessionStateError"]
+from ..proto._wal import WalCorrupt
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["JournalClosed", "JournalError", "JournalLocked", "JournalWriteError", "SessionStateError", "WalCorrupt"]
 
 
 class JournalError(Exception):

@@ -8,7 +8,7 @@ import fcntl
 import itertools
 import logging
 import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -25,6 +25,9 @@ from ..proto._wal import (
 )
 from ._errors import JournalLocked
 from ._session import SessionLog
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "COMPACT_NAME",

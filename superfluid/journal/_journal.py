@@ -53,16 +53,18 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ..proto._errors import LocalProtocolError
 from ..proto._wal import CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record, ends_session
-from ._errors import JournalClosed, JournalError, JournalWriteError, SessionStateError
+from ._errors import JournalClosed, JournalWriteError, SessionStateError
 from ._files import WAL_NAME, Opened, close_quietly, open_log, write_and_sync, write_compacted
-from ._session import SessionLog
+
+if TYPE_CHECKING:
+    from ._session import SessionLog
 
 __all__ = ["Journal", "JournalConfig", "JournalStatistics", "open_journal"]
 
@@ -112,8 +114,14 @@ class JournalStatistics:
 class _Ticket:
     records: list[WalRecord]
     data: bytes
+    taken: bool = False  # in a batch being (or already) written
+    waiting: bool = False  # its caller is waiting as a follower (not cancelled)
     committed: bool = False
     error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.committed or self.error is not None
 
 
 class Journal:
@@ -143,7 +151,8 @@ class Journal:
         self._pending_bytes = 0
         self._pending_records = 0
         self._space = trio.Event()
-        self._commit_lock = trio.Lock()
+        self._leading = False  # some task is writing batches (the leader)
+        self._batch_done = trio.Event()  # set (and replaced) after every batch
         self._size = opened.size
         self._compact_at = config.compact_at_bytes
         self._compact_requested = False
@@ -217,11 +226,13 @@ class Journal:
                 refuses all further appends).
             JournalClosed: the journal is closing.
 
-        Cancellation: if cancelled before its records are queued, nothing is
-        written. Once queued (after the first checkpoint that returns), they
-        *will* be committed, in order, by whichever call holds the commit
-        lock; a cancelled caller just doesn't wait to learn it. Watch
-        :attr:`sessions` (or ``last_event_id``) for the committed state.
+        Cancellation: a call cancelled before it queues its records (at its
+        first checkpoint, or while waiting for room) writes nothing. Once
+        queued, the records *will* be committed, in order, even if the caller
+        is cancelled: by the leader of the moment, or by the cancelled caller
+        itself under a bounded shield if nobody else is left to; the caller
+        just stops waiting. :attr:`sessions` (``last_event_id``) shows what
+        is committed.
 
         Resource handling: queued bytes are bounded by
         ``config.max_pending_bytes``; beyond it callers wait for room.
@@ -230,18 +241,19 @@ class Journal:
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
         while self._pending_bytes >= self.config.max_pending_bytes:
-            await self._space.wait()
+            if self._leading:
+                await self._space.wait()
+            else:  # only orphaned records queued: write them to make room
+                await self._lead()
             self._check_usable()
         if not items:
             return []
         ticket = self._enqueue(items, _unix_ms() if ts is None else ts)
-        await self._commit_through()
+        await self._commit_through(ticket)
         if ticket.error is not None:
             if isinstance(ticket.error, JournalClosed):
                 raise JournalClosed(str(ticket.error))
             raise JournalWriteError(f"writing {self.path} failed: {ticket.error}") from ticket.error
-        if not ticket.committed:
-            raise JournalError(f"{self.path}: the commit did not finish within {self.config.commit_shield_s} s")
         return ticket.records
 
     async def compact(self) -> None:
@@ -256,7 +268,10 @@ class Journal:
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_usable()
         self._compact_requested = True
-        await self._commit_through()
+        while self._leading:
+            await self._batch_done.wait()
+        if self._compact_requested:
+            await self._lead()
         self._check_usable()
 
     def _check_usable(self) -> None:
@@ -299,35 +314,58 @@ class Journal:
         self._pending_records += len(records)
         return ticket
 
-    async def _commit_through(self) -> None:
-        """Hold the commit lock and write out the queue.
+    async def _commit_through(self, ticket: _Ticket) -> None:
+        """Return once ``ticket`` is written (or failed): lead if nobody is
+        leading, else follow (wait for the leader's next batch).
 
-        ``acquire_nowait`` first: a caller that is already cancelled must not
-        leave its queued ticket behind with the lock free. If we have to wait
-        and are cancelled, the current holder sees no waiter and drains our
-        ticket itself.
+        A leader writes one batch, then hands over to a waiting follower if
+        the queue holds one's records (fairness: no caller commits for others
+        forever); with only orphaned records queued (their callers were
+        cancelled) it writes those too. A follower cancelled while its records
+        are queued and nobody leads writes them itself (shielded, bounded),
+        so queued records are never stranded.
         """
+        while not ticket.finished:
+            if not self._leading:
+                await self._lead()
+                continue
+            ticket.waiting = True
+            try:
+                await self._batch_done.wait()
+            except trio.Cancelled:
+                ticket.waiting = False
+                if not ticket.taken and not self._leading:
+                    # orphaned records, nobody leading: write them ourselves
+                    with trio.move_on_after(self.config.commit_shield_s, shield=True):
+                        await self._lead()
+                raise
+            ticket.waiting = False
+
+    async def _lead(self, *, compact: bool = True) -> None:
+        self._leading = True
         try:
-            self._commit_lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._commit_lock.acquire()
-        try:
-            # Bounded shield: the write+fsync must finish for the callers
+            # Bounded shield: the write+fsync must finish for every caller
             # whose records it carries, even if *this* caller is cancelled.
             with trio.move_on_after(self.config.commit_shield_s, shield=True) as scope:
-                await self._drain()
+                await self._drain(compact=compact)
             if scope.cancelled_caught and self._queue:
                 log.warning("session log: commit exceeded %s s; %d records wait for the next commit",
                             self.config.commit_shield_s, self._pending_records)
         finally:
-            self._commit_lock.release()
+            self._leading = False
+            self._wake_followers()
 
-    async def _drain(self, *, compact: bool = True) -> None:
-        """Commit queued tickets until the queue is empty or another task is
-        waiting for the lock (it takes over), then compact if due."""
+    def _wake_followers(self) -> None:
+        self._batch_done.set()
+        self._batch_done = trio.Event()
+
+    async def _drain(self, *, compact: bool) -> None:
+        """Write batches until the queue is empty or holds a live follower's
+        records (that follower leads next), then compact if due."""
         while self._queue:
             await self._commit_batch()
-            if self._commit_lock.statistics().tasks_waiting:
+            self._wake_followers()
+            if any(t.waiting for t in self._queue):
                 break
         due = self._compact_requested or self._size >= self._compact_at
         if compact and due and not (self._closed or self._broken):
@@ -336,6 +374,8 @@ class Journal:
     async def _commit_batch(self) -> None:
         batch, self._queue = self._queue, []
         self._pending_bytes = self._pending_records = 0
+        for ticket in batch:
+            ticket.taken = True
         self._space.set()
         self._space = trio.Event()
         failure: BaseException | None = None
@@ -434,6 +474,7 @@ class Journal:
             ticket.error = JournalClosed(f"{self.path} closed before these records were written")
         self._queue = []
         self._space.set()
+        self._wake_followers()
         close_quietly(self._fd)
         close_quietly(self._lock_fd)  # closing the descriptor releases the flock
         self._fd = self._lock_fd = -1
@@ -479,6 +520,7 @@ async def open_journal(
     finally:
         journal._closing = True
         with trio.move_on_after(config.close_timeout_s, shield=True):
-            async with journal._commit_lock:
-                await journal._drain(compact=False)
+            while journal._leading:
+                await journal._batch_done.wait()
+            await journal._lead(compact=False)
         journal._close()

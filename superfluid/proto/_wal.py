@@ -12,9 +12,10 @@ this module reads no clock. ``body`` is a map with a ``"type"`` key; the event
 types and their fields are defined below (:func:`validate_body`).
 
 Checksum: the first 8 bytes of ``hashlib.blake2b(payload, digest_size=8)``,
-read as a little-endian u64. blake2b is in the standard library, is fast, and
-a 64-bit keyed-strength digest makes an accidental match on damaged bytes
-practically impossible (crc32 would give only 32 bits of real protection).
+read as a little-endian u64. blake2b is in the standard library and fast, and
+a 64-bit cryptographic digest makes an accidental match on damaged bytes
+practically impossible (a crc32 widened to 64 bits still detects only 32
+bits' worth).
 
 Reading (:class:`WalReader`) ends in one of three ways:
 
@@ -54,8 +55,11 @@ __all__ = [
     "EPOCH_BUMP",
     "FINISHED",
     "GENERATED",
+    "HEADER_SIZE",
     "MAGIC",
     "MAX_RECORD_SIZE",
+    "MAX_SESSION_ID",
+    "MAX_TOKEN_ID",
     "PROMPT",
     "WalCorrupt",
     "WalEnd",
@@ -76,8 +80,8 @@ __all__ = [
 
 MAGIC: Final = b"SFWAL001"
 MAX_RECORD_SIZE: Final = 64 * 1024 * 1024
-MAX_SESSION_ID = 256
-MAX_TOKEN_ID = 2**32 - 1  # token arrays are stored as u32 in memory
+MAX_SESSION_ID: Final = 256
+MAX_TOKEN_ID: Final = 2**32 - 1  # token arrays are stored as u32 in memory
 _MAX_INT = 2**63 - 1
 _HEADER = struct.Struct("<IQ")
 HEADER_SIZE: Final = _HEADER.size
@@ -108,10 +112,12 @@ def _int_field(name: str, value: object, *, hi: int = _MAX_INT) -> int:
 def _tokens(value: object) -> list[int]:
     if not isinstance(value, (list, tuple, range, array.array)):
         raise ValueError(f"tokens must be a list of token ids, got {type(value).__name__}")
-    tokens = list(value)
-    if tokens and not (all(type(t) is int for t in tokens) and min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID):
-        raise ValueError(f"tokens must be ints in [0, {MAX_TOKEN_ID}]")
-    return tokens
+    try:
+        # array('I') checks type and range in C: ints in [0, 2**32); it also
+        # turns bools into plain ints, which is the canonical form.
+        return array.array("I", value).tolist()
+    except (TypeError, OverflowError):
+        raise ValueError(f"tokens must be ints in [0, {MAX_TOKEN_ID}]") from None
 
 
 def _opt_str(name: str, value: object) -> str | None:
@@ -126,11 +132,13 @@ def _reason(name: str, value: object) -> str:
     return value
 
 
-def _plain(value: Any, depth: int = 0) -> Any:
+def _plain(value: object, depth: int = 0) -> object:
     """A msgpack-native copy with tuples as lists, so a decoded body compares
     equal to the one that was encoded."""
     if depth > 32:
         raise ValueError("nesting too deep")
+    if type(value) is int and not -(2**63) <= value < 2**64:
+        raise ValueError(f"{value} does not fit in 64 bits")
     if value is None or type(value) in (bool, int, float, str, bytes):
         return value
     if isinstance(value, Mapping):
@@ -280,7 +288,7 @@ def encode_record(record: WalRecord, *, max_record_size: int = MAX_RECORD_SIZE) 
     Raises:
         LocalProtocolError: the payload exceeds ``max_record_size``.
     """
-    payload = msgpack.packb(
+    payload: bytes = msgpack.packb(
         {"session": record.session, "event_id": record.event_id, "epoch": record.epoch, "ts": record.ts,
          "body": record.body},
         use_bin_type=True,

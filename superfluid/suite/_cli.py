@@ -6,6 +6,8 @@
         [--box BOX.json] [--url URL] [--scenarios a,b] [--scale quick|small|full]
         [--out DIR] [--cooldown S]
     python -m superfluid.suite compare DIR [DIR ...]
+    python -m superfluid.suite systems [--box BOX.json]
+    python -m superfluid.suite conditions
 
 ``run`` exits 0 when no cell failed or errored (``unsupported`` is not a
 failure), 1 otherwise; ``compare`` prints Markdown on stdout.
@@ -23,6 +25,7 @@ from ._compare import compare
 from ._conditions import CONDITIONS
 from ._corpus import SCALES
 from ._runner import SCENARIOS, RunOptions, run
+from ._systems import load_box, system_spec
 
 __all__ = ["build_parser", "main"]
 
@@ -50,7 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="Markdown grid and per-scenario sections from result directories")
     c.add_argument("dirs", nargs="+", type=Path)
     sub.add_parser("conditions", help="print each scenario's pass condition")
+    y = sub.add_parser("systems", help="show how each system would be started on this box")
+    y.add_argument("--box", help="box JSON")
+    y.add_argument("--scale", choices=list(SCALES), default="full")
     return parser
+
+
+def _show_systems(box_path: str | None, scale: str) -> int:
+    box = load_box(box_path)
+    names = ["superfluid-mock", "superfluid-llamacpp", "llama-server", *(box.data.get("extra_systems") or {})]
+    for name in names:
+        try:
+            spec = system_spec(name, box, mock_spec=SCALES[scale].mock_spec)
+        except ValueError as exc:
+            print(f"{name}: unavailable: {exc}")
+            continue
+        caps = spec.caps
+        print(f"{name}: port {spec.port}, probe {spec.probe}, worker {caps.worker_pattern or '-'}, "
+              f"unload {caps.unload or '-'}, qos header {'yes' if caps.qos_header else 'no'}, "
+              f"busy lanes {caps.busy or '-'}")
+        print(f"    argv: {' '.join(spec.argv)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         sys.stdout.write(compare(args.dirs))
         return 0
+    if args.command == "systems":
+        return _show_systems(args.box, args.scale)
     if args.command == "conditions":
         for name, text in CONDITIONS.items():
             print(f"{name}: {text}")

@@ -57,14 +57,14 @@ class Client:
     ) -> Reply:
         """One request. ``timeout`` bounds each read, ``limit`` the whole exchange."""
         reply = Reply(stream=stream)
-        if abort_after_chunks is not None:
-            inner = on_chunk
 
-            def on_chunk(r: Reply) -> Any:  # noqa: F811 - deliberate wrap
-                verdict = inner(r) if inner is not None else None
-                return "abort" if r.chunks >= abort_after_chunks else verdict
+        def hook(r: Reply) -> Any:
+            verdict = on_chunk(r) if on_chunk is not None else None
+            if abort_after_chunks is not None and r.chunks >= abort_after_chunks:
+                return "abort"
+            return verdict
 
-        reader = StreamReader(reply, on_chunk=on_chunk)
+        reader = StreamReader(reply, on_chunk=hook)
         payload = b"" if body is None else json.dumps(body).encode()
         head = [("Host", f"{self.host}:{self.port}"), ("Connection", "close"), ("Accept", "*/*"),
                 ("User-Agent", "superfluid-suite")]

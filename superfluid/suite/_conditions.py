@@ -247,5 +247,5 @@ def result(scenario: str, numbers: dict[str, Any], headline: str) -> dict[str, A
 
 
 def unsupported(scenario: str, reason: str) -> dict[str, Any]:
-    return {"verdict": "unsupported", "headline": f"n/a: {reason}", "reason": reason,
+    return {"verdict": "unsupported", "headline": reason, "reason": reason,
             "condition": CONDITIONS[scenario], "numbers": {}}

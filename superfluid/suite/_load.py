@@ -114,7 +114,7 @@ async def kv_exhaustion(ctx: Context) -> dict[str, Any]:
         alive = target.server.alive if target.server else None
     outcomes = Counter(r.outcome for r in replies)
     ttfts = _ttfts(replies)
-    demand = sum((r.prompt_tokens or 0) + sz["max_tokens"] for r in replies)
+    demand = sum(min((r.prompt_tokens or 0) + sz["max_tokens"], sz["ctx"]) for r in replies)
     numbers = {
         "lanes": sz["lanes"], "ctx": sz["ctx"], "kv_tokens": sz["lanes"] * sz["ctx"], "requests": sz["requests"],
         "max_tokens": sz["max_tokens"], "demand_tokens": demand, "outcomes": dict(outcomes),

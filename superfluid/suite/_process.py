@@ -25,7 +25,7 @@ import trio
 
 from ._client import Client
 from ._corpus import Scale
-from ._systems import SystemSpec, render_argv
+from ._systems import SystemSpec, model_id_guess, render_argv
 
 __all__ = ["Context", "ScenarioError", "Server", "StartFailed", "Target"]
 
@@ -146,8 +146,8 @@ class Server:
         if self.spec.model_id is None:
             _, body = await client.get_json("/v1/models")
             ids = _ids(body)
-            avoid = Path(str(self.spec.companion)).stem if self.companion else None
-            main = [i for i in ids if avoid is None or avoid not in i] or ids
+            avoid = model_id_guess(str(self.spec.companion)) if self.companion else None
+            main = [i for i in ids if i != avoid] or ids
             self.model_id = main[0] if main else None
         warm = self.client()
         await warm.chat("Say hello.", max_tokens=8, stream=False, timeout=120.0, limit=300.0)

@@ -7,8 +7,8 @@ whole body to :func:`read_whole`; both fill one :class:`Reply`.
 Failure classification (the scenarios judge by it):
 
 * typed: ``http`` (a non-200 status, body kept) or ``event`` (an SSE
-  ``event: error`` line, or a ``data:`` object carrying ``error`` and no
-  ``choices``);
+  ``event: error`` line, a ``data:`` object carrying ``error`` and no
+  ``choices``, or llama-server's ``error: {...}`` line);
 * untyped: ``truncated`` (the stream ended with neither ``[DONE]`` nor a
   ``finish_reason``), ``timeout``, ``transport`` (refused, reset, broken
   HTTP), ``malformed`` (200 with a body or data line that is not JSON).
@@ -122,6 +122,15 @@ def _r(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
+def _error_message(payload: str) -> str:
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        return payload
+    err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
 def _merge_tool_calls(reply: Reply, deltas: list[Any]) -> None:
     for d in deltas:
         if not isinstance(d, dict):
@@ -155,6 +164,9 @@ class StreamReader:
         self._buf += data
         *lines, self._buf = self._buf.split(b"\n")
         for raw in lines:
+            if self.abort:  # the client hangs up here; later bytes were never "received"
+                self._buf = b""
+                return
             self._line(raw.rstrip(b"\r").decode("utf-8", "replace"), now)
 
     def _line(self, line: str, now: float) -> None:
@@ -168,6 +180,9 @@ class StreamReader:
             return
         if line.startswith("event:"):
             self._event_error = "error" in line[6:]
+            return
+        if line.startswith("error:"):  # llama-server's own (non-standard) SSE field for a failed stream
+            reply.fail("event", _error_message(line[6:].strip()))
             return
         if not line.startswith("data:"):
             return
@@ -184,10 +199,8 @@ class StreamReader:
             reply.fail("malformed", f"data line is not an object: {payload[:200]}")
             return
         if self._event_error or ("error" in obj and not obj.get("choices")):
-            err = obj.get("error", obj)
-            message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
             self._event_error = False
-            reply.fail("event", message)
+            reply.fail("event", _error_message(payload))
             return
         if isinstance(obj.get("usage"), dict):
             reply.usage = obj["usage"]

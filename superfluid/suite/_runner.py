@@ -185,6 +185,7 @@ async def run(opts: RunOptions) -> int:
             res = await _cell(ctx, scenario)
             res.update(scenario=scenario, system=system, scale=opts.scale, seconds=round(time.monotonic() - t0, 2),
                        therm_after=thermal(), finished=_now())
+            res["reason"] = " ".join(str(res.get("reason") or "").split())  # one line, always
             _write_json(path, res)
             verdict = res["verdict"]
             bad += verdict in ("fail", "error")

@@ -32,8 +32,9 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Box", "Caps", "SystemSpec", "load_box", "system_spec"]
+__all__ = ["Box", "Caps", "SystemSpec", "attached_spec", "load_box", "model_id_guess", "render_argv", "system_spec"]
 
+MOCK_COMPANION = "mock?name=mock-companion&eos_every=100000"
 DEFAULT_PORTS = {"superfluid-mock": 18600, "superfluid-llamacpp": 18601, "superfluid-mlx": 18602,
                  "llama-server": 18611, "mlx-lm-server": 18612, "ollama": 18613}
 
@@ -122,6 +123,16 @@ def _superfluid(box: Box, name: str, runtime: str, model: str | None, companion:
                       env=env, model=model, companion=companion, runtime=runtime, sessions=True)
 
 
+def model_id_guess(spec: str) -> str:
+    """The id a superfluid daemon gives a model spec: a mock's ``name`` option, else the file name sans .gguf."""
+    if spec == "mock" or spec.startswith("mock?"):
+        from urllib.parse import parse_qsl
+
+        return dict(parse_qsl(spec.partition("?")[2])).get("name", "mock")
+    name = Path(spec).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
 def _default_gguf() -> str | None:
     try:
         from .._models import default_model_path
@@ -138,8 +149,9 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         ValueError: unknown system, or the box lacks what it needs.
     """
     if name == "superfluid-mock":
-        return _superfluid(box, name, "mock", (box.data.get("models") or {}).get("mock") or mock_spec,
-                           (box.data.get("models") or {}).get("mock_companion"))
+        models = box.data.get("models") or {}
+        return _superfluid(box, name, "mock", models.get("mock") or mock_spec,
+                           models.get("mock_companion") or MOCK_COMPANION)
     if name == "superfluid-llamacpp":
         gguf = box.path("gguf", models=True) or _default_gguf()
         if gguf is None:

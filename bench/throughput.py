@@ -1,0 +1,115 @@
+"""Aggregate throughput, superfluid vs llama-server on the same llama.cpp build and model.
+
+    python bench/throughput.py [--model PATH] [--llama-server PATH] [--rounds 3] [--tokens 128]
+
+8 distinct prompts, 128-token replies on /v1/completions with ignore_eos, at 1, 2, 4 and 8
+concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
+(all tokens / wall time of the round) and median TTFT, side by side with the ratio ours/theirs.
+Also runs the raw engine ceiling (bench/engine_ceiling.py: Executor + LlamaEngine, no server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, Server, free_port, median, stream_request, superfluid_argv  # noqa: E402
+
+PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
+
+
+async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float, float]:
+    results = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        limiter = trio.CapacityLimiter(conc)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                body = {"model": model, "prompt": PROMPTS[i], "max_tokens": tokens, "temperature": 0,
+                        "ignore_eos": True}
+                results.append(await stream_request(client, "/v1/completions", body))
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            for i in range(len(PROMPTS)):
+                n.start_soon(one, i)
+        wall = trio.current_time() - t0
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        raise RuntimeError(f"errors: {errors[:2]}")
+    total = sum(r["tokens"] for r in results)
+    return total / wall, median([r["ttft"] for r in results])
+
+
+async def measure(url: str, model: str, rounds: int, tokens: int) -> dict[int, tuple[float, float]]:
+    out = {}
+    await one_round(url, model, 8, 16)  # warm-up
+    for conc in (1, 2, 4, 8):
+        runs = [await one_round(url, model, conc, tokens) for _ in range(rounds)]
+        out[conc] = (median([r[0] for r in runs]), median([r[1] for r in runs]))
+        print(f"  {conc} concurrent: {out[conc][0]:.1f} tok/s, ttft {out[conc][1] * 1000:.0f} ms", flush=True)
+    return out
+
+
+def model_id(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--llama-server", default="")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--skip-ceiling", action="store_true")
+    args = p.parse_args()
+    binary = args.llama_server or subprocess.run(
+        ["bash", str(ROOT / "bench/build_llama_server.sh")], capture_output=True, text=True, check=True
+    ).stdout.strip().splitlines()[-1]
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    port = free_port()
+    ours = Server("superfluid", superfluid_argv(args.model, port, "--max-batch", "8", "--max-context", "4096",
+                                                "--threads", str(args.threads)), port)
+    try:
+        ours.wait_ready()
+        print("superfluid:", flush=True)
+        results["superfluid"] = trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens)
+    finally:
+        ours.stop()
+    port = free_port()
+    lib = str(Path(binary).parent)
+    theirs = Server("llama-server", [binary, "-m", args.model, "-c", "32768", "-np", "8", "-t", str(args.threads),
+                                     "--host", "127.0.0.1", "--port", str(port)], port, env={"LD_LIBRARY_PATH": lib})
+    try:
+        theirs.wait_ready()
+        print("llama-server:", flush=True)
+        results["llama-server"] = trio.run(measure, theirs.url, model_id(theirs.url), args.rounds, args.tokens)
+    finally:
+        theirs.stop()
+    ceiling: dict[int, float] = {}
+    if not args.skip_ceiling:
+        from engine_ceiling import run_ceiling  # type: ignore[import-not-found]
+
+        ceiling = run_ceiling(args.model, lanes=(1, 2, 4, 8), tokens=args.tokens, threads=args.threads)
+    print()
+    print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds}")
+    print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | superfluid TTFT ms | llama-server TTFT ms |"
+          + (" engine ceiling tok/s | ours/ceiling |" if ceiling else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if ceiling else ""))
+    for c in (1, 2, 4, 8):
+        o, t = results["superfluid"][c], results["llama-server"][c]
+        row = f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {o[0] / t[0]:.2f} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |"
+        if ceiling:
+            row += f" {ceiling[c]:.1f} | {o[0] / ceiling[c]:.2f} |"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
