@@ -8,7 +8,7 @@ import attrs
 
 from .sched import PlannerConfig, QosClass
 
-__all__ = ["ModelSource", "ServeConfig"]
+__all__ = ["ModelSource", "ServeConfig", "default_sessions_dir"]
 
 
 @attrs.frozen(kw_only=True)
@@ -23,7 +23,9 @@ class ServeConfig:
     models: tuple[ModelSource, ...]
     host: str = "127.0.0.1"
     port: int = 8453
-    sessions: Path | None = None
+    sessions: Path | None = None          # None: ~/.superfluid/sessions
+    sessions_cache: bool = False          # start a fresh log, keeping the old one aside
+    resume_ttl_s: float = 300.0           # a resumable generation nobody follows is cancelled after this
     max_batch: int = 8
     max_context: int = 4096
     threads: int = 0
@@ -35,3 +37,7 @@ class ServeConfig:
     worker_start_timeout_s: float = 300.0
     max_restarts: int = 3
     restart_window_s: float = 60.0
+
+
+def default_sessions_dir() -> Path:
+    return Path.home() / ".superfluid" / "sessions"

@@ -23,7 +23,7 @@ from .nursery import ModelOwner, RestartPolicy, WorkerLoadFailed, WorkerSpec
 from .sched import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    pass
+    from .sched._loop import Committer
 
 __all__ = ["ModelRegistry"]
 
@@ -31,9 +31,12 @@ log = logging.getLogger("superfluid.models")
 
 
 class ModelRegistry:
-    def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery) -> None:
-        """``models_nursery`` owns every model owner task; it must outlive the registry's use."""
+    def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery,
+                 committer: Committer | None = None) -> None:
+        """``models_nursery`` owns every model owner task; it must outlive the registry's use.
+        ``committer`` makes every model's tokens durable (the session store)."""
         self.config = config
+        self.committer = committer
         self.metrics = metrics
         self.models_nursery = models_nursery
         self.loaded: dict[str, ServedModel] = {}
@@ -55,7 +58,7 @@ class ModelRegistry:
                               max_context=cfg.max_context, threads=cfg.threads,
                               start_timeout_s=cfg.worker_start_timeout_s)
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
-                              self.metrics)
+                              self.metrics, self.committer)
             owner = ModelOwner(source.name, spec, sched,
                                policy=RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s))
             scope = trio.CancelScope()
@@ -108,5 +111,3 @@ class ModelRegistry:
             return None
         return await self.load(source)
 
-
-__all__ += ["WorkerLoadFailed"]

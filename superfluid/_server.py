@@ -11,6 +11,7 @@ Nursery tree (daemon)::
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import trio
@@ -19,7 +20,10 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ._config import ServeConfig
 from ._metrics import Metrics
+from ._config import default_sessions_dir
 from ._registry import ModelRegistry
+from ._sessions import SessionStore, serve_resume_ttl
+from .journal import JournalConfig, open_journal
 from .api import App
 
 __all__ = ["serve"]
@@ -41,6 +45,10 @@ async def _serve_signals(root: trio.CancelScope, drain: trio.Event, app_holder: 
                 return
 
 
+def journal_config() -> JournalConfig:
+    return JournalConfig(full_fsync=os.environ.get("SUPERFLUID_FULLFSYNC") == "1")
+
+
 async def serve(
     config: ServeConfig, *, handle_signals: bool = True, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -50,6 +58,8 @@ async def serve(
 
     Raises:
         WorkerLoadFailed: a model did not load at startup.
+        JournalLocked: another server holds the sessions directory.
+        WalCorrupt: the session log is damaged (``sessions_cache`` starts fresh).
 
     Cancellation: cancelling stops the listener and shuts every worker down
     (protocol Shutdown, then SIGTERM/SIGKILL with bounded grace).
@@ -57,13 +67,18 @@ async def serve(
     metrics = Metrics()
     drain = trio.Event()
     app_holder: list[App] = []
-    async with trio.open_nursery() as root:
+    sessions_dir = config.sessions or default_sessions_dir()
+    async with open_journal(sessions_dir, fresh=config.sessions_cache, config=journal_config()) as journal, \
+            trio.open_nursery() as root:
         if handle_signals:
             root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
-        registry = ModelRegistry(config, metrics, root)
+        store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
+        registry = ModelRegistry(config, metrics, root, committer=store)
         for i, source in enumerate(config.models):
             await registry.load(source, make_default=(i == 0))
-        app = App(config, registry, metrics)
+        app = App(config, registry, metrics, store, session_nursery=root)
+        for session in store.restore(registry):
+            root.start_soon(serve_resume_ttl, store, session)
         app_holder.append(app)
         hconfig = HypercornConfig()
         hconfig.bind = [f"{config.host}:{config.port}"]

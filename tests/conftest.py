@@ -35,6 +35,12 @@ def mock_config(spec: str = "mock?step_ms=1&prefill_us=5", *, max_batch: int = 4
 
 
 async def start_daemon(nursery: trio.Nursery, config: ServeConfig) -> Daemon:
+    if config.sessions is None:
+        import tempfile
+
+        import attrs
+
+        config = attrs.evolve(config, sessions=Path(tempfile.mkdtemp(prefix="superfluid-test-sessions-")))
     scope = trio.CancelScope()
 
     async def run(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:

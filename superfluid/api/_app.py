@@ -10,6 +10,10 @@ import trio
 
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._openai import chat_completions, completions
+from ._anthropic import count_tokens, messages
+from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_tags, api_version, managed, root
+from ._openai import embeddings
+from ._responses import responses
 
 from pathlib import Path
 
@@ -21,6 +25,7 @@ if TYPE_CHECKING:
     from .._metrics import Metrics
     from .._model import ServedModel
     from .._registry import ModelRegistry
+    from .._sessions import SessionStore
 
 __all__ = ["App"]
 
@@ -32,13 +37,38 @@ _POST_JSON: dict[str, Handler] = {
     "/chat/completions": chat_completions,
     "/v1/completions": completions,
     "/completions": completions,
+    "/v1/embeddings": embeddings,
+    "/v1/responses": responses,
+    "/v1/messages": messages,
+    "/v1/messages/count_tokens": count_tokens,
+    "/api/chat": api_chat,
+    "/api/generate": api_generate,
+    "/api/show": api_show,
+    "/api/embed": api_embed,
+    "/api/embeddings": api_embed,
+    "/api/pull": managed,
+    "/api/push": managed,
+    "/api/create": managed,
+    "/api/copy": managed,
+}
+# Routes served without a JSON body (Ollama discovery, and DELETE /api/delete); each handler checks its method.
+_GET_JSON: dict[str, Handler] = {
+    "/": root,
+    "/api/version": api_version,
+    "/api/tags": api_tags,
+    "/api/ps": api_ps,
+    "/api/delete": managed,
 }
 
 
 class App:
-    def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics) -> None:
+    def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics,
+                 sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
+        """``session_nursery`` owns what outlives one request (resumable sessions' TTL watchers)."""
+        self.session_nursery = session_nursery
         self.config = config
         self.registry = registry
+        self.sessions = sessions
         self.metrics = metrics
         self.accepting = True
 
@@ -131,6 +161,10 @@ class App:
                 raise ApiError(503, "the server is draining and accepts no new requests", code="draining")
             body = await read_json(scope, receive)
             await handler(self, scope, receive, send, body)
+            return
+        handler = _GET_JSON.get(path)
+        if handler is not None:
+            await handler(self, scope, receive, send, {})
             return
         if path == "/v1/tokenize" and method == "POST":
             body = await read_json(scope, receive)

@@ -58,7 +58,7 @@ def sampling_from(body: dict[str, Any], *, n_vocab: int, want_logprobs: int = -1
             raise ApiError(400, f"invalid request: logit_bias key {k!r} is not a token id", param="logit_bias") from None
         if not 0 <= tok < n_vocab or isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ApiError(400, f"invalid request: logit_bias entry {k!r} is out of range", param="logit_bias")
-        bias.append((tok, max(-100.0, min(100.0, float(v)))))
+        bias.append((tok, float(max(-100, min(100, v)))))
     repeat = body.get("repeat_penalty", body.get("repetition_penalty"))
     return Sampling(
         temperature=temperature or 0.0,

@@ -14,7 +14,9 @@ import trio
 
 __all__ = ["CREDENTIAL_RE", "graceful_kill", "kill_now", "scrub_env"]
 
-CREDENTIAL_RE = re.compile(r"(_TOKEN|_API_KEY|_APIKEY|PASSWORD|SECRET|_CREDENTIALS?|_ACCESS_KEY|_PRIVATE_KEY)", re.I)
+CREDENTIAL_RE = re.compile(
+    r"((^|_)(TOKEN|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$)|PASSWORD|PASSWD|SECRET", re.I
+)
 
 
 def scrub_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -31,7 +33,9 @@ def kill_now(process: trio.Process) -> None:
 
 
 async def graceful_kill(process: trio.Process, *, grace_s: float, term_s: float) -> None:
-    """``deliver_cancel`` for workers: the daemon has already asked the worker to
+    """``deliver_cancel`` for workers. Workers share the daemon's process group
+    (so killing the daemon's group kills them), hence signals go to the worker
+    process itself, never its group. The daemon has already asked the worker to
     shut down over the link (or it is unresponsive); give it ``grace_s`` to
     exit, then SIGTERM, then after ``term_s`` SIGKILL. The caller (``run_process``)
     always reaps the process afterwards.

@@ -11,6 +11,8 @@ dicts), so ``from_wire(to_wire(m)) == m`` for every message ``m``.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, ClassVar
 
 import attrs
@@ -142,7 +144,7 @@ class Admit(Event):
     lane: int = attrs.field(validator=_nonneg)
     tokens: tuple[int, ...] = attrs.field(converter=_tuple, validator=_token_list)
     n_prompt: int = attrs.field(validator=_nonneg)
-    max_new: int = attrs.field(validator=_nonneg)
+    max_new: int = attrs.field(validator=attrs.validators.ge(1))
     sampling: Sampling = attrs.field(factory=Sampling)
     ignore_eos: bool = False
 
@@ -293,9 +295,51 @@ _REGISTRY: dict[int, type[Event]] = {
         HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry,
     )
 }
+_HINTS: dict[type[Any], dict[str, Any]] = {
+    cls: typing.get_type_hints(cls) for cls in (*_REGISTRY.values(), Sampling)
+}
 _FIELDS: dict[type[Event], tuple[str, ...]] = {
     cls: tuple(f.name for f in attrs.fields(cls)) for cls in _REGISTRY.values()
 }
+
+
+def _type_ok(value: Any, ann: Any) -> bool:
+    """Does a decoded msgpack value match a field annotation (the forms used here)?"""
+    if ann is Any:
+        return True
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in args)
+    if ann is type(None):
+        return value is None
+    if ann is bool:
+        return isinstance(value, bool)
+    if ann is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if ann is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ann in (str, bytes):
+        return isinstance(value, ann)
+    if ann is Sampling:
+        return isinstance(value, Sampling)
+    if origin is dict:
+        kt, vt = args
+        return isinstance(value, dict) and all(_type_ok(k, kt) and _type_ok(v, vt) for k, v in value.items())
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_type_ok(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_type_ok(v, a) for v, a in zip(value, args))
+    return False
+
+
+def _check_types(cls: type[Event], payload: dict[str, Any]) -> None:
+    hints = _HINTS[cls]
+    for name, value in payload.items():
+        if not _type_ok(value, hints[name]):
+            raise RemoteProtocolError(f"invalid {cls.__name__}: field {name} has the wrong type ({value!r:.60})")
 
 
 def to_wire(event: Event) -> bytes:
@@ -339,9 +383,13 @@ def from_wire(body: bytes, *, max_len: int) -> Event | None:
     try:
         if cls is Admit and "sampling" in payload:
             s = payload["sampling"]
-            if not isinstance(s, dict):
-                raise TypeError("sampling must be a map")
+            if not isinstance(s, dict) or any(k not in _HINTS[Sampling] for k in s):
+                raise TypeError("sampling must be a map of sampling fields")
+            for name, value in s.items():
+                if not _type_ok(value, _HINTS[Sampling][name]):
+                    raise TypeError(f"sampling.{name} has the wrong type")
             payload = {**payload, "sampling": Sampling(**s)}
+        _check_types(cls, payload)
         return cls(**payload)
     except (TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"invalid {cls.__name__}: {exc}") from None

@@ -15,7 +15,7 @@ import attrs
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._events import Admit, Admitted, Cancel, Emit, Event, Fault, Tick, TickDone, Tokenize, Tokenized, from_wire, to_wire
 from ._frames import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
-from ._state import CLOSED, DAEMON, ERROR, IDLE, TRANSITIONS, WORKER, _Sentinel
+from ._state import CLOSED, CLOSING, DAEMON, ERROR, IDLE, TRANSITIONS, WORKER, _Sentinel
 
 __all__ = ["NEED_DATA", "LinkStatistics", "WorkerLink"]
 
@@ -59,12 +59,17 @@ class WorkerLink:
     # -- sending -------------------------------------------------------------
 
     def send(self, event: Event) -> bytes:
-        """Validate ``event`` as ours and return its framed bytes."""
+        """Validate ``event`` as ours and return its framed bytes.
+
+        Raises:
+            LocalProtocolError: the protocol forbids it now, or it cannot be framed;
+                a refused send changes nothing.
+        """
         try:
-            self._apply(self.our_role, event, LocalProtocolError)
-        except LocalProtocolError:
-            raise
-        data = encode_frame(to_wire(event), max_frame_size=self.max_frame_size)
+            data = encode_frame(to_wire(event), max_frame_size=self.max_frame_size)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise LocalProtocolError(f"cannot encode {type(event).__name__}: {exc}") from None
+        self._apply(self.our_role, event, LocalProtocolError)
         self._frames_out += 1
         self._bytes_out += len(data)
         return data
@@ -96,7 +101,9 @@ class WorkerLink:
             try:
                 body = self._decoder.next_frame()
                 if body is None:
-                    if self._decoder.at_eof and self.state is not CLOSED:
+                    if self._decoder.at_eof and self.state is CLOSING:
+                        self.state = CLOSED  # EOF at a frame boundary after Shutdown: a clean close
+                    elif self._decoder.at_eof and self.state is not CLOSED:
                         raise RemoteProtocolError(f"peer closed the link in state {self.state!r}")
                     return NEED_DATA
                 self._frames_in += 1

@@ -62,6 +62,7 @@ class Job:
     cancel_sent: bool = False
     started: bool = False           # a worker admitted it (its request was valid for the runtime)
     prefix_key: int | None = None
+    scheduler: Any = None           # the Scheduler it was submitted to (for cancel by session id)
     held_ticks: int = 0
     prefill_left: int = 0
     queued_tick: int = 0

@@ -46,13 +46,13 @@ class Unavailable(Exception):
 
 
 class Committer(Protocol):
-    async def commit(self, jobs: list[tuple[Job, int]]) -> None:
-        """Make the tokens of each ``(job, first_new_index)`` durable before
-        any reader sees them (the write-ahead rule)."""
+    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
+        """Make the new tokens of each ``(job, first_new_index)`` and each
+        ``(job, finish)`` durable before any reader sees them (the write-ahead rule)."""
 
 
 class _NullCommitter:
-    async def commit(self, jobs: list[tuple[Job, int]]) -> None:
+    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
         return None
 
 
@@ -92,6 +92,7 @@ class Scheduler:
     # -- called by request handlers ---------------------------------------------
 
     def submit(self, job: Job) -> None:
+        job.scheduler = self
         job.state = JobState.QUEUED
         job.queued_tick = self.tick_no
         job.seq = next(self._seq)
@@ -411,8 +412,8 @@ class Scheduler:
                 ended.append((job, finish))
         if decoding > 1:
             self.metrics.inc("superfluid_batched_rounds_total")
-        if touched:
-            await self.committer.commit(touched)
+        if touched or ended:
+            await self.committer.commit(touched, ended)
         for job, finish in ended:
             del self.running[job.lane]  # type: ignore[arg-type]
             if finish == "cancelled":

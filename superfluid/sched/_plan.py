@@ -7,10 +7,13 @@ carries the returned :class:`Plan` out. Rules (see SPEC.md, "Scheduler"):
   best *effective* class whose class is under its lane cap. Effective class =
   ``class - min(waited_ticks // starvation_ticks, class)`` (aging), ties go
   to the earliest-queued job.
-* **Preemption**: when every lane is busy and the best waiting job is
-  ``interactive`` or ``completion``, stop one lane of a strictly lower class:
-  decoding lanes before prefilling ones, then the lowest class, then the
-  newest. One victim per waiting preemptor per tick.
+* **Preemption**: when every lane is busy, walk the waiting jobs in admission
+  order (skipping held jobs and jobs whose class is at its cap); while the next
+  one is ``interactive`` or ``completion`` and a lane of a strictly lower class
+  exists, stop that lane (decoding before prefilling, then the lowest class,
+  then the newest) and reserve the freed lane for that job. The first job that
+  cannot preempt ends preemption for the tick, so a freed lane always goes to
+  the job it was freed for.
 * **Shared-prefix hold**: the loop passes ``held``, the jobs that share a long
   prefix with a lane still prefilling it; they wait and are then seeded from it.
 * **Budgets**: while a newcomer could join at the end of the tick (a queue is
@@ -107,22 +110,32 @@ class Planner:
         free = cfg.max_batch - len(lanes)
 
         # preemption: one victim per waiting preemptor, only when no lane is free
+        # preemption: one victim per waiting preemptor that can take the freed
+        # lane (its class under its cap); the freed lane is reserved for it
         preempts: list[int] = []
-        live = list(lanes)
+        admits: list[int] = []
+        remaining = list(waiting)
         if free <= 0:
+            capped: set[QosClass] = set()   # classes of capped jobs ahead: freeing their lanes would skip the line
             for job in waiting:
-                if len(preempts) >= len(waiting) or not job.klass.preempts:
+                if job.job in held:
                     continue
-                victims = [ln for ln in live if ln.klass > job.klass and ln.lane not in preempts]
-                if not victims:
+                if per_class[job.klass] >= cfg.cap(job.klass):
+                    capped.add(job.klass)
                     continue
+                # the next job in admission order gets the freed lane, so only a
+                # preemptor with a strictly lower-class victim may free one
+                victims = [ln for ln in lanes
+                           if ln.klass > job.klass and ln.klass not in capped and ln.lane not in preempts]
+                if not job.klass.preempts or not victims:
+                    break
                 victim = max(victims, key=lambda ln: (ln.prefill_left == 0, int(ln.klass), ln.admitted_seq))
                 preempts.append(victim.lane)
                 per_class[victim.klass] -= 1
-            free += len(preempts)
+                per_class[job.klass] += 1
+                admits.append(job.job)
+                remaining.remove(job)
 
-        admits: list[int] = []
-        remaining = list(waiting)
         while free > 0 and remaining:
             pick = next((j for j in remaining if j.job not in held and per_class[j.klass] < cfg.cap(j.klass)), None)
             if pick is None:

@@ -99,6 +99,8 @@ class Executor:
             ValueError: no free sequence, the lane exceeds the context window,
                 or the sampling request is invalid.
         """
+        if msg.lane in self.lanes:
+            raise ValueError(f"lane {msg.lane} is already open")
         if len(self.lanes) >= self.max_lanes:
             raise ValueError(f"all {self.max_lanes} lanes are busy")
         tokens = list(msg.tokens)

@@ -1,0 +1,204 @@
+"""Sessions: every generation runs as a logged session in the journal.
+
+The write-ahead rule: a session's ``Created`` and ``Prompt`` records are
+fsynced before it is queued, and each engine round's tokens are fsynced (one
+``append_many`` for every lane in the round: group commit) before any reader
+sees them. :class:`SessionStore` is the scheduler's committer and the index of
+live sessions that clients can resume by id.
+
+After a daemon restart, :meth:`SessionStore.restore` re-admits every session
+the log shows as interrupted (its model loaded): generation continues from the
+last committed token, into the log, and clients resume it by id.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .journal import Journal, SessionStateError
+from .proto import Sampling
+from .proto._wal import body_cancelled, body_created, body_finished, body_generated, body_prompt
+from .sched import Job, QosClass
+
+if TYPE_CHECKING:
+    from ._registry import ModelRegistry
+
+__all__ = ["LiveSession", "SessionStore"]
+
+log = logging.getLogger("superfluid.sessions")
+
+
+@attrs.define(eq=False)
+class LiveSession:
+    """A session whose job is in this daemon: followed by zero or more clients."""
+
+    id: str
+    job: Job
+    model: str
+    kind: str                          # "chat" or "completion"
+    stops: list[str]
+    resumable: bool
+    attached: int = 0
+    attach_changed: trio.Event = attrs.field(factory=trio.Event)
+
+    def attach(self) -> None:
+        self.attached += 1
+        self._changed()
+
+    def detach(self) -> None:
+        self.attached -= 1
+        self._changed()
+
+    def _changed(self) -> None:
+        event, self.attach_changed = self.attach_changed, trio.Event()
+        event.set()
+
+
+class SessionStore:
+    def __init__(self, journal: Journal, *, resume_ttl_s: float, max_live: int = 4096) -> None:
+        self.journal = journal
+        self.resume_ttl_s = resume_ttl_s
+        self.max_live = max_live
+        self.live: dict[str, LiveSession] = {}
+        self._decoders: dict[int, Any] = {}
+        self._ended: set[str] = set()
+
+    # -- opening -----------------------------------------------------------------
+
+    async def open(self, job: Job, *, model: str, kind: str, stops: list[str], resumable: bool) -> LiveSession:
+        """Log ``Created`` and ``Prompt`` (fsynced) and index the session."""
+        job.session = job.session or "s-" + uuid.uuid4().hex
+        params = {**job.sampling.to_dict(), "max_new": job.max_new, "ignore_eos": job.ignore_eos,
+                  "stops": list(stops), "kind": kind, "resumable": resumable}
+        await self.journal.append_many([
+            (job.session, body_created(params=params, klass=job.klass.name.lower(), model=model)),
+            (job.session, body_prompt(tokens=job.prompt)),
+        ])
+        session = LiveSession(id=job.session, job=job, model=model, kind=kind, stops=list(stops),
+                              resumable=resumable)
+        self._index(session)
+        return session
+
+    def _index(self, session: LiveSession) -> None:
+        self.live[session.id] = session
+        if len(self.live) > self.max_live:
+            for sid in [s for s, ls in self.live.items() if ls.job.done][: len(self.live) - self.max_live]:
+                del self.live[sid]
+
+    # -- the scheduler's committer ----------------------------------------------------
+
+    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
+        """Make this round's tokens and finishes durable: one write, one fsync."""
+        items: list[tuple[str, dict[str, Any]]] = []
+        finishing = {job.id: finish for job, finish in ended if finish not in ("cancelled",)}
+        for job, start in touched:
+            if not job.session:
+                continue
+            dec = self._decoders.get(job.id)
+            if dec is None:
+                dec = self._decoders[job.id] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            finish = finishing.pop(job.id, None)
+            text = dec.decode(b"".join(job.pieces[start:]), final=finish is not None)
+            items.append((job.session, body_generated(tokens=job.tokens[start:], text=text, finish=finish)))
+            if finish is not None:
+                self._ended.add(job.session)
+                self._decoders.pop(job.id, None)
+        for job, finish in ended:
+            if job.session and job.id in finishing:
+                dec = self._decoders.pop(job.id, None)
+                tail = dec.decode(b"", final=True) if dec is not None else ""
+                items.append((job.session, body_generated(tokens=[], text=tail, finish=finish)))
+                self._ended.add(job.session)
+        if items:
+            await self.journal.append_many(items)
+
+    async def end(self, job: Job) -> None:
+        """Record how a session ended if the scheduler did not (cancel, error)."""
+        if not job.session or job.session in self._ended:
+            return
+        self._ended.add(job.session)
+        self._decoders.pop(job.id, None)
+        if job.error is not None:
+            body = body_finished(finish="error", error={"message": job.error.message, "code": job.error.code})
+        elif job.finish == "cancelled" or not job.done:
+            body = body_cancelled()
+        else:
+            body = body_finished(finish=job.finish or "stop")
+        try:
+            await self.journal.append(job.session, body)
+        except SessionStateError:
+            pass  # the log already shows it ended
+
+    # -- after a restart --------------------------------------------------------------
+
+    def restore(self, registry: ModelRegistry) -> list[LiveSession]:
+        """Re-admit the sessions the log shows as interrupted. Returns them."""
+        restored = []
+        for slog in self.journal.interrupted():
+            created = slog.created or {}
+            params = dict(created.get("params") or {})
+            model = registry.loaded.get(created.get("model", ""))
+            if model is None or not slog.prompt_tokens:
+                continue
+            sampling_keys = {f.name for f in attrs.fields(Sampling)}
+            sampling = Sampling(**{k: v for k, v in params.items() if k in sampling_keys})
+            job = Job(prompt=list(slog.prompt_tokens), sampling=sampling, max_new=int(params.get("max_new", 256)),
+                      klass=QosClass[str(created.get("klass", "agent")).upper()],
+                      ignore_eos=bool(params.get("ignore_eos", False)), session=slog.session,
+                      created=trio.current_time())
+            job.tokens = list(slog.generated_tokens)
+            job.pieces = _pieces(slog)
+            job.started = True
+            self._decoders[job.id] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            session = LiveSession(id=slog.session, job=job, model=model.name, kind=str(params.get("kind", "chat")),
+                                  stops=list(params.get("stops") or []), resumable=True)
+            self._index(session)
+            if len(job.tokens) >= job.max_new:
+                continue
+            model.scheduler.submit(job)
+            restored.append(session)
+            log.info("session %s resumed after restart at token %d", slog.session, len(job.tokens))
+        return restored
+
+
+def _pieces(slog: Any) -> list[bytes]:
+    """Per-token bytes rebuilt from the logged spans: each span's text goes on
+    its last token (the concatenation is exact)."""
+    pieces: list[bytes] = []
+    for rec in slog.events:
+        body = rec.body
+        if body.get("type") != "generated":
+            continue
+        toks = body.get("tokens") or []
+        text = (body.get("text") or "").encode()
+        if toks:
+            pieces += [b""] * (len(toks) - 1) + [text]
+        elif text and pieces:
+            pieces[-1] += text
+    return pieces
+
+
+async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
+    """Cancel a resumable generation that no client follows for ``resume_ttl_s``.
+
+    Runs until the job ends; owned by the nursery that serves the session's
+    first request (or the daemon root, for sessions restored after a restart).
+    """
+    job = session.job
+    while not job.done:
+        if session.attached > 0:
+            await session.attach_changed.wait()
+            continue
+        with trio.move_on_after(store.resume_ttl_s) as scope:
+            await session.attach_changed.wait()
+        if scope.cancelled_caught and session.attached == 0 and not job.done:
+            log.info("session %s: nobody followed it for %.0fs; cancelling", session.id, store.resume_ttl_s)
+            if job.scheduler is not None:
+                job.scheduler.cancel(job)
+            return

@@ -1,0 +1,347 @@
+"""The generic executor over the deterministic mock engine.
+
+The mock refuses any decode that does not continue its sequence exactly, so
+KV bookkeeping mistakes surface as ``RuntimeError`` from ``Executor.step``.
+Its next token is a pure function of the context (and of ``(seed, k)`` when
+sampling), so a lane's output must not depend on what else runs beside it,
+on how its prompt was chunked, or on whether it was stopped and resumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from superfluid.proto import Admit, Sampling
+from superfluid.worker._executor import PREFILL_CHUNK, Executor, counter_seed
+from superfluid.worker._mock import N_VOCAB, WORD0, MockEngine
+
+N_CTX = 800
+SPEC = f"mock?step_ms=0&prefill_us=0&n_ctx={N_CTX}&eos_every=24"
+MAX_LANES = 3
+N_SEQ = MAX_LANES + 2
+GREEDY = Sampling(temperature=0.0)
+SEEDED = Sampling(temperature=0.8, seed=1234)
+
+Row = tuple[int, str | None]  # (token, finish) of one emitted row
+
+
+def make(max_lanes: int = MAX_LANES, n_seq: int = N_SEQ, spec: str = SPEC) -> Executor:
+    return Executor(MockEngine(spec, n_seq=n_seq), max_lanes=max_lanes)
+
+
+def words(*ids: int) -> list[int]:
+    return [WORD0 + i for i in ids]
+
+
+def make_admit(lane: int, prompt: list[int], generated: Sequence[int] = (), *, max_new: int = 16,
+               sampling: Sampling = GREEDY) -> Admit:
+    return Admit(lane=lane, tokens=[*prompt, *generated], n_prompt=len(prompt), max_new=max_new, sampling=sampling)
+
+
+def drain(ex: Executor, *, budget: int = PREFILL_CHUNK, max_steps: int = 10_000) -> dict[int, list[Row]]:
+    """Step until every lane has finished; the rows each lane emitted."""
+    out: dict[int, list[Row]] = {tag: [] for tag in ex.lanes}
+    for _ in range(max_steps):
+        if not ex.lanes:
+            return out
+        res = ex.step(prefill_budget=budget)
+        assert not res.faults
+        for lane, token, _piece, finish, _lp in res.emits:
+            out.setdefault(lane, []).append((token, finish))
+    raise AssertionError(f"lanes {sorted(ex.lanes)} did not finish in {max_steps} steps")
+
+
+_REFERENCE: dict[tuple[Any, ...], list[Row]] = {}
+
+
+def reference(prompt: list[int], *, max_new: int, sampling: Sampling) -> list[Row]:
+    """The rows a lane emits when it runs alone, start to finish."""
+    key = (tuple(prompt), max_new, sampling)
+    if key not in _REFERENCE:
+        ex = make(max_lanes=1, n_seq=1)
+        ex.admit(make_admit(0, prompt, max_new=max_new, sampling=sampling))
+        _REFERENCE[key] = drain(ex)[0]
+    return _REFERENCE[key]
+
+
+def generated_tokens(rows: list[Row]) -> list[int]:
+    """The tokens a lane appended (an ``eos`` row's token is not part of its text)."""
+    return [tok for tok, finish in rows if finish != "eos"]
+
+
+def check_invariants(ex: Executor) -> None:
+    engine: MockEngine = ex.engine  # type: ignore[assignment]
+    assert len(ex.lanes) <= ex.max_lanes
+    owners = [slot.owner for slot in ex.slots if slot.owner is not None]
+    assert sorted(owners) == sorted(ex.lanes), "a slot is owned by a lane that is gone, or by two lanes"
+    assert len({ln.seq for ln in ex.lanes.values()}) == len(ex.lanes)
+    for tag, ln in ex.lanes.items():
+        slot = ex.slots[ln.seq]
+        assert slot.owner == tag
+        assert slot.tokens == ln.tokens[: ln.n_past]
+        assert 1 <= ln.pending
+        assert len(ln.tokens) < ex.info.n_ctx_seq
+    for i, slot in enumerate(ex.slots):
+        assert engine.kv[i] == slot.tokens, f"seq {i}: the engine's KV and the executor's record differ"
+    assert ex.kv_used() == sum(ln.n_past for ln in ex.lanes.values())
+    assert ex.prefill_left() == {t: ln.pending for t, ln in ex.lanes.items() if ln.pending > 1}
+
+
+# ---- deterministic properties -------------------------------------------------------------
+
+PROMPTS = [
+    words(0, 2, 38, 18, 0, 6, 43),
+    words(*range(40)) * 3,        # 120 tokens
+    words(*range(50)) * 13,       # 650 tokens: more than one prefill chunk
+    [1, *words(7, 7, 7)],
+]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("budget", [1, 7, 64, PREFILL_CHUNK])
+def test_output_does_not_depend_on_chunking(sampling: Sampling, budget: int) -> None:
+    for prompt in PROMPTS:
+        ex = make()
+        ex.admit(make_admit(0, prompt, max_new=30, sampling=sampling))
+        assert drain(ex, budget=budget)[0] == reference(prompt, max_new=30, sampling=sampling)
+        check_invariants(ex)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_output_is_identical_alone_and_batched(sampling: Sampling) -> None:
+    ex = make(max_lanes=len(PROMPTS), n_seq=len(PROMPTS) + 1)
+    rows: dict[int, list[Row]] = {}
+    # staggered admission: each lane joins a batch that is already mid-flight
+    for tag, prompt in enumerate(PROMPTS):
+        ex.admit(make_admit(tag, prompt, max_new=30, sampling=sampling))
+        for _ in range(3):
+            res = ex.step(prefill_budget=100)
+            for lane, token, _piece, finish, _lp in res.emits:
+                rows.setdefault(lane, []).append((token, finish))
+            check_invariants(ex)
+    for lane, more in drain(ex, budget=100).items():
+        rows.setdefault(lane, []).extend(more)
+    for tag, prompt in enumerate(PROMPTS):
+        assert rows[tag] == reference(prompt, max_new=30, sampling=sampling)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_resumed_lane_continues_identically(sampling: Sampling) -> None:
+    prompt = PROMPTS[1]
+    full = reference(prompt, max_new=30, sampling=sampling)
+    gen = generated_tokens(full)
+    assert len(gen) >= 5
+    for k in range(len(gen)):
+        ex = make()
+        lane = ex.admit(make_admit(0, prompt, gen[:k], max_new=30, sampling=sampling))
+        assert lane.n_generated == k
+        assert drain(ex)[0] == full[k:], f"resumed after {k} tokens"
+
+
+def test_seeded_sampling_is_not_greedy() -> None:
+    # otherwise the seeded tests above would prove nothing about the counter
+    prompt = PROMPTS[1]
+    assert reference(prompt, max_new=30, sampling=SEEDED) != reference(prompt, max_new=30, sampling=GREEDY)
+    other = attrs.evolve(SEEDED, seed=SEEDED.seed + 1)
+    assert reference(prompt, max_new=30, sampling=SEEDED) != reference(prompt, max_new=30, sampling=other)
+    assert counter_seed(1234, 3) == counter_seed(1234, 3) != counter_seed(1234, 4)
+
+
+def test_preempted_lane_resumes_from_its_published_kv() -> None:
+    prompt = PROMPTS[1]
+    full = reference(prompt, max_new=30, sampling=SEEDED)
+    ex = make()
+    ex.admit(make_admit(0, prompt, max_new=30, sampling=SEEDED))
+    rows: list[Row] = []
+    while len(rows) < 10:
+        rows += [(r[1], r[3]) for r in ex.step(prefill_budget=PREFILL_CHUNK).emits]
+    assert ex.cancel(0, publish=True)
+    check_invariants(ex)
+    gen = generated_tokens(rows)
+    lane = ex.admit(make_admit(1, prompt, gen, max_new=30, sampling=SEEDED))
+    # everything decoded before the preemption is reused; only the last token is pending
+    assert lane.cached == len(prompt)
+    assert lane.pending == 1
+    assert rows + drain(ex)[1] == full
+
+
+def test_prefix_cache_reports_cached_tokens_on_a_repeat() -> None:
+    prompt = PROMPTS[1]
+    ex = make()
+    first = ex.admit(make_admit(0, prompt))
+    assert first.cached == 0
+    drain(ex)
+    again = ex.admit(make_admit(1, prompt))
+    # all but the last prompt token (which must be decoded again for logits)
+    assert again.cached == len(prompt) - 1
+    assert ex.stats["cached_tokens"] == len(prompt) - 1
+    assert drain(ex)[1] == reference(prompt, max_new=16, sampling=GREEDY)
+    check_invariants(ex)
+
+
+def test_prefix_cache_shares_a_prefix_with_a_running_lane() -> None:
+    prompt = PROMPTS[1]
+    longer = prompt + words(1, 2, 3)
+    ex = make()
+    ex.admit(make_admit(0, prompt, max_new=30))
+    ex.step(prefill_budget=PREFILL_CHUNK)
+    # lane 0 is running; lane 1's prompt extends it, so its KV is copied from lane 0's
+    lane = ex.admit(make_admit(1, longer, max_new=30))
+    assert lane.cached == len(prompt)
+    check_invariants(ex)
+    out = drain(ex)
+    assert out[1] == reference(longer, max_new=30, sampling=GREEDY)
+    check_invariants(ex)
+
+
+def test_cancel_without_publish_drops_the_kv() -> None:
+    prompt = PROMPTS[1]
+    ex = make()
+    ex.admit(make_admit(0, prompt))
+    ex.step(prefill_budget=PREFILL_CHUNK)
+    assert ex.cancel(0, publish=False)
+    assert not ex.cancel(0, publish=False)
+    check_invariants(ex)
+    assert ex.admit(make_admit(1, prompt)).cached == 0
+
+
+def test_admit_refuses_what_does_not_fit() -> None:
+    ex = make(max_lanes=1)
+    with pytest.raises(ValueError):
+        ex.admit(make_admit(0, words(1) * N_CTX))
+    with pytest.raises(ValueError):
+        ex.admit(make_admit(0, words(1), sampling=Sampling(grammar="root ::= x")))
+    ex.admit(make_admit(0, words(1)))
+    with pytest.raises(ValueError):
+        ex.admit(make_admit(1, words(1)))
+    check_invariants(ex)
+
+
+def test_context_window_ends_a_lane() -> None:
+    ex = make(spec="mock?step_ms=0&prefill_us=0&n_ctx=40&eos_every=1000000")
+    ex.admit(make_admit(0, words(*range(30)), max_new=100))
+    rows = drain(ex)[0]
+    assert rows[-1][1] == "context"
+    assert len(generated_tokens(rows)) == 40 - 30
+
+
+def test_length_ends_a_lane_counting_resumed_tokens() -> None:
+    spec = "mock?step_ms=0&prefill_us=0&eos_every=1000000"
+    ex = make(spec=spec)
+    ex.admit(make_admit(0, words(1, 2, 3), max_new=5))
+    full = drain(ex)[0]
+    assert len(full) == 5 and full[-1][1] == "length"
+    ex.admit(make_admit(1, words(1, 2, 3), generated_tokens(full)[:3], max_new=5))
+    assert drain(ex)[1] == full[3:]
+
+
+# ---- random interleavings ---------------------------------------------------------------
+
+token_ids = st.integers(WORD0, N_VOCAB - 1) | st.integers(5 + ord("a"), 5 + ord("z"))
+prompts = st.one_of(
+    st.lists(token_ids, min_size=1, max_size=40),
+    st.builds(lambda base, tail: base + tail, st.sampled_from(PROMPTS), st.lists(token_ids, max_size=8)),
+    st.sampled_from(PROMPTS),
+)
+samplings = st.sampled_from([GREEDY, SEEDED]) | st.builds(
+    lambda s: Sampling(temperature=1.0, seed=s), st.integers(0, 2**32 - 1)
+)
+
+
+@attrs.define
+class Track:
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling
+    rows: list[Row] = attrs.field(factory=list)  # emitted so far, across resumes
+
+    @property
+    def expected(self) -> list[Row]:
+        return reference(self.prompt, max_new=self.max_new, sampling=self.sampling)
+
+
+class ExecutorMachine(RuleBasedStateMachine):
+    """Admit, step, cancel and resume at random; every lane's output must match
+    its solo run, and the KV bookkeeping must stay exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ex = make()
+        self.tracks: dict[int, Track] = {}       # live lanes
+        self.preempted: list[Track] = []        # stopped with publish=True, to resume
+        self.next_tag = 0
+
+    def _open(self, track: Track) -> None:
+        tag = self.next_tag
+        self.next_tag += 1
+        lane = self.ex.admit(make_admit(tag, track.prompt, generated_tokens(track.rows),
+                                        max_new=track.max_new, sampling=track.sampling))
+        assert lane.cached <= len(track.prompt)
+        self.tracks[tag] = track
+
+    @precondition(lambda self: len(self.ex.lanes) < MAX_LANES)
+    @rule(prompt=prompts, max_new=st.integers(1, 24), sampling=samplings)
+    def admit(self, prompt: list[int], max_new: int, sampling: Sampling) -> None:
+        self._open(Track(prompt=prompt, max_new=max_new, sampling=sampling))
+
+    @precondition(lambda self: len(self.ex.lanes) < MAX_LANES and self.preempted)
+    @rule(data=st.data())
+    def resume(self, data: st.DataObject) -> None:
+        track = data.draw(st.sampled_from(self.preempted))
+        self.preempted.remove(track)
+        self._open(track)
+
+    @precondition(lambda self: self.ex.lanes)
+    @rule(data=st.data(), budget=st.sampled_from([0, 1, 5, 64, 300, PREFILL_CHUNK, 4096]))
+    def step(self, data: st.DataObject, budget: int) -> None:
+        order = tuple(data.draw(st.permutations(sorted(self.ex.lanes))))
+        res = self.ex.step(prefill_budget=budget, order=order)
+        assert not res.faults
+        assert res.prefill_tokens <= budget
+        for lane, token, _piece, finish, _lp in res.emits:
+            track = self.tracks[lane]
+            track.rows.append((token, finish))
+            assert track.rows == track.expected[: len(track.rows)]
+            if finish is not None:
+                assert lane not in self.ex.lanes
+                assert track.rows == track.expected
+                del self.tracks[lane]
+        assert set(self.tracks) == set(self.ex.lanes)
+
+    @precondition(lambda self: self.ex.lanes)
+    @rule(data=st.data(), publish=st.booleans(), resume=st.booleans())
+    def cancel(self, data: st.DataObject, publish: bool, resume: bool) -> None:
+        tag = data.draw(st.sampled_from(sorted(self.ex.lanes)))
+        assert self.ex.cancel(tag, publish=publish)
+        track = self.tracks.pop(tag)
+        if resume:
+            self.preempted.append(track)
+
+    @invariant()
+    def bookkeeping(self) -> None:
+        check_invariants(self.ex)
+
+    def teardown(self) -> None:
+        # every lane finishes, with exactly its solo output
+        for track in self.preempted:
+            if len(self.ex.lanes) >= MAX_LANES:
+                break
+            self._open(track)
+        for lane, rows in drain(self.ex).items():
+            track = self.tracks.pop(lane)
+            assert track.rows + rows == track.expected
+        assert not self.tracks
+        check_invariants(self.ex)
+
+
+ExecutorMachine.TestCase.settings = settings(
+    database=None, deadline=None, max_examples=60, stateful_step_count=30
+)
+TestExecutorMachine = ExecutorMachine.TestCase
