@@ -11,6 +11,7 @@ import trio
 
 from ._config import ModelSource, ServeConfig
 from ._models import default_model_path, model_name, resolve_runtime
+from .journal import JournalLocked, WalCorrupt
 from .nursery import WorkerLoadFailed
 from .sched import PlannerConfig, QosClass, parse_qos
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8453)
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
+    s.add_argument("--sessions-cache", action="store_true",
+                   help="treat the session log as a cache: keep the old one aside and start fresh")
+    s.add_argument("--resume-ttl", type=float, default=300.0,
+                   help="seconds a resumable generation runs on with no client following it")
     s.add_argument("--max-batch", type=int, default=8, help="lanes per model (default 8)")
     s.add_argument("--max-context", type=int, default=4096, help="tokens per lane (default 4096)")
     s.add_argument("--threads", type=int, default=0, help="engine threads (default: all cores)")
@@ -88,6 +93,13 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
     return out
 
 
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -96,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     host, port = args.http if args.http else (args.host, args.port)
     config = ServeConfig(
-        models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions, max_batch=args.max_batch,
+        models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions,
+        sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, drain_timeout_s=args.drain_timeout,
         default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
@@ -106,14 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         trio.run(serve, config)
+    except (JournalLocked, WalCorrupt) as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        return 2
     except BaseExceptionGroup as group:
-        load_failed, rest = group.split(WorkerLoadFailed)
-        if rest is not None:
+        startup, rest = group.split((WorkerLoadFailed, JournalLocked, WalCorrupt))
+        if rest is not None or startup is None:
             raise
-        assert load_failed is not None
-        for exc in load_failed.exceptions:
-            print(f"superfluid: model did not load: {exc}", file=sys.stderr)
-        return 3
+        for exc in _leaves(startup):
+            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else ""
+            print(f"superfluid: {prefix}{exc}", file=sys.stderr)
+        return 3 if startup.subgroup(WorkerLoadFailed) else 2
     except KeyboardInterrupt:
         return 0
     return 0

@@ -110,7 +110,11 @@ class SessionStore:
                 self._ended.add(job.session)
                 self._decoders.pop(job.id, None)
         for job, finish in ended:
-            if job.session and job.id in finishing:
+            if job.session and finish == "cancelled" and job.cancelled and job.session not in self._ended:
+                items.append((job.session, body_cancelled()))
+                self._ended.add(job.session)
+                self._decoders.pop(job.id, None)
+            elif job.session and job.id in finishing:
                 dec = self._decoders.pop(job.id, None)
                 tail = dec.decode(b"", final=True) if dec is not None else ""
                 items.append((job.session, body_generated(tokens=[], text=tail, finish=finish)))

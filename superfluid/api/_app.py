@@ -10,6 +10,7 @@ import trio
 
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._openai import chat_completions, completions
+from ._sessions import delete_generation, get_session, stream_session
 from ._anthropic import count_tokens, messages
 from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_tags, api_version, managed, root
 from ._openai import embeddings
@@ -166,6 +167,19 @@ class App:
         if handler is not None:
             await handler(self, scope, receive, send, {})
             return
+        m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9_.-]+)(/stream|/generation)?", path)
+        if m:
+            sid, tail = m.group(1), m.group(2)
+            if tail is None and method == "GET":
+                await get_session(self, send, sid)
+                return
+            if tail == "/stream" and method == "GET":
+                await stream_session(self, scope, receive, send, sid)
+                return
+            if tail == "/generation" and method == "DELETE":
+                await delete_generation(self, send, sid)
+                return
+            raise ApiError(405, f"method {method} not allowed on {path}")
         if path == "/v1/tokenize" and method == "POST":
             body = await read_json(scope, receive)
             await self._tokenize(send, body)

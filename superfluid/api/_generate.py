@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._sessions import serve_resume_ttl
 from ..chat import TextStream
 from ..proto import Sampling
 from ..sched import Job, QosClass, Unavailable
@@ -22,6 +23,8 @@ from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
     from .._model import ServedModel
+    from .._sessions import LiveSession
+    from ._app import App
 
 __all__ = ["Follower", "access_log", "prepare", "watch_disconnect"]
 
@@ -63,6 +66,36 @@ async def prepare(
     max_new = room if max_tokens is None else min(max_tokens, room)
     return Job(prompt=prompt, sampling=sampling, max_new=max(1, max_new), klass=klass, ignore_eos=ignore_eos,
                created=trio.current_time())
+
+
+async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str],
+                resumable: bool = False) -> LiveSession:
+    """Log the session (``Created`` + ``Prompt``, fsynced) and queue the job.
+
+    A resumable session's generation outlives its request: a watcher in the
+    daemon's session nursery cancels it after ``--resume-ttl`` with no follower.
+    """
+    session = await app.sessions.open(job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+    model.scheduler.submit(job)
+    if resumable:
+        app.session_nursery.start_soon(serve_resume_ttl, app.sessions, session)
+    return session
+
+
+async def end(app: App, job: Job, *, resumable: bool = False) -> None:
+    """The request is over: cancel its job unless resumable, and log how it
+    ended if the scheduler did not. Shielded and bounded: runs in ``finally``."""
+    if not resumable and job.scheduler is not None:
+        job.scheduler.cancel(job)
+    with trio.move_on_after(5, shield=True):
+        if job.done:
+            await app.sessions.end(job)
+
+
+def resumable_requested(scope: dict[str, Any]) -> bool:
+    from ._http import header
+
+    return (header(scope, "x-superfluid-resumable") or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Follower:

@@ -1,0 +1,274 @@
+"""Anthropic Messages dialect: ``/v1/messages`` and ``/v1/messages/count_tokens``.
+
+Blocks map onto the shared chat core: ``text`` is content, ``thinking`` is
+reasoning, ``tool_use`` is an assistant call and ``tool_result`` a tool turn.
+Every failure this handler answers uses Anthropic's envelope
+``{"type":"error","error":{"type":…,"message":…}}``; a failure after the
+stream began is an ``event: error``. Keys may come as ``x-api-key`` or
+Bearer; none is enforced here. No access-log line (as in the reference).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import TYPE_CHECKING, Any
+
+from ..chat import Delta, ToolCall, ToolChoice
+from ..proto import encode_sse_json
+from ._generate import tokenize
+from ._http import ApiError, Receive, Send, send_json
+from ._openai import (
+    SSE_HEADERS, ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from,
+)
+from ._params import integer, sampling_from
+
+if TYPE_CHECKING:
+    from .._model import ServedModel
+    from ._app import App
+
+__all__ = ["count_tokens", "messages"]
+
+_ids = itertools.count(1)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(exc: ApiError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+async def _guarded(send: Send, run: Any) -> None:
+    """Run a handler, answering its ApiError in Anthropic's envelope if nothing was sent yet."""
+    started = False
+
+    async def tracked(message: dict[str, Any]) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await run(tracked)
+    except ApiError as exc:
+        if started:
+            raise
+        await send_json(send, exc.status, error_body(exc))
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"invalid request: {where} must be a string or an array of blocks")
+    return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic ``system`` + ``messages`` as OpenAI-shaped messages.
+
+    Raises:
+        ApiError: malformed messages or an image block (text-only runtimes).
+    """
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        if isinstance(system, list):
+            system = "\n".join(b.get("text", "") for b in system if isinstance(b, dict) and b.get("type") == "text")
+        if not isinstance(system, str):
+            raise ApiError(400, "invalid request: system must be a string or text blocks", param="system")
+        out.append({"role": "system", "content": system})
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "invalid request: messages must be a non-empty array", param="messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ApiError(400, f"invalid request: messages.{i}.role must be user or assistant", param="messages")
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        if not isinstance(blocks, list):
+            raise ApiError(400, f"invalid request: messages.{i}.content must be a string or an array")
+        text: list[str] = []
+        thinking: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for b in blocks:
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text.append(str(b.get("text", "")))
+            elif kind == "thinking":
+                thinking.append(str(b.get("thinking", "")))
+            elif kind == "tool_use" and m["role"] == "assistant":
+                calls.append({"id": str(b.get("id", "")), "type": "function",
+                              "function": {"name": str(b.get("name", "")),
+                                           "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            elif kind == "tool_result":
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
+                            "content": _text_of(b.get("content"), f"messages.{i}.content.tool_result")})
+            elif kind in ("image", "document"):
+                raise ApiError(400, f"this model takes text only; {kind} blocks are not supported",
+                               code="unsupported_input", param=f"messages.{i}.content")
+        if m["role"] == "user" and not text and any(isinstance(b, dict) and b.get("type") == "tool_result"
+                                                     for b in blocks):
+            continue
+        msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        if thinking:
+            msg["reasoning_content"] = "".join(thinking)
+        out.append(msg)
+    return out
+
+
+def _request(model: ServedModel, body: dict[str, Any], *, counting: bool = False) -> ChatRequest:
+    max_tokens = integer(body, "max_tokens", lo=1, hi=10_000_000)
+    if max_tokens is None and not counting:
+        raise ApiError(400, "max_tokens: field required", param="max_tokens")
+    raw_tools = body.get("tools") or []
+    if not isinstance(raw_tools, list):
+        raise ApiError(400, "invalid request: tools must be an array", param="tools")
+    tools = []
+    for i, t in enumerate(raw_tools):
+        if not isinstance(t, dict) or t.get("type", "custom") not in ("custom", None) or "input_schema" not in t:
+            raise ApiError(400, f"invalid request: tools.{i} is not a client tool with an input_schema",
+                           code="unsupported_tool", param=f"tools.{i}")
+        tools.append(tool_from(t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"))
+    choice = ToolChoice()
+    tc = body.get("tool_choice")
+    if isinstance(tc, dict):
+        mapped = {"auto": "auto", "none": "none", "any": "required"}.get(str(tc.get("type")))
+        if tc.get("type") == "tool":
+            choice = parse_tool_choice({"type": "function", "name": tc.get("name")}, tools)
+        elif mapped is not None:
+            choice = parse_tool_choice(mapped, tools)
+    thinking = body.get("thinking")
+    enable = None
+    if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
+        enable = thinking["type"] == "enabled"
+    return ChatRequest(
+        messages=parse_messages(body),
+        sampling=sampling_from({k: body.get(k) for k in ("temperature", "top_p", "top_k")},
+                               n_vocab=int(model.info.get("n_vocab", 1 << 30))),
+        max_tokens=max_tokens, tools=tools, choice=choice,
+        template_kwargs=thinking_kwargs(model.template.source, {}, enable=enable))
+
+
+async def count_tokens(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    async def run(send: Send) -> None:
+        model = await app.resolve_model(body.get("model"))
+        rendered = render_chat(model, _request(model, body, counting=True))
+        tokens = await tokenize(model, rendered.segments, add_special=False)
+        await send_json(send, 200, {"input_tokens": len(tokens)})
+
+    await _guarded(send, run)
+
+
+async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    async def run(send: Send) -> None:
+        model = await app.resolve_model(body.get("model"))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
+        req = _request(model, body)
+        mid = f"msg_superfluid_{next(_ids)}"
+        async with open_reply(app, model, req, receive, klass=qos_of(app, scope)) as reply:
+            await (_stream if stream else _whole)(send, reply, mid)
+
+    await _guarded(send, run)
+
+
+def _stop_reason(finish: str | None) -> str:
+    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish or "", "end_turn")
+
+
+def _usage(reply: Reply) -> dict[str, Any]:
+    job = reply.job
+    return {"input_tokens": len(job.prompt) - job.cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": job.cached, "output_tokens": len(job.tokens)}
+
+
+def _tool_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": call.input}
+
+
+async def _whole(send: Send, reply: Reply, mid: str) -> None:
+    blocks: list[dict[str, Any]] = []
+    while True:
+        events, _rows, done = await reply.next()
+        for ev in events:
+            if isinstance(ev, ToolCall):
+                blocks.append(_tool_block(ev))
+                continue
+            kind, key = ("thinking", "thinking") if ev.channel == "reasoning" else ("text", "text")
+            if blocks and blocks[-1]["type"] == kind:
+                blocks[-1][key] += ev.text
+            else:
+                blocks.append({"type": kind, key: ev.text, **({"signature": ""} if kind == "thinking" else {})})
+        if done:
+            break
+    if not blocks:
+        blocks.append({"type": "text", "text": ""})
+    await send_json(send, 200, {
+        "id": mid, "type": "message", "role": "assistant", "model": reply.model.name, "content": blocks,
+        "stop_reason": _stop_reason(reply.finish), "stop_sequence": None, "usage": _usage(reply)})
+
+
+async def _stream(send: Send, reply: Reply, mid: str) -> None:
+    async def emit(kind: str, obj: dict[str, Any], more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": encode_sse_json({"type": kind, **obj}, event=kind),
+                    "more_body": more})
+
+    await reply.wait_admitted()
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    usage = {**_usage(reply), "output_tokens": 0}
+    await emit("message_start", {"message": {
+        "id": mid, "type": "message", "role": "assistant", "model": reply.model.name, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": usage}})
+    index = -1
+    open_kind: str | None = None
+
+    async def close() -> None:
+        nonlocal open_kind
+        if open_kind == "thinking":
+            await emit("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}})
+        if open_kind is not None:
+            await emit("content_block_stop", {"index": index})
+        open_kind = None
+
+    async def start(block: dict[str, Any]) -> None:
+        nonlocal index, open_kind
+        await close()
+        index += 1
+        open_kind = block["type"]
+        await emit("content_block_start", {"index": index, "content_block": block})
+
+    try:
+        while True:
+            events, _rows, done = await reply.next()
+            for ev in events:
+                if isinstance(ev, ToolCall):
+                    block = _tool_block(ev)
+                    await start({**block, "input": {}})
+                    await emit("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+                    await close()
+                    continue
+                assert isinstance(ev, Delta)
+                kind = "thinking" if ev.channel == "reasoning" else "text"
+                if open_kind != kind:
+                    await start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                                else {"type": "text", "text": ""})
+                delta = ({"type": "thinking_delta", "thinking": ev.text} if kind == "thinking"
+                         else {"type": "text_delta", "text": ev.text})
+                await emit("content_block_delta", {"index": index, "delta": delta})
+            if done:
+                break
+        await close()
+        await emit("message_delta", {"delta": {"stop_reason": _stop_reason(reply.finish), "stop_sequence": None},
+                                     "usage": _usage(reply)})
+        await emit("message_stop", {}, more=False)
+    except ApiError as exc:
+        await send({"type": "http.response.body", "body": encode_sse_json(error_body(exc), event="error"),
+                    "more_body": False})

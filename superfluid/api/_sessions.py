@@ -1,0 +1,168 @@
+"""Resumable streams and the session routes.
+
+A streamed chat or completion that opts in with ``x-superfluid-resumable:
+true`` runs as a *live session*: its reply carries ``x-superfluid-session``,
+each SSE event carries ``id: <token cursor>``, and a client disconnect does
+not cancel it (it runs on into the log for ``--resume-ttl`` seconds with
+nobody following). Routes:
+
+* ``GET /v1/sessions/{id}``: what the log holds (tokens, text, finish).
+* ``GET /v1/sessions/{id}/stream`` with ``Last-Event-ID: N`` (or ``?after=N``):
+  replay from token ``N`` and follow live; ``[DONE]`` when it ends.
+* ``DELETE /v1/sessions/{id}/generation``: stop it (409 if none is running).
+
+The cursor is the number of committed tokens consumed; text is rebuilt by
+feeding the first ``N`` token pieces through a fresh stop-string filter, so a
+resumed stream continues byte for byte where the first one stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from ..proto import SSE_DONE, encode_sse_json
+from ._generate import Follower, end, start, watch_disconnect
+from ._http import ApiError, Receive, Send, header, send_json
+
+if TYPE_CHECKING:
+    from .._model import ServedModel
+    from .._sessions import LiveSession
+    from ..sched import Job
+    from ._app import App
+
+__all__ = ["delete_generation", "get_session", "run_resumable", "stream_live", "stream_session"]
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def _usage(job: Any) -> dict[str, Any]:
+    n = len(job.tokens)
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n,
+            "prompt_tokens_details": {"cached_tokens": job.cached}}
+
+
+def follower_at(session: LiveSession, cursor: int) -> Follower:
+    """A follower positioned after ``cursor`` tokens, its stop filter primed."""
+    follower = Follower(session.job, session.stops)
+    for piece in session.job.pieces[:cursor]:
+        follower.text.feed(piece)
+    follower.cursor = cursor
+    return follower
+
+
+async def stream_live(send: Send, session: LiveSession, follower: Follower, *, model: str, rid: str,
+                      first: bool) -> None:
+    """Stream a live session as OpenAI chunks with ``id:`` cursors; the caller sent no headers yet."""
+    job = session.job
+    chat = session.kind == "chat"
+    created = int(time.time())
+    obj_name = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None, *, role: bool = False, usage: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj: dict[str, Any] = {"id": rid, "object": obj_name, "created": created, "model": model,
+                               "system_fingerprint": "superfluid", "choices": [choice]}
+        if usage:
+            obj["usage"] = _usage(job)
+        return obj
+
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-superfluid-session", session.id.encode())]})
+    session.attach()
+    try:
+        if first and chat:
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": encode_sse_json(chunk(None, None, role=True), id=str(follower.cursor))})
+        while True:
+            try:
+                text, _rows, done = await follower.next_delta()
+            except ApiError as exc:
+                final = encode_sse_json(exc.body())
+                break
+            if text:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": encode_sse_json(chunk(text, None), id=str(follower.cursor))})
+            if done:
+                final = encode_sse_json(chunk(None, follower.finish, usage=True), id=str(follower.cursor))
+                break
+        await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+    finally:
+        session.detach()
+
+
+async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str], receive: Receive,
+                        send: Send) -> None:
+    """Serve a streamed request as a resumable session: a disconnect stops only
+    this follower; the generation runs on into the log (``--resume-ttl``)."""
+    session = await start(app, model, job, kind=kind, stops=stops, resumable=True)
+    try:
+        await job.wait_started()
+        if job.error is not None and not job.tokens:
+            raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        async with watch_disconnect(receive):
+            await stream_live(send, session, Follower(job, stops), model=model.name,
+                              rid=f"{prefix}-superfluid-{session.id}", first=True)
+    finally:
+        await end(app, job, resumable=True)
+
+
+def _session(app: App, sid: str) -> LiveSession:
+    session = app.sessions.live.get(sid)
+    if session is None:
+        raise ApiError(404, f"session '{sid}' not found (or not live on this server)", code="session_not_found")
+    return session
+
+
+async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send: Send, sid: str) -> None:
+    session = _session(app, sid)
+    raw = header(scope, "last-event-id")
+    if raw is None:
+        raw = (parse_qs(scope.get("query_string", b"").decode()).get("after") or ["0"])[0]
+    try:
+        cursor = int(raw)
+    except ValueError:
+        raise ApiError(400, f"invalid Last-Event-ID / after: {raw!r}", param="after") from None
+    if not 0 <= cursor <= len(session.job.tokens):
+        raise ApiError(400, f"cursor {cursor} is outside the session's {len(session.job.tokens)} tokens",
+                       param="after")
+    follower = follower_at(session, cursor)
+    async with watch_disconnect(receive):  # a follower leaving never cancels the generation
+        await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
+
+
+async def get_session(app: App, send: Send, sid: str) -> None:
+    live = app.sessions.live.get(sid)
+    slog = app.sessions.journal.sessions.get(sid)
+    if live is None and slog is None:
+        raise ApiError(404, f"session '{sid}' not found", code="session_not_found")
+    if live is not None:
+        job = live.job
+        text = b"".join(job.pieces).decode("utf-8", "replace")
+        body = {"id": sid, "object": "session", "model": live.model, "generating": not job.done,
+                "prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens), "text": text,
+                "finish_reason": job.finish, "followers": live.attached}
+    else:
+        assert slog is not None
+        body = {"id": sid, "object": "session", "model": (slog.created or {}).get("model"), "generating": False,
+                "prompt_tokens": len(slog.prompt_tokens), "completion_tokens": len(slog.generated_tokens),
+                "text": slog.text, "finish_reason": slog.finish, "followers": 0}
+    await send_json(send, 200, body)
+
+
+async def delete_generation(app: App, send: Send, sid: str) -> None:
+    session = _session(app, sid)
+    job = session.job
+    if job.done:
+        raise ApiError(409, f"session '{sid}' has no generation in flight", code="no_generation")
+    if job.scheduler is not None:
+        job.scheduler.cancel(job)
+    await send_json(send, 200, {"id": sid, "object": "session.generation", "cancelled": True})
