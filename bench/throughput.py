@@ -25,14 +25,16 @@ PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" 
 
 
 async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float, float]:
-    results = []
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    results: list[dict] = []
+    # no keep-alive: llama-server drops idle connections between rounds, and both get the same client
+    async with httpx.AsyncClient(base_url=url, timeout=600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
         limiter = trio.CapacityLimiter(conc)
 
         async def one(i: int) -> None:
             async with limiter:
                 body = {"model": model, "prompt": PROMPTS[i], "max_tokens": tokens, "temperature": 0,
-                        "ignore_eos": True}
+                        "ignore_eos": True, "stream_options": {"include_usage": True}}
                 results.append(await stream_request(client, "/v1/completions", body))
 
         t0 = trio.current_time()
@@ -43,7 +45,8 @@ async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float
     errors = [r["error"] for r in results if r["error"]]
     if errors:
         raise RuntimeError(f"errors: {errors[:2]}")
-    total = sum(r["tokens"] for r in results)
+    # tokens from usage where the server reports it (a chunk may carry several tokens), else chunks
+    total = sum((r["usage"] or {}).get("completion_tokens") or r["tokens"] for r in results)
     return total / wall, median([r["ttft"] for r in results])
 
 
@@ -69,7 +72,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-ceiling", action="store_true")
+    p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
     args = p.parse_args()
+    if args.only == "superfluid":
+        port = free_port()
+        ours = Server("superfluid", superfluid_argv(args.model, port, "--threads", str(args.threads)), port)
+        try:
+            ours.wait_ready()
+            trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens)
+        finally:
+            ours.stop()
+        return
     binary = args.llama_server or subprocess.run(
         ["bash", str(ROOT / "bench/build_llama_server.sh")], capture_output=True, text=True, check=True
     ).stdout.strip().splitlines()[-1]

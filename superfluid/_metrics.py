@@ -24,6 +24,8 @@ _HELP = {
     "superfluid_worker_respawns_total": ("counter", "Worker processes respawned after a death."),
     "superfluid_requests_total": ("counter", "Generation requests, by outcome."),
     "superfluid_batched_rounds_total": ("counter", "Decode rounds that carried more than one lane."),
+    "superfluid_engine_rounds_total": ("counter", "Decode rounds run by workers (one forward pass each)."),
+    "superfluid_engine_busy_seconds_total": ("counter", "Seconds workers spent inside ticks."),
     "superfluid_kv_used_tokens": ("gauge", "KV cells held by live lanes."),
     "superfluid_kv_total_tokens": ("gauge", "KV cells in the worker's pool."),
     "superfluid_ttft_seconds": ("histogram", "Time from request to first token."),

@@ -144,7 +144,7 @@ def test_prefix_cache_reuses_finished_sequence(smol: Any) -> None:
 
 def test_prefix_copied_from_running_lane(smol: Any) -> None:
     ex = fresh(smol)
-    toks = prompt(smol, PROMPTS[2])
+    toks = prompt(smol, " ".join([PROMPTS[2]] * 4))  # longer than MIN_COPY: copied, not prefilled again
     admit(ex, 0, toks, max_new=8)
     out: dict[int, list[Any]] = {}
     for _ in range(3):

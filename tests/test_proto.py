@@ -327,13 +327,18 @@ def test_roles_may_not_send_each_others_messages() -> None:
         assert_refused(p.worker, event)
 
 
-def test_local_tick_while_a_tick_runs() -> None:
+def test_local_tick_beyond_the_pipeline_depth() -> None:
+    # one tick runs and one may queue behind it (MAX_TICKS_IN_FLIGHT == 2); a third is refused
     p = LinkPair()
     p.handshake()
     p.send(DAEMON, tick(seq=1))
-    assert_refused(p.daemon, tick(seq=2))
-    p.send(WORKER, TickDone(seq=1))
     p.send(DAEMON, tick(seq=2))
+    assert_refused(p.daemon, tick(seq=3))
+    p.send(WORKER, TickDone(seq=1))
+    p.send(DAEMON, tick(seq=3))
+    p.send(WORKER, TickDone(seq=2))
+    p.send(WORKER, TickDone(seq=3))
+    assert_refused(p.worker, TickDone(seq=4))
 
 
 def test_local_admit_of_an_open_lane() -> None:

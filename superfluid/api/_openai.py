@@ -508,7 +508,9 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         if stream and resumable_requested(scope):
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
             return
-        await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream)
+        opts = body.get("stream_options")
+        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream, usage=usage)
         return
     route = "/v1/chat/completions"
     rid = f"chatcmpl-superfluid-{next(_ids)}"
@@ -600,7 +602,7 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
 
 
 async def _run_completion(app: App, model: ServedModel, job: Job, receive: Receive, send: Send,
-                          stops: list[str], *, stream: bool) -> None:
+                          stops: list[str], *, stream: bool, usage: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
     follower = Follower(job, stops)
@@ -608,7 +610,8 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
     try:
         async with watch_disconnect(receive):
             if stream:
-                await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name)
+                await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
+                                         usage=usage)
             else:
                 parts: list[str] = []
                 while True:
@@ -625,7 +628,10 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
         await end(app, job)
 
 
-async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str) -> None:
+async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,
+                             usage: bool = False) -> None:
+    """Completion chunks; with ``stream_options.include_usage`` a last chunk
+    with empty ``choices`` carries ``usage`` (as OpenAI does)."""
     def chunk(text: str, finish: str | None) -> bytes:
         return encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "system_fingerprint": "superfluid",
@@ -643,6 +649,9 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
             if done:
                 break
         final = chunk("", follower.finish)
+        if usage:
+            final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [], "usage": usage_of(job)})
     except ApiError as exc:
         final = encode_sse_json(exc.body())
     await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})

@@ -30,6 +30,7 @@ from ._events import to_wire as to_wire
 from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
 from ._frames import FrameDecoder as FrameDecoder
 from ._frames import encode_frame as encode_frame
+from ._link import MAX_TICKS_IN_FLIGHT as MAX_TICKS_IN_FLIGHT
 from ._link import NEED_DATA as NEED_DATA
 from ._link import LinkStatistics as LinkStatistics
 from ._link import WorkerLink as WorkerLink

@@ -17,7 +17,11 @@ from ._events import Admit, Admitted, Cancel, Emit, Event, Fault, Tick, TickDone
 from ._frames import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 from ._state import CLOSED, CLOSING, DAEMON, ERROR, IDLE, TRANSITIONS, WORKER, _Sentinel
 
-__all__ = ["NEED_DATA", "LinkStatistics", "WorkerLink"]
+__all__ = ["MAX_TICKS_IN_FLIGHT", "NEED_DATA", "LinkStatistics", "WorkerLink"]
+
+# one tick running and one queued behind it: the daemon plans tick N+1 while
+# tick N runs, so the engine never idles waiting for the daemon
+MAX_TICKS_IN_FLIGHT = 2
 
 
 class _NeedData:
@@ -53,7 +57,7 @@ class WorkerLink:
         self._decoder = FrameDecoder(max_frame_size=max_frame_size)
         self._lanes: dict[int, bool] = {}  # lane -> cancelling?
         self._pending_tokenize: set[int] = set()
-        self._tick_running = False
+        self._ticks_in_flight = 0
         self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = self._dropped = 0
 
     # -- sending -------------------------------------------------------------
@@ -146,13 +150,13 @@ class WorkerLink:
                 raise error(f"answer to unknown tokenize request {event.req}")
             self._pending_tokenize.discard(event.req)
         elif isinstance(event, Tick):
-            if self._tick_running:
-                raise error("a tick is already running")
-            self._tick_running = True
+            if self._ticks_in_flight >= MAX_TICKS_IN_FLIGHT:
+                raise error(f"{MAX_TICKS_IN_FLIGHT} ticks are already in flight")
+            self._ticks_in_flight += 1
         elif isinstance(event, TickDone):
-            if not self._tick_running:
+            if not self._ticks_in_flight:
                 raise error("TickDone without a running tick")
-            self._tick_running = False
+            self._ticks_in_flight -= 1
         elif isinstance(event, Admitted):
             if event.lane not in lanes:
                 raise error(f"Admitted for unknown lane {event.lane}")
@@ -173,7 +177,7 @@ class WorkerLink:
             state=repr(self.state),
             open_lanes=len(self._lanes),
             pending_tokenize=len(self._pending_tokenize),
-            tick_running=self._tick_running,
+            tick_running=self._ticks_in_flight > 0,
             frames_in=self._frames_in,
             frames_out=self._frames_out,
             bytes_in=self._bytes_in,

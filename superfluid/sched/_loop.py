@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
 
-from ..proto import Admit, Admitted, Cancel, Emit, Fault, Interrupt, TickDone, Tick, Tokenize, Tokenized
+from ..proto import (
+    MAX_TICKS_IN_FLIGHT, Admit, Admitted, Cancel, Emit, Fault, Interrupt, Tick, TickDone, Tokenize, Tokenized,
+)
 from ._job import Job, JobError, JobState
 from ._plan import JobView, LaneView, Planner, PlannerConfig
 from ._qos import QosClass
@@ -36,6 +39,7 @@ __all__ = ["Committer", "Scheduler", "SchedulerConfig", "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
 INBOX_SIZE = 512
+DRAIN_BATCH = 64            # inbox items taken at once (rounds committed with one fsync)
 HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with a prefilling lane waits for it
 HOLD_MAX_TICKS = 64
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
@@ -227,53 +231,89 @@ class Scheduler:
 
         gen = worker.generation
         self.set_worker(worker)
+        in_flight = 0
+        interrupted = False
         while True:
             await self._send_cancels(worker)
-            plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
-                                     prefill_tok_s=self._prefill_rate, held=self._held())
-            for lane in plan.preempts:
-                job = self.running[lane]
-                job.preempted = True
-                self.metrics.inc("superfluid_preemptions_total")
-                await worker.send(Cancel(lane=lane, publish=True))
-            order = list(plan.prefill_order)
-            for job_id in plan.admits:
-                job = self._dequeue(job_id)
-                lane = next(self._lane_ids)
-                order.append(lane)
-                await self._admit(worker, job, lane)
-            if plan.prefill_budget or plan.max_rounds:
-                self.tick_no += 1
-                self.metrics.inc("superfluid_ticks_total")
-                await worker.send(Tick(seq=self.tick_no, prefill_budget=plan.prefill_budget,
-                                       max_rounds=plan.max_rounds, time_budget_ms=plan.time_budget_ms,
-                                       prefill_lanes=tuple(order)))
+            # admissions and preemptions go out as soon as anything changes (the
+            # worker applies them between engine steps); ticks keep the engine
+            # fed: tick N+1 is planned while tick N runs
+            while await self._plan_and_send(worker, send_tick=in_flight < MAX_TICKS_IN_FLIGHT):
+                in_flight += 1
                 interrupted = False
-                while True:
-                    with trio.move_on_after(self.config.hang_timeout_s) as scope:
-                        tag, event = await self.inbox.receive()
-                    if scope.cancelled_caught:
-                        worker.kill()
-                        raise WorkerDied(f"worker hung: no answer within {self.config.hang_timeout_s:g}s of a tick")
-                    if tag is not None and tag != gen:
-                        continue
-                    if isinstance(event, WorkerDied):
-                        raise event
-                    if isinstance(event, TickDone):
-                        self._tick_done(event)
-                        break
-                    await self._handle(event)
-                    await self._send_cancels(worker)
-                    if not interrupted and self._preemptor_waiting():
-                        interrupted = True
-                        await worker.send(Interrupt())
-            else:
-                tag, event = await self.inbox.receive()
-                if tag is not None and tag != gen:
+            batch = await self._next_events(gen, timed=in_flight > 0, worker=worker)
+            # in order, but consecutive rounds commit together (one fsync)
+            rounds: list[Emit] = []
+            for event in [*batch, None]:
+                if isinstance(event, Emit):
+                    rounds.append(event)
                     continue
-                if isinstance(event, WorkerDied):
-                    raise event
-                await self._handle(event)
+                if rounds:
+                    await self._emit(rounds)
+                    rounds = []
+                if isinstance(event, TickDone):
+                    in_flight -= 1
+                    self._tick_done(event)
+                elif event is not None:
+                    await self._handle(event)
+            await self._send_cancels(worker)
+            if in_flight and not interrupted and self._preemptor_waiting():
+                interrupted = True
+                await worker.send(Interrupt())
+
+    async def _plan_and_send(self, worker: WorkerHandle, *, send_tick: bool) -> bool:
+        """Plan, send the plan's preemptions and admissions, and (if
+        ``send_tick``) its Tick. Returns True when a Tick was sent."""
+        plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
+                                 prefill_tok_s=self._prefill_rate, held=self._held())
+        for lane in plan.preempts:
+            job = self.running[lane]
+            job.preempted = True
+            self.metrics.inc("superfluid_preemptions_total")
+            await worker.send(Cancel(lane=lane, publish=True))
+        order = list(plan.prefill_order)
+        for job_id in plan.admits:
+            job = self._dequeue(job_id)
+            lane = next(self._lane_ids)
+            order.append(lane)
+            await self._admit(worker, job, lane)
+        if not send_tick or not (plan.prefill_budget or plan.max_rounds):
+            return False
+        self.tick_no += 1
+        self.metrics.inc("superfluid_ticks_total")
+        await worker.send(Tick(seq=self.tick_no, prefill_budget=plan.prefill_budget, max_rounds=plan.max_rounds,
+                               time_budget_ms=plan.time_budget_ms, prefill_lanes=tuple(order)))
+        return True
+
+    async def _next_events(self, gen: int, *, timed: bool, worker: WorkerHandle) -> list[Any]:
+        """Wait for the next inbox item, then take whatever else is already
+        there (up to a bound), so a backlog of rounds commits with one fsync.
+
+        Raises:
+            WorkerDied: the worker died, or (``timed``) went silent past ``hang_timeout_s``.
+        """
+        from ..nursery._worker import WorkerDied
+
+        with trio.move_on_after(self.config.hang_timeout_s if timed else math.inf) as scope:
+            first = await self.inbox.receive()
+        if scope.cancelled_caught:
+            worker.kill()
+            raise WorkerDied(f"worker hung: no answer within {self.config.hang_timeout_s:g}s of a tick")
+        items = [first]
+        while len(items) < DRAIN_BATCH:
+            try:
+                items.append(self.inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
+        out = []
+        for tag, event in items:
+            if tag is not None and tag != gen:
+                continue  # a dead generation's leftovers, or a poke
+            if isinstance(event, WorkerDied):
+                raise event
+            if event is not None:
+                out.append(event)
+        return out
 
     def _held(self) -> frozenset[int]:
         """Jobs that should wait for a lane prefilling the prefix they share, so
@@ -354,6 +394,8 @@ class Scheduler:
             self._prefill_rate = rate if not self._prefill_rate else 0.7 * self._prefill_rate + 0.3 * rate
         self.metrics.inc("superfluid_prefill_tokens_total", done.prefill_tokens)
         self.metrics.inc("superfluid_decode_tokens_total", done.decode_tokens)
+        self.metrics.inc("superfluid_engine_rounds_total", done.rounds)
+        self.metrics.inc("superfluid_engine_busy_seconds_total", done.busy_ms / 1000)
         self.metrics.set("superfluid_kv_used_tokens", done.kv_used)
         self.metrics.set("superfluid_kv_total_tokens", done.kv_total)
         self.last_tick = {"busy_ms": done.busy_ms, "prefill": done.prefill_tokens, "decode": done.decode_tokens,
@@ -388,17 +430,28 @@ class Scheduler:
                 pending.result = list(event.tokens)
                 pending.event.set()
 
-    async def _emit(self, event: Emit) -> None:
+    async def _emit(self, events: list[Emit]) -> None:
+        """Apply engine rounds: commit their tokens (one fsync), then publish."""
         touched: list[tuple[Job, int]] = []
+        seen: set[int] = set()
         ended: list[tuple[Job, str]] = []
         now = trio.current_time()
+        for event in events:
+            self._apply_round(event, touched, seen, ended, now)
+        if touched or ended:
+            await self.committer.commit(touched, ended)
+        self._settle(touched, ended, now)
+
+    def _apply_round(self, event: Emit, touched: list[tuple[Job, int]], seen: set[int],
+                     ended: list[tuple[Job, str]], now: float) -> None:
         decoding = 0
         for lane, token, piece, finish, lp in event.items:
             job = self.running.get(lane)
             if job is None:
                 continue
             if token >= 0 and finish not in ("eos", "cancelled", "error"):
-                if not touched or touched[-1][0] is not job:
+                if job.id not in seen:
+                    seen.add(job.id)
                     touched.append((job, len(job.tokens)))
                 job.tokens.append(token)
                 job.pieces.append(piece)
@@ -412,8 +465,8 @@ class Scheduler:
                 ended.append((job, finish))
         if decoding > 1:
             self.metrics.inc("superfluid_batched_rounds_total")
-        if touched or ended:
-            await self.committer.commit(touched, ended)
+
+    def _settle(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]], now: float) -> None:
         for job, finish in ended:
             del self.running[job.lane]  # type: ignore[arg-type]
             if finish == "cancelled":

@@ -151,7 +151,8 @@ class Planner:
         any_prefill = any(ln.prefill_left > 0 for ln in still_live) or bool(admitted)
         any_decode = any(ln.prefill_left == 0 for ln in still_live) or bool(admitted)
         newcomer_possible = bool(remaining) or free > 0
-        budget = cfg.prefill_budget if any_prefill else 0
+        # while a lane is free a newcomer may be admitted mid-tick: keep a prefill budget for it
+        budget = cfg.prefill_budget if any_prefill or (free > 0 and still_live) else 0
         if budget and (remaining or any(ln.klass.preempts for ln in still_live)):
             if prefill_tok_s > 0:
                 by_time = int(prefill_tok_s * cfg.latency_prefill_s) // cfg.prefill_chunk * cfg.prefill_chunk

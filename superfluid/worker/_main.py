@@ -20,6 +20,7 @@ Exit codes: 0 clean shutdown, 2 bad command line, 3 model did not load, 1 link f
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 from typing import Any
@@ -78,6 +79,7 @@ class _Worker:
         self.runtime = runtime
         self.send_lock = trio.StrictFIFOLock()
         self.interrupt = False
+        self.queued_ticks: collections.deque[Tick] = collections.deque()
         self.prefill_s_per_token = 0.0   # measured; sizes prefill steps to the tick's step_ms
 
     async def send(self, event: Any) -> None:
@@ -97,7 +99,10 @@ class _Worker:
                 if self.executor.cancel(op.lane, publish=op.publish):
                     await self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]))
             elif isinstance(op, Tick):
-                await self._tick(op, ops)
+                self.queued_ticks.append(op)
+            # ticks run back to back; one arriving mid-tick waits in queued_ticks
+            while self.queued_ticks:
+                await self._tick(self.queued_ticks.popleft(), ops)
 
     async def _admit(self, op: Admit) -> None:
         try:
@@ -122,13 +127,18 @@ class _Worker:
                 except trio.WouldBlock:
                     break
                 if isinstance(op, Tick):
-                    raise ProtocolError("Tick while a tick runs")  # the link forbids it
-                if isinstance(op, Admit):
+                    self.queued_ticks.append(op)  # the link allows one queued behind this one
+                elif isinstance(op, Admit):
                     await self._admit(op)
                 elif isinstance(op, Cancel) and self.executor.cancel(op.lane, publish=op.publish):
                     await self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]))
             if self.interrupt:
                 interrupted = True
+                # an Interrupt also voids ticks planned before the preemptor arrived
+                while self.queued_ticks:
+                    stale = self.queued_ticks.popleft()
+                    await self.send(TickDone(seq=stale.seq, interrupted=True,
+                                             prefill_left=self.executor.prefill_left()))
                 break
             decoding = any(ln.pending == 1 for ln in self.executor.lanes.values())
             prefilling = budget > 0 and any(ln.pending > 1 for ln in self.executor.lanes.values())
