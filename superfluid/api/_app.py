@@ -101,6 +101,11 @@ class App:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["type"] == "websocket":  # GET /v1/ws (api/_ws.py); other paths are refused
+            from ._ws import serve_websocket
+
+            await serve_websocket(self, scope, receive, send)
+            return
         if scope["type"] != "http":
             return
         started = False

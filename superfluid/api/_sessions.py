@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from ..sched import Job
     from ._app import App
 
-__all__ = ["delete_generation", "get_session", "run_resumable", "stream_live", "stream_session"]
+__all__ = ["cancel_generation", "delete_generation", "follower_at", "get_session", "live_session", "run_resumable",
+           "session_info", "stream_live", "stream_session"]
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -115,7 +116,8 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
         await end(app, job, resumable=True)
 
 
-def _session(app: App, sid: str) -> LiveSession:
+def live_session(app: App, sid: str) -> LiveSession:
+    """The live session ``sid``. Raises ApiError 404 ``session_not_found``."""
     session = app.sessions.live.get(sid)
     if session is None:
         raise ApiError(404, f"session '{sid}' not found (or not live on this server)", code="session_not_found")
@@ -123,7 +125,7 @@ def _session(app: App, sid: str) -> LiveSession:
 
 
 async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send: Send, sid: str) -> None:
-    session = _session(app, sid)
+    session = live_session(app, sid)
     raw = header(scope, "last-event-id")
     if raw is None:
         raw = (parse_qs(scope.get("query_string", b"").decode()).get("after") or ["0"])[0]
@@ -139,7 +141,12 @@ async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send
         await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
 
 
-async def get_session(app: App, send: Send, sid: str) -> None:
+def session_info(app: App, sid: str) -> dict[str, Any]:
+    """What ``GET /v1/sessions/{id}`` (and the WebSocket ``get``) reports.
+
+    Raises:
+        ApiError: 404 ``session_not_found``.
+    """
     live = app.sessions.live.get(sid)
     slog = app.sessions.journal.sessions.get(sid)
     if live is None and slog is None:
@@ -147,22 +154,32 @@ async def get_session(app: App, send: Send, sid: str) -> None:
     if live is not None:
         job = live.job
         text = b"".join(job.pieces).decode("utf-8", "replace")
-        body = {"id": sid, "object": "session", "model": live.model, "generating": not job.done,
+        return {"id": sid, "object": "session", "model": live.model, "generating": not job.done,
                 "prompt_tokens": len(job.prompt), "completion_tokens": len(job.tokens), "text": text,
                 "finish_reason": job.finish, "followers": live.attached}
-    else:
-        assert slog is not None
-        body = {"id": sid, "object": "session", "model": (slog.created or {}).get("model"), "generating": False,
-                "prompt_tokens": len(slog.prompt_tokens), "completion_tokens": len(slog.generated_tokens),
-                "text": slog.text, "finish_reason": slog.finish, "followers": 0}
-    await send_json(send, 200, body)
+    assert slog is not None
+    return {"id": sid, "object": "session", "model": (slog.created or {}).get("model"), "generating": False,
+            "prompt_tokens": len(slog.prompt_tokens), "completion_tokens": len(slog.generated_tokens),
+            "text": slog.text, "finish_reason": slog.finish, "followers": 0}
 
 
-async def delete_generation(app: App, send: Send, sid: str) -> None:
-    session = _session(app, sid)
-    job = session.job
+async def get_session(app: App, send: Send, sid: str) -> None:
+    await send_json(send, 200, session_info(app, sid))
+
+
+def cancel_generation(app: App, sid: str) -> None:
+    """Stop a live session's generation (``DELETE …/generation``, WebSocket ``cancel``).
+
+    Raises:
+        ApiError: 404 ``session_not_found``; 409 ``no_generation`` if it is not generating.
+    """
+    job = live_session(app, sid).job
     if job.done:
         raise ApiError(409, f"session '{sid}' has no generation in flight", code="no_generation")
     if job.scheduler is not None:
         job.scheduler.cancel(job)
+
+
+async def delete_generation(app: App, send: Send, sid: str) -> None:
+    cancel_generation(app, sid)
     await send_json(send, 200, {"id": sid, "object": "session.generation", "cancelled": True})

@@ -147,6 +147,7 @@ class Admit(Event):
     max_new: int = attrs.field(validator=attrs.validators.ge(1))
     sampling: Sampling = attrs.field(factory=Sampling)
     ignore_eos: bool = False
+    priority: int = attrs.field(default=2, validator=_nonneg)   # QoS class: 0 most urgent; orders prefill
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:

@@ -366,7 +366,7 @@ class Scheduler:
         self._gauges()
         await worker.send(Admit(
             lane=lane, tokens=job.prompt + job.tokens, n_prompt=len(job.prompt),
-            max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos,
+            max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
         ))
 
     def _dequeue(self, job_id: int) -> Job:

@@ -41,6 +41,7 @@ class Lane:
     sampling: Sampling
     ignore_eos: bool
     sampler: LaneSampler
+    priority: int = 2
     n_past: int = 0
     cached: int = 0
 
@@ -122,7 +123,7 @@ class Executor:
         slot.owner = msg.lane
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
-            sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, n_past=matched,
+            sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
             cached=min(matched, msg.n_prompt),
         )
         self.lanes[msg.lane] = lane
@@ -132,29 +133,29 @@ class Executor:
     def _pick_slot(self, tokens: list[int]) -> tuple[int, int, int | None]:
         """Choose a free sequence for ``tokens``: (seq, tokens reusable, source seq).
 
-        Per-sequence layout: the new lane goes to the *lowest* free sequence, so
-        live lanes stay packed in a low range (llama.cpp's per-sequence KV costs
-        grow with the span of sequence ids in a batch: lanes on 0,5,7,9 decode
-        about 1.5x slower than on 0,1,2,3). A longer prefix elsewhere (cached or
-        live) is copied in with ``seq_cp``. Shared pool: the best whole cached
-        sequence, else the least recently used one.
+        Per-sequence layout: llama.cpp's per-sequence KV costs grow with the
+        span of sequence ids in a batch (lanes on 0,5,7,9 decode about 1.5x
+        slower than on 0,1,2,3), so the new lane takes the best-matching free
+        sequence among those that keep the live span within twice the lane
+        count (the lowest free one if none does), and a prefix at least
+        ``MIN_COPY`` tokens longer elsewhere (cached or live) is copied in with
+        ``seq_cp``. Shared pool: the best whole cached sequence, else the least
+        recently used one.
         """
         limit = len(tokens) - 1  # always decode at least one token for logits
         if self.info.kv_layout == "per_seq":
             free = [i for i, slot in enumerate(self.slots) if slot.owner is None]
             if not free:
                 raise ValueError("no free KV sequence")
-            target = free[0]
-            best, best_len = target, _common_prefix(self.slots[target].tokens, tokens, limit)
-            for i, slot in enumerate(self.slots):
-                n = _common_prefix(slot.tokens, tokens, limit)
-                if n > best_len:
-                    best, best_len = i, n
-            if best == target:
-                return target, best_len, None
-            if best_len >= MIN_COPY:
-                return target, best_len, best
-            return target, _common_prefix(self.slots[target].tokens, tokens, limit), None
+            live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
+            matches = [_common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
+            # in place if it keeps the live span compact, else the lowest free sequence
+            in_span = [i for i in free if _span([*live, i]) <= 2 * (len(live) + 1)] or free[:1]
+            target = max(in_span, key=lambda i: (matches[i], -i))
+            best = max(range(len(self.slots)), key=lambda i: (matches[i], i == target))
+            if best != target and matches[best] - matches[target] >= MIN_COPY:
+                return target, matches[best], best
+            return target, matches[target], None
         best_free: tuple[int, int] | None = None   # (tokens reusable, -last_use)
         free_seq = -1
         for i, slot in enumerate(self.slots):
@@ -232,7 +233,8 @@ class Executor:
         budget = min(prefill_budget, max_step_tokens)
         prefill_lanes = sorted(
             (ln for ln in self.lanes.values() if ln.pending > 1),
-            key=lambda ln: (order.index(ln.lane) if ln.lane in order else len(order), ln.pending),
+            # the most urgent class first (a chat admitted mid-tick goes ahead at once), then the tick's order
+            key=lambda ln: (ln.priority, order.index(ln.lane) if ln.lane in order else len(order), ln.pending),
         )
         decoders = [ln for ln in self.lanes.values() if ln.pending == 1]
         rows: list[BatchRow] = []
@@ -317,6 +319,10 @@ class Executor:
     def close(self) -> None:
         for tag in list(self.lanes):
             self.cancel(tag, publish=False)
+
+
+def _span(seqs: list[int]) -> int:
+    return max(seqs) - min(seqs) + 1
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

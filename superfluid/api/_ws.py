@@ -1,0 +1,407 @@
+"""Sessions over WebSocket: ``GET /v1/ws``, JSON text messages.
+
+Client to server (``id`` is an optional client reference echoed in replies):
+
+* ``{"op":"generate","id":R,"body":{chat completion body},"resumable":false,"session":S?}``
+  starts a generation as a streamed chat request does and follows it from
+  cursor 0: ``started``, then ``delta``… and ``done``. ``session`` optionally
+  names the new session (``[A-Za-z0-9_.-]{1,128}``); naming one that is
+  generating is refused (``session_busy``), one that exists (``session_exists``).
+* ``{"op":"subscribe","session":S,"after":N}``: ``subscribed``, then replay
+  after token cursor ``N`` (default 0) and follow live.
+* ``{"op":"unsubscribe","session":S}``: ``unsubscribed``; no ``delta`` for S after it.
+* ``{"op":"cancel","session":S}``: stop S's generation; ``cancelled`` (a
+  follower then sees ``done`` with ``finish_reason: "cancelled"``).
+* ``{"op":"get","session":S}``: ``{"op":"session","session":{…}}``, the body of
+  ``GET /v1/sessions/{id}``.
+
+Server to client: ``delta {session, cursor, text}``, ``done {session, cursor,
+finish_reason, usage}``, ``error {id?, session?, error:{message, type, param,
+code}}``, and the replies above. ``cursor`` is the token cursor of the SSE
+``id:`` field: subscribing ``after`` the last cursor seen continues byte for
+byte. A bad message is an ``error`` reply and the socket stays open.
+
+Limits (:class:`WsLimits`): an inbound message over ``max_message`` closes the
+socket with 1009. Outgoing messages go through a bounded outbox to one writer
+task; a producer that finds it full for ``send_stall_s`` closes the socket with
+1008 (queued messages are dropped). Followers read the job by cursor, so a slow
+reader only coalesces deltas and never buffers tokens. One subscription per
+session per socket, at most ``max_subscriptions``.
+
+Lifetimes, one nursery per socket::
+
+    serve_websocket
+    ├── writer        outbox -> ASGI send; then the close frame, if one is due
+    └── work          cancelled when the socket closes (or must close)
+        ├── reader    one message at a time, in order
+        ├── follower  one per subscription, in its own cancel scope
+        └── owner     one per generation started here: ``end()`` in ``finally``
+
+Closing the socket stops only its followers: resumable generations run on into
+the log (``--resume-ttl``); non-resumable ones started on this socket are
+cancelled, as an HTTP disconnect cancels its request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import weakref
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import attrs
+import trio
+
+from ._generate import end, prepare, start
+from ._http import ApiError, Receive, Send
+from ._openai import (
+    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tools, qos_of, render_chat,
+    require_grammar, thinking_kwargs, usage_of,
+)
+from ._params import integer, sampling_from, stops_from
+from ._sessions import cancel_generation, follower_at, live_session, session_info
+
+if TYPE_CHECKING:
+    from .._model import ServedModel
+    from .._sessions import LiveSession
+    from ..sched import Job
+    from ._app import App
+
+__all__ = ["LIMITS", "WS_PATH", "WsLimits", "chat_job", "serve_websocket"]
+
+log = logging.getLogger("superfluid.ws")
+
+WS_PATH = "/v1/ws"
+CLOSE_POLICY = 1008     # RFC 6455 7.4.1: policy violation (here: the client does not read)
+CLOSE_TOO_BIG = 1009    # message too big
+SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+@attrs.frozen(kw_only=True)
+class WsLimits:
+    max_message: int = 1 << 20        # bytes in one inbound message; more closes with 1009
+    outbox: int = 32                  # outgoing messages queued for the writer
+    send_stall_s: float = 10.0        # a full outbox for this long closes with 1008
+    max_subscriptions: int = 64       # per socket
+
+
+LIMITS = WsLimits()  # read at each connection, so tests can lower it
+
+# Session ids named by ``generate`` between the check and ``start()`` indexing
+# them, per SessionStore: two sockets cannot claim one name at once.
+_claims: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+async def serve_websocket(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """Serve one ASGI websocket connection until either side closes it.
+
+    Cancellation: cancelling stops every follower of this socket and cancels
+    the non-resumable generations it started; resumable ones go on.
+
+    Resource handling: the socket's tasks all live in one nursery that this
+    call owns; nothing it starts outlives it except resumable generations
+    (owned by the daemon's session nursery, as for HTTP).
+    """
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if scope.get("path") != WS_PATH:
+        await send({"type": "websocket.close", "code": CLOSE_POLICY})  # before accept: HTTP 403
+        return
+    await send({"type": "websocket.accept"})
+    await _Socket(app, scope, send, LIMITS).run(receive)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _with_ref(msg: dict[str, Any], ref: Any) -> dict[str, Any]:
+    if ref is not None:
+        msg["id"] = ref
+    return msg
+
+
+class _Socket:
+    def __init__(self, app: App, scope: dict[str, Any], send: Send, limits: WsLimits) -> None:
+        self.app = app
+        self.scope = scope
+        self.send = send
+        self.limits = limits
+        self.outbox, self._outbox_recv = trio.open_memory_channel[dict[str, Any]](limits.outbox)
+        self.subs: dict[str, trio.CancelScope] = {}
+        self.close_with: tuple[int, str] | None = None
+        self._work: trio.Nursery | None = None
+
+    @property
+    def work(self) -> trio.Nursery:
+        assert self._work is not None
+        return self._work
+
+    async def run(self, receive: Receive) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._write)
+            try:
+                async with trio.open_nursery() as work:
+                    self._work = work
+                    await self._read(receive)
+                    work.cancel_scope.cancel()
+            finally:
+                self.outbox.close()  # the writer sends what is due and ends
+
+    def _shut(self, code: int, reason: str) -> None:
+        """Close the socket: stop all work; the writer drops what is queued and sends the close frame."""
+        if self.close_with is None:
+            self.close_with = (code, reason)
+            log.info("websocket closed with %d: %s", code, reason)
+        self.work.cancel_scope.cancel()
+
+    # -- out -------------------------------------------------------------------------------------------------------
+
+    async def _write(self) -> None:
+        async with self._outbox_recv:
+            async for msg in self._outbox_recv:
+                if self.close_with is not None:
+                    break
+                # hypercorn's send blocks (shielded) until the peer takes the bytes:
+                # a non-reader stops here, and the outbox behind it fills.
+                await self.send({"type": "websocket.send", "text": _dumps(msg)})
+        if self.close_with is not None:
+            code, reason = self.close_with
+            await self.send({"type": "websocket.close", "code": code, "reason": reason})
+
+    async def _emit(self, msg: dict[str, Any]) -> None:
+        """Queue one message; a client that leaves the outbox full for ``send_stall_s`` is closed (1008)."""
+        with trio.move_on_after(self.limits.send_stall_s):
+            await self.outbox.send(msg)
+            return
+        self._shut(CLOSE_POLICY, f"the client read nothing for {self.limits.send_stall_s:g} s")
+        await trio.lowlevel.checkpoint()  # our scope is cancelled now: this raises Cancelled
+
+    async def _error(self, exc: ApiError, *, ref: Any = None, session: str | None = None) -> None:
+        msg: dict[str, Any] = {"op": "error", "error": exc.body()["error"]}
+        if session is not None:
+            msg["session"] = session
+        await self._emit(_with_ref(msg, ref))
+
+    # -- in --------------------------------------------------------------------------------------------------------
+
+    async def _read(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message["type"] != "websocket.receive":
+                continue
+            text = message.get("text")
+            data = text.encode() if text is not None else bytes(message.get("bytes") or b"")
+            if len(data) > self.limits.max_message:
+                self._shut(CLOSE_TOO_BIG, f"message of {len(data)} bytes; the limit is {self.limits.max_message}")
+                return
+            await self._dispatch(data)
+
+    async def _dispatch(self, data: bytes) -> None:
+        ref: Any = None
+        sid: str | None = None
+        try:
+            try:
+                msg = json.loads(data)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ApiError(400, f"invalid message: not JSON ({exc})", code="invalid_message") from None
+            if not isinstance(msg, dict):
+                raise ApiError(400, "invalid message: must be a JSON object", code="invalid_message")
+            ref = msg.get("id")
+            sid = msg.get("session") if isinstance(msg.get("session"), str) else None
+            op = msg.get("op")
+            handler = _OPS.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise ApiError(400, f"unknown op {op!r}; expected one of {', '.join(sorted(_OPS))}",
+                               code="unknown_op", param="op")
+            await handler(self, msg, ref)
+        except ApiError as exc:
+            await self._error(exc, ref=ref, session=sid)
+        except Exception as exc:  # noqa: BLE001 -- boundary: one message; the socket goes on
+            log.exception("unhandled error on a websocket message")
+            await self._error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), ref=ref, session=sid)
+
+    # -- ops -------------------------------------------------------------------------------------------------------
+
+    async def _op_generate(self, msg: dict[str, Any], ref: Any) -> None:
+        body = msg.get("body")
+        if not isinstance(body, dict):
+            raise ApiError(400, "invalid message: generate needs a body object (a chat completion body)",
+                           code="invalid_message", param="body")
+        resumable = msg.get("resumable", False)
+        if not isinstance(resumable, bool):
+            raise ApiError(400, "invalid message: resumable must be a boolean", code="invalid_message",
+                           param="resumable")
+        if not self.app.accepting:
+            raise ApiError(503, "the server is draining and accepts no new requests", code="draining")
+        self._check_room()
+        sid = msg.get("session")
+        claims = _claims.setdefault(self.app.sessions, set())
+        if sid is not None:
+            if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
+                raise ApiError(400, "invalid message: session must match [A-Za-z0-9_.-]{1,128}",
+                               code="invalid_message", param="session")
+            self._check_unused(sid, claims)
+            claims.add(sid)
+        try:
+            model, job, stops = await chat_job(self.app, self.scope, body)
+            if sid is not None:
+                job.session = sid
+            session = await start(self.app, model, job, kind="chat", stops=stops, resumable=resumable)
+        finally:
+            if sid is not None:
+                claims.discard(sid)
+        self.work.start_soon(self._own, job, resumable)
+        await self._emit(_with_ref({"op": "started", "session": session.id, "model": model.name,
+                                    "resumable": resumable}, ref))
+        self._follow(session, 0, ack=None)
+
+    def _check_unused(self, sid: str, claims: set[str]) -> None:
+        live = self.app.sessions.live.get(sid)
+        if sid in claims or (live is not None and not live.job.done):
+            raise ApiError(409, f"session '{sid}' is generating; cancel it or wait for its done before "
+                           "generating on it again", code="session_busy", param="session")
+        if live is not None or sid in self.app.sessions.journal.sessions:
+            raise ApiError(409, f"session '{sid}' already exists; name a new session", code="session_exists",
+                           param="session")
+
+    def _check_room(self) -> None:
+        if len(self.subs) >= self.limits.max_subscriptions:
+            raise ApiError(429, f"this socket already follows {len(self.subs)} sessions (the limit)",
+                           code="too_many_subscriptions")
+
+    async def _op_subscribe(self, msg: dict[str, Any], ref: Any) -> None:
+        session = live_session(self.app, _session_of(msg))
+        after = msg.get("after", 0)
+        n = len(session.job.tokens)
+        if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= n:
+            raise ApiError(400, f"invalid message: after must be a token cursor in 0..{n}", code="invalid_message",
+                           param="after")
+        self._follow(session, after, ack=_with_ref({"op": "subscribed", "session": session.id, "cursor": after},
+                                                   ref))
+
+    async def _op_unsubscribe(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        scope = self.subs.pop(sid, None)
+        if scope is None:
+            raise ApiError(404, f"this socket does not follow session '{sid}'", code="not_subscribed")
+        scope.cancel()  # its next checkpoint raises: nothing more of it reaches the outbox
+        await self._emit(_with_ref({"op": "unsubscribed", "session": sid}, ref))
+
+    async def _op_cancel(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        cancel_generation(self.app, sid)
+        await self._emit(_with_ref({"op": "cancelled", "session": sid}, ref))
+
+    async def _op_get(self, msg: dict[str, Any], ref: Any) -> None:
+        info = session_info(self.app, _session_of(msg))
+        await self._emit(_with_ref({"op": "session", "session": info}, ref))
+
+    # -- tasks -----------------------------------------------------------------------------------------------------
+
+    def _follow(self, session: LiveSession, cursor: int, *, ack: dict[str, Any] | None) -> None:
+        """Start following ``session`` after ``cursor``; ``ack`` is sent first (before any delta).
+
+        Raises:
+            ApiError: 409 ``already_subscribed``; 429 ``too_many_subscriptions``.
+        """
+        if session.id in self.subs:
+            raise ApiError(409, f"this socket already follows session '{session.id}'; unsubscribe first",
+                           code="already_subscribed")
+        self._check_room()
+        scope = trio.CancelScope()
+        self.subs[session.id] = scope
+        self.work.start_soon(self._run_follower, session, cursor, scope, ack)
+
+    async def _run_follower(self, session: LiveSession, cursor: int, scope: trio.CancelScope,
+                            ack: dict[str, Any] | None) -> None:
+        sid = session.id
+        follower = follower_at(session, cursor)
+        session.attach()
+        try:
+            with scope:
+                if ack is not None:
+                    await self._emit(ack)
+                while True:
+                    try:
+                        text, _rows, done = await follower.next_delta()
+                    except ApiError as exc:
+                        await self._error(exc, session=sid)
+                        return
+                    if text:
+                        await self._emit({"op": "delta", "session": sid, "cursor": follower.cursor, "text": text})
+                    if done:
+                        await self._emit({"op": "done", "session": sid, "cursor": follower.cursor,
+                                          "finish_reason": follower.finish, "usage": usage_of(session.job)})
+                        return
+        finally:
+            session.detach()
+            if self.subs.get(sid) is scope:
+                del self.subs[sid]
+
+    async def _own(self, job: Job, resumable: bool) -> None:
+        """Hold a generation started on this socket until it ends or the socket closes."""
+        try:
+            while not job.done:
+                await job.wait_beyond(len(job.tokens))
+        finally:
+            await end(self.app, job, resumable=resumable)  # cancels it unless resumable; bounded and shielded
+
+
+def _session_of(msg: dict[str, Any]) -> str:
+    sid = msg.get("session")
+    if not isinstance(sid, str) or not sid:
+        raise ApiError(400, "invalid message: session (a session id) is required", code="invalid_message",
+                       param="session")
+    return sid
+
+
+_OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
+    "generate": _Socket._op_generate,
+    "subscribe": _Socket._op_subscribe,
+    "unsubscribe": _Socket._op_unsubscribe,
+    "cancel": _Socket._op_cancel,
+    "get": _Socket._op_get,
+}
+
+
+async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tuple[ServedModel, Job, list[str]]:
+    """A chat completion body as a prepared (not yet started) job and its stop strings.
+
+    The same parsing and rendering as a resumable ``/v1/chat/completions``
+    stream: text only (no ``tools``, no ``logprobs``); ``stream`` is ignored.
+
+    Raises:
+        ApiError: whatever the HTTP route would answer with a 4xx/5xx.
+    """
+    model = await app.resolve_model(body.get("model"))
+    klass = qos_of(app, scope)
+    if integer(body, "n", lo=1, hi=128, default=1) != 1:
+        raise ApiError(400, "n > 1 is not supported yet", code="unsupported_parameter", param="n")
+    if body.get("logprobs") not in (None, False):
+        raise ApiError(400, "logprobs are not carried on WebSocket streams", code="unsupported_parameter",
+                       param="logprobs")
+    if parse_tools(body.get("tools")):
+        raise ApiError(400, "WebSocket streams do not carry tool calls yet", code="unsupported_parameter",
+                       param="tools")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
+    sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
+    req = ChatRequest(
+        messages=parse_messages(body), sampling=sampling, max_tokens=_max_tokens(body),
+        grammar=grammar_from_response_format(body.get("response_format")),
+        template_kwargs=thinking_kwargs(model.template.source, kwargs, enable=body.get("enable_thinking"),
+                                        effort=body.get("reasoning_effort")),
+        stops=stops_from(body), ignore_eos=bool(body.get("ignore_eos", False)))
+    rendered = render_chat(model, req)
+    if rendered.grammar:
+        require_grammar(model, req.grammar_param)
+        sampling = attrs.evolve(sampling, grammar=rendered.grammar)
+    job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
+                        ignore_eos=req.ignore_eos)
+    return model, job, [*req.stops, *rendered.stops]
