@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..chat import Delta, ToolCall, ToolChoice
 from ..proto import encode_sse_json
 from ._generate import tokenize
-from ._http import ApiError, Receive, Send, send_json
+from ._http import ApiError, Receive, Send, send_json, answer_errors
 from ._openai import (
     SSE_HEADERS, ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from,
 )
@@ -37,23 +37,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 def error_body(exc: ApiError) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
-
-
-async def _guarded(send: Send, run: Any) -> None:
-    """Run a handler, answering its ApiError in Anthropic's envelope if nothing was sent yet."""
-    started = False
-
-    async def tracked(message: dict[str, Any]) -> None:
-        nonlocal started
-        started = started or message["type"] == "http.response.start"
-        await send(message)
-
-    try:
-        await run(tracked)
-    except ApiError as exc:
-        if started:
-            raise
-        await send_json(send, exc.status, error_body(exc))
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -161,7 +144,7 @@ async def count_tokens(app: App, scope: dict[str, Any], receive: Receive, send: 
         tokens = await tokenize(model, rendered.segments, add_special=False)
         await send_json(send, 200, {"input_tokens": len(tokens)})
 
-    await _guarded(send, run)
+    await answer_errors(send, run, error_body)
 
 
 async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -175,7 +158,7 @@ async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send
         async with open_reply(app, model, req, receive, klass=qos_of(app, scope)) as reply:
             await (_stream if stream else _whole)(send, reply, mid)
 
-    await _guarded(send, run)
+    await answer_errors(send, run, error_body)
 
 
 def _stop_reason(finish: str | None) -> str:

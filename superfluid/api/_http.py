@@ -92,3 +92,23 @@ async def send_text(send: Send, status: int, text: str, content_type: bytes = b"
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def answer_errors(send: Send, run: Callable[[Send], Awaitable[None]],
+                        body_of: Callable[[ApiError], Any]) -> None:
+    """Run a handler; an :class:`ApiError` raised before the response started is
+    answered with ``body_of(error)`` (a dialect's own envelope). After the
+    response started it propagates (the handler's stream reports it)."""
+    started = False
+
+    async def tracked(message: dict[str, Any]) -> None:
+        nonlocal started
+        started = started or message["type"] == "http.response.start"
+        await send(message)
+
+    try:
+        await run(tracked)
+    except ApiError as exc:
+        if started:
+            raise
+        await send_json(send, exc.status, body_of(exc))

@@ -22,7 +22,7 @@ from .. import __version__
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
 from ._generate import access_log
-from ._http import ApiError, Receive, Send, send_json, send_text
+from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
 from ._openai import (
     ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
 )
@@ -46,23 +46,6 @@ _OPTIONS = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-async def _guarded(send: Send, run: Any) -> None:
-    """Run a handler, answering its ApiError as ``{"error": …}`` if nothing was sent yet."""
-    started = False
-
-    async def tracked(message: dict[str, Any]) -> None:
-        nonlocal started
-        started = started or message["type"] == "http.response.start"
-        await send(message)
-
-    try:
-        await run(tracked)
-    except ApiError as exc:
-        if started:
-            raise
-        await send_json(send, exc.status, {"error": exc.message})
 
 
 def _method(scope: dict[str, Any], *allowed: str) -> None:
@@ -134,7 +117,7 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
                                     "details": _details(model), "model_info": info, "capabilities": caps,
                                     "modified_at": _now()})
 
-    await _guarded(send, run)
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
 
 
 async def api_embed(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -142,7 +125,7 @@ async def api_embed(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         model = await app.resolve_model(_name(app, body.get("model")))
         raise ApiError(400, f"model '{model.name}' does not support embeddings", code="unsupported_model")
 
-    await _guarded(send, run)
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
 
 
 async def managed(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -258,7 +241,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
             grammar_param="format", template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [])
         await _run(app, scope, receive, send, model, req, "message", body.get("stream", True))
 
-    await _guarded(send, run)
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
 
 
 async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -290,7 +273,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
             raw_prompt=prompt if raw else "")
         await _run(app, scope, receive, send, model, req, "response", body.get("stream", True))
 
-    await _guarded(send, run)
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
 
 
 async def _loaded(send: Send, model: ServedModel, kind: str, stream: Any) -> None:
@@ -342,16 +325,8 @@ async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, mo
         raise ApiError(400, "stream must be a boolean")
     async with open_reply(app, model, req, receive, klass=qos_of(app, scope)) as reply:
         if not stream:
-            text: list[str] = []
-            thinking: list[str] = []
-            while True:
-                events, _rows, done = await reply.next()
-                for ev in events:
-                    if isinstance(ev, Delta):
-                        (thinking if ev.channel == "reasoning" else text).append(ev.text)
-                if done:
-                    break
-            record = _record(model.name, kind, "".join(text), "".join(thinking), reply.calls)
+            text, thinking, _rows = await reply.collect()
+            record = _record(model.name, kind, text, thinking, reply.calls)
             await send_json(send, 200, {**record, "done": True, **_stats(reply)})
             access_log(scope["path"], model, reply.job, 200)
             return

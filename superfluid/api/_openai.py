@@ -192,6 +192,20 @@ class Reply:
         if error is not None and not self.job.tokens:
             raise ApiError(error.status, error.message, code=error.code, type=error.type)
 
+    async def collect(self) -> tuple[str, str, list[Any]]:
+        """Run to the end: ``(content, reasoning, logprob rows)``."""
+        content: list[str] = []
+        reasoning: list[str] = []
+        rows: list[Any] = []
+        while True:
+            events, lps, done = await self.next()
+            rows += lps
+            for ev in events:
+                if isinstance(ev, Delta):
+                    (reasoning if ev.channel == "reasoning" else content).append(ev.text)
+            if done:
+                return "".join(content), "".join(reasoning), rows
+
     async def next(self) -> tuple[list[Delta | ToolCall], list[Any], bool]:
         """Wait for progress: ``(events, logprob rows, done)``; sets :attr:`finish` when done.
 
@@ -538,21 +552,10 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
 
 
 async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
-    content: list[str] = []
-    reasoning: list[str] = []
-    lps: list[Any] = []
-    while True:
-        events, rows, done = await reply.next()
-        lps += rows
-        for ev in events:
-            if isinstance(ev, Delta):
-                (reasoning if ev.channel == "reasoning" else content).append(ev.text)
-        if done:
-            break
-    text = "".join(content)
+    text, reasoning, lps = await reply.collect()
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not reply.calls else None}
     if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
+        message["reasoning_content"] = reasoning
     if reply.calls:
         message["tool_calls"] = [openai_call(c, i) for i, c in enumerate(reply.calls)]
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reply.finish, "logprobs": None}

@@ -266,19 +266,10 @@ def _reasoning_item(rid: str, text: str) -> dict[str, Any]:
 
 
 async def _whole(reply: Reply, base: dict[str, Any]) -> dict[str, Any]:
-    text: list[str] = []
-    thinking: list[str] = []
-    while True:
-        events, _rows, done = await reply.next()
-        for ev in events:
-            if isinstance(ev, Delta):
-                (thinking if ev.channel == "reasoning" else text).append(ev.text)
-        if done:
-            break
+    content, thinking, _rows = await reply.collect()
     output: list[dict[str, Any]] = []
     if thinking:
-        output.append(_reasoning_item(_new_id("rs"), "".join(thinking)))
-    content = "".join(text)
+        output.append(_reasoning_item(_new_id("rs"), thinking))
     if content.strip() or not reply.calls:
         output.append(_text_item(_new_id("msg"), content))
     output += [_call_item(c) for c in reply.calls]

@@ -132,6 +132,7 @@ class _Socket:
         self.outbox, self._outbox_recv = trio.open_memory_channel[dict[str, Any]](limits.outbox)
         self.subs: dict[str, trio.CancelScope] = {}
         self.close_with: tuple[int, str] | None = None
+        self.client_gone = False
         self._work: trio.Nursery | None = None
 
     @property
@@ -149,6 +150,11 @@ class _Socket:
                     work.cancel_scope.cancel()
             finally:
                 self.outbox.close()  # the writer sends what is due and ends
+            # Closing by our side: read (and drop) until the peer's close arrives.
+            # hypercorn's connection reader waits for us to take each message,
+            # so without this it never sees the peer's close frame or EOF.
+            while not self.client_gone:
+                self.client_gone = (await receive())["type"] == "websocket.disconnect"
 
     def _shut(self, code: int, reason: str) -> None:
         """Close the socket: stop all work; the writer drops what is queued and sends the close frame."""
@@ -191,6 +197,7 @@ class _Socket:
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
+                self.client_gone = True
                 return
             if message["type"] != "websocket.receive":
                 continue
