@@ -48,7 +48,8 @@ import json
 import logging
 import re
 import weakref
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
