@@ -146,29 +146,51 @@ class SessionStore:
         restored = []
         for slog in self.journal.interrupted():
             created = slog.created or {}
-            params = dict(created.get("params") or {})
             model = registry.loaded.get(created.get("model", ""))
             if model is None or not slog.prompt_tokens:
                 continue
-            sampling_keys = {f.name for f in attrs.fields(Sampling)}
-            sampling = Sampling(**{k: v for k, v in params.items() if k in sampling_keys})
-            job = Job(prompt=list(slog.prompt_tokens), sampling=sampling, max_new=int(params.get("max_new", 256)),
-                      klass=QosClass[str(created.get("klass", "agent")).upper()],
-                      ignore_eos=bool(params.get("ignore_eos", False)), session=slog.session,
-                      created=trio.current_time())
-            job.tokens = list(slog.generated_tokens)
-            job.pieces = _pieces(slog)
-            job.started = True
+            session = self._from_log(slog)
+            job = session.job
             self._decoders[job.id] = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            session = LiveSession(id=slog.session, job=job, model=model.name, kind=str(params.get("kind", "chat")),
-                                  stops=list(params.get("stops") or []), resumable=True)
-            self._index(session)
             if len(job.tokens) >= job.max_new:
+                job.finish_with("length")   # it had produced everything; only its end went unlogged
                 continue
             model.scheduler.submit(job)
             restored.append(session)
             log.info("session %s resumed after restart at token %d", slog.session, len(job.tokens))
         return restored
+
+    def lookup(self, sid: str) -> LiveSession | None:
+        """A live session, or a finished one rebuilt from the log (so a client can
+        replay it from any cursor after a restart)."""
+        session = self.live.get(sid)
+        if session is not None:
+            return session
+        slog = self.journal.sessions.get(sid)
+        if slog is None or not slog.done or not slog.prompt_tokens:
+            return None
+        session = self._from_log(slog)
+        session.job.finish_with(slog.finish or "stop")
+        self._ended.add(sid)
+        return session
+
+    def _from_log(self, slog: Any) -> LiveSession:
+        created = slog.created or {}
+        params = dict(created.get("params") or {})
+        sampling_keys = {f.name for f in attrs.fields(Sampling)}
+        sampling = Sampling(**{k: v for k, v in params.items() if k in sampling_keys})
+        job = Job(prompt=list(slog.prompt_tokens), sampling=sampling, max_new=int(params.get("max_new", 256)),
+                  klass=QosClass[str(created.get("klass", "agent")).upper()],
+                  ignore_eos=bool(params.get("ignore_eos", False)), session=slog.session,
+                  created=trio.current_time())
+        job.tokens = list(slog.generated_tokens)
+        job.pieces = _pieces(slog)
+        job.started = True
+        session = LiveSession(id=slog.session, job=job, model=str(created.get("model", "")),
+                              kind=str(params.get("kind", "chat")), stops=list(params.get("stops") or []),
+                              resumable=True)
+        self._index(session)
+        return session
 
 
 def _pieces(slog: Any) -> list[bytes]:

@@ -219,3 +219,23 @@ def test_corrupt_log_refuses_to_start_and_sessions_cache_starts_fresh(tmp_path: 
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(15)
+
+
+async def test_a_finished_session_replays_from_the_log_after_a_restart(nursery: trio.Nursery, tmp_path: Path) -> None:
+    d = await start_daemon(nursery, mock_config(sessions=tmp_path))
+    async with d.client.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 30, "stream": True},
+                               headers=RESUMABLE) as r:
+        sid = r.headers["x-superfluid-session"]
+        events, done = await read_sse(r)
+    assert done
+    text = "".join(_content(e) for _i, e in events)
+    d.scope.cancel()
+    await trio.sleep(0.5)
+    d2 = await start_daemon(nursery, mock_config(sessions=tmp_path))
+    async with d2.client.stream("GET", f"/v1/sessions/{sid}/stream", headers={"Last-Event-ID": "10"}) as r:
+        assert r.status_code == 200
+        rest, done = await read_sse(r)
+    assert done
+    assert text.endswith("".join(_content(e) for _i, e in rest))
+    assert rest[-1][1]["choices"][0]["finish_reason"] == "length"
+    d2.scope.cancel()

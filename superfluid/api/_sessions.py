@@ -118,9 +118,9 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
 
 def live_session(app: App, sid: str) -> LiveSession:
     """The live session ``sid``. Raises ApiError 404 ``session_not_found``."""
-    session = app.sessions.live.get(sid)
+    session = app.sessions.lookup(sid)
     if session is None:
-        raise ApiError(404, f"session '{sid}' not found (or not live on this server)", code="session_not_found")
+        raise ApiError(404, f"session '{sid}' not found", code="session_not_found")
     return session
 
 
