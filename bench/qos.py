@@ -41,7 +41,8 @@ async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
 
 
 def max_stall(r: dict[str, Any]) -> float:
-    stamps = [0.0, *r.get("stamps", [])]
+    """The longest gap between two content chunks (time to the first token excluded)."""
+    stamps = list(r.get("stamps", []))
     return max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
 
 

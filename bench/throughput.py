@@ -73,10 +73,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-ceiling", action="store_true")
     p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
+    p.add_argument("--sessions", default="", help="superfluid's sessions dir (e.g. on tmpfs, to price fsync)")
     args = p.parse_args()
     if args.only == "superfluid":
         port = free_port()
-        ours = Server("superfluid", superfluid_argv(args.model, port, "--threads", str(args.threads)), port)
+        extra = ["--sessions", args.sessions] if args.sessions else []
+        ours = Server("superfluid", superfluid_argv(args.model, port, "--threads", str(args.threads), *extra), port)
         try:
             ours.wait_ready()
             trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens)

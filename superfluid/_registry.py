@@ -92,7 +92,7 @@ class ModelRegistry:
             del self.loaded[name]
             if self.default == name:
                 self.default = next(iter(self.loaded))
-            model.scheduler.fail_all(f"model '{name}' was unloaded", code="model_unloaded")
+            model.scheduler.close(f"model '{name}' was unloaded", code="model_unloaded")
             model.scope.cancel()
             log.info("model %s unloaded", name)
             return True

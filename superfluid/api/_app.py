@@ -12,6 +12,7 @@ from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, se
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._anthropic import count_tokens, messages
+from ._anthropic import error_body as anthropic_error_body
 from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_tags, api_version, managed, root
 from ._openai import embeddings
 from ._responses import responses
@@ -19,7 +20,7 @@ from ._responses import responses
 from pathlib import Path
 
 from .._config import ModelSource
-from ..nursery import WorkerLoadFailed
+from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
     from .._config import ServeConfig
@@ -62,6 +63,21 @@ _GET_JSON: dict[str, Handler] = {
 }
 
 
+# a (re)load on demand fails typed (503 model_load_failed) whether the model did not load,
+# the worker died during its handshake, or the handshake timed out
+_LOAD_FAILURES = (WorkerLoadFailed, WorkerDied, trio.TooSlowError)
+
+
+def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
+    """An error answered here (before a dialect's handler ran: a body that is not JSON,
+    a wrong method, draining) in the envelope of the route's dialect."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(exc)
+    if path.startswith("/api/"):
+        return {"error": exc.message}
+    return exc.body()
+
+
 class App:
     def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics,
                  sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
@@ -85,7 +101,7 @@ class App:
             raise ApiError(400, "invalid request: model must be a string", param="model")
         try:
             model = await self.registry.get(name)
-        except WorkerLoadFailed as exc:
+        except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{name}' could not be loaded: {exc}", code="model_load_failed") from None
         if model is None:
             loaded = ", ".join(self.registry.loaded) or "none"
@@ -122,13 +138,14 @@ class App:
             return
         except ApiError as exc:
             if not started:
-                await send_json(send, exc.status, exc.body())
+                await send_json(send, exc.status, _error_body(scope["path"], exc))
         except trio.Cancelled:
             raise
         except Exception as exc:  # boundary: one request; the daemon goes on
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_json(send, 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body())
+                await send_json(send, 500, _error_body(
+                    scope["path"], ApiError(500, f"internal error: {type(exc).__name__}: {exc}")))
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -226,7 +243,7 @@ class App:
             raise ApiError(400, f"model '{ident}' is loaded on runtime {source.runtime}", code="unsupported_runtime")
         try:
             model = await reg.load(source, make_default=True)
-        except WorkerLoadFailed as exc:
+        except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{ident}' could not be loaded: {exc}", code="model_load_failed") from None
         reg.default = model.name
         await send_json(send, 200, model.describe())

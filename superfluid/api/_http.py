@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Awaitable, Callable
 
 import attrs
@@ -70,11 +71,20 @@ async def read_json(scope: dict[str, Any], receive: Receive) -> dict[str, Any]:
     raw = await read_body(scope, receive)
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise ApiError(400, f"invalid request: body is not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "invalid request: body must be a JSON object")
+    if _MAYBE_SURROGATE.search(raw) is not None or b"\x00" in raw[:4]:  # escapes, CESU-8 bytes, UTF-16/32
+        try:  # json.loads lets lone surrogates through; nothing downstream can encode them
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, RecursionError):
+            raise ApiError(400, "invalid request: the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                                "which is not Unicode text") from None
     return obj
+
+
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -13,6 +13,7 @@ Nursery tree inside ``open_worker``::
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -84,6 +85,10 @@ class WorkerHandle:
         self.generation = generation
         self._lock = trio.StrictFIFOLock()
         self.dead = False
+        # a worker that takes no message for this long (it stopped reading its stdin and the
+        # pipe is full) is hung: the scheduler sets --hang-timeout here, because while it is
+        # blocked in a send its tick timer does not run
+        self.send_timeout_s = math.inf
 
     @property
     def pid(self) -> int:
@@ -91,11 +96,21 @@ class WorkerHandle:
 
     async def send(self, event: Event) -> None:
         """Raises:
-        WorkerDied: the pipe is gone (the reader will also report it).
+        WorkerDied: the pipe is gone (the reader will also report it), or the message
+            waited ``send_timeout_s`` for the pipe (the worker is then killed).
         """
         if self.dead:
             raise WorkerDied("worker is gone")
+        with trio.move_on_after(self.send_timeout_s):
+            await self._send(event)
+            return
+        self.kill()
+        raise WorkerDied(f"worker hung: it took no message for {self.send_timeout_s:g}s")
+
+    async def _send(self, event: Event) -> None:
         async with self._lock:
+            if self.dead:  # a send ahead of this one failed or was cancelled mid-frame: the link is in ERROR
+                raise WorkerDied("worker is gone")
             data = self.link.send(event)
             assert self.process.stdin is not None
             try:
@@ -182,36 +197,53 @@ async def _open_worker_nursery(
     spec: WorkerSpec, argv: list[str], child_env: dict[str, str], link: WorkerLink,
     inbox: trio.MemorySendChannel[Any], generation: int,
 ) -> AsyncIterator[WorkerHandle]:
-    async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False,
-                env=child_env,
-                deliver_cancel=partial(graceful_kill, grace_s=spec.shutdown_grace_s, term_s=spec.term_grace_s),
+    process: trio.Process | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            process = await nursery.start(
+                partial(
+                    trio.run_process, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False,
+                    env=child_env,
+                    deliver_cancel=partial(graceful_kill, grace_s=spec.shutdown_grace_s, term_s=spec.term_grace_s),
+                )
             )
-        )
-        try:
-            assert process.stdin is not None
-            with trio.fail_after(spec.start_timeout_s):
-                await process.stdin.send_all(link.send(Hello()))
-                try:
-                    ack = await _read_event(process, link)
-                except ProtocolError as exc:
-                    rc = await process.wait()
-                    raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
-            if isinstance(ack, LoadFailed):
-                raise WorkerLoadFailed(ack.message)
-            if not isinstance(ack, HelloAck):
-                raise WorkerDied(f"worker answered the handshake with {type(ack).__name__}")
-            handle = WorkerHandle(process=process, link=link, ack=ack, generation=generation)
-            nursery.start_soon(_serve_reader, handle, inbox.clone())
-            yield handle
-        finally:
-            with trio.move_on_after(spec.shutdown_grace_s, shield=True):
-                if process.returncode is None:
+            handle: WorkerHandle | None = None
+            try:
+                assert process.stdin is not None
+                with trio.fail_after(spec.start_timeout_s):
+                    await process.stdin.send_all(link.send(Hello()))
                     try:
-                        assert process.stdin is not None
-                        await process.stdin.send_all(link.send(Shutdown()))
-                    except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        pass
-            nursery.cancel_scope.cancel()
+                        ack = await _read_event(process, link)
+                    except ProtocolError as exc:
+                        rc = await process.wait()
+                        raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
+                if isinstance(ack, LoadFailed):
+                    raise WorkerLoadFailed(ack.message)
+                if not isinstance(ack, HelloAck):
+                    raise WorkerDied(f"worker answered the handshake with {type(ack).__name__}")
+                handle = WorkerHandle(process=process, link=link, ack=ack, generation=generation)
+                nursery.start_soon(_serve_reader, handle, inbox.clone())
+                yield handle
+            finally:
+                with trio.move_on_after(spec.shutdown_grace_s, shield=True):
+                    if process.returncode is None:
+                        try:
+                            if handle is not None:
+                                # through the send lock: a request handler may be mid-send (a
+                                # second writer on the pipe is a BusyResourceError)
+                                await handle.send(Shutdown())
+                            else:
+                                assert process.stdin is not None
+                                await process.stdin.send_all(link.send(Shutdown()))
+                        except (WorkerDied, ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError,
+                                trio.BusyResourceError, OSError):
+                            pass
+                nursery.cancel_scope.cancel()
+    finally:
+        if process is not None:
+            # run_process leaves the pipes of stdin/stdout=PIPE to the caller: close them when
+            # the generation ends, not when the garbage collector breaks a cycle that holds them
+            with trio.CancelScope(shield=True):
+                for pipe in (process.stdin, process.stdout):
+                    if pipe is not None:
+                        await pipe.aclose()

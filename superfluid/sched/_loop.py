@@ -97,6 +97,9 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         job.scheduler = self
+        if self.closed is not None:  # the request resolved the model before it was unloaded
+            job.finish_with(error=self.closed)
+            return
         job.state = JobState.QUEUED
         job.queued_tick = self.tick_no
         job.seq = next(self._seq)
@@ -134,7 +137,12 @@ class Scheduler:
             pending = self._tokenize[req] = _Pending()
             try:
                 await worker.send(Tokenize(req=req, segments=segments, add_special=add_special))
-                await pending.event.wait()
+                with trio.move_on_after(self.config.hang_timeout_s) as waited:
+                    await pending.event.wait()
+                if waited.cancelled_caught:  # no answer: hung (an idle model has no tick timer running)
+                    log.warning("model %s: worker pid %d did not answer a tokenize within %gs; killing it",
+                                self.name, worker.pid, self.config.hang_timeout_s)
+                    worker.kill()
             except Exception as exc:  # noqa: BLE001 - WorkerDied or a link error: retry on the next worker
                 log.debug("tokenize retry after %r", exc)
             finally:
@@ -152,6 +160,8 @@ class Scheduler:
         """
         retried = False
         while self.worker is None or self.worker.dead:
+            if self.closed is not None:
+                raise Unavailable(self.closed.message)
             if self.unavailable is not None:
                 if retried:
                     raise Unavailable(self.unavailable)
@@ -161,6 +171,7 @@ class Scheduler:
         return self.worker
 
     unavailable: str | None = None
+    closed: JobError | None = None      # set by close(): the model was unloaded
 
     def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None) -> None:
         self.worker = worker
@@ -213,6 +224,16 @@ class Scheduler:
                 q.popleft().finish_with(error=JobError(status=503, message=message, code=code))
         self._gauges()
 
+    def close(self, message: str, *, code: str) -> None:
+        """The model is going away for good: fail every job (503 ``code``) and every
+        later submission, and release tokenize waiters (they raise :class:`Unavailable`).
+        Its owner is cancelled next, so nothing else would ever wake them."""
+        self.closed = JobError(status=503, message=message, code=code)
+        self.fail_all(message, code=code)
+        for pending in self._tokenize.values():
+            pending.event.set()
+        self.set_worker(None, unavailable=message)
+
     def fail_queued(self, message: str) -> None:
         for q in self.queues.values():
             while q:
@@ -230,6 +251,7 @@ class Scheduler:
         from ..nursery._worker import WorkerDied
 
         gen = worker.generation
+        worker.send_timeout_s = self.config.hang_timeout_s  # a full pipe is a hang too
         self.set_worker(worker)
         in_flight = 0
         interrupted = False
@@ -266,14 +288,20 @@ class Scheduler:
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
         plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
                                  prefill_tok_s=self._prefill_rate, held=self._held())
+        # each send below is a checkpoint: a request handler may cancel a queued job
+        # (or an unload clear everything) meanwhile, so the plan's jobs are looked up again
         for lane in plan.preempts:
-            job = self.running[lane]
-            job.preempted = True
+            victim = self.running.get(lane)
+            if victim is None:
+                continue
+            victim.preempted = True
             self.metrics.inc("superfluid_preemptions_total")
             await worker.send(Cancel(lane=lane, publish=True))
         order = list(plan.prefill_order)
         for job_id in plan.admits:
             job = self._dequeue(job_id)
+            if job is None:
+                continue
             lane = next(self._lane_ids)
             order.append(lane)
             await self._admit(worker, job, lane)
@@ -369,13 +397,14 @@ class Scheduler:
             max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
         ))
 
-    def _dequeue(self, job_id: int) -> Job:
+    def _dequeue(self, job_id: int) -> Job | None:
+        """The queued job ``job_id``, taken off its queue; None if it left the queue."""
         for q in self.queues.values():
             for job in q:
                 if job.id == job_id:
                     q.remove(job)
                     return job
-        raise KeyError(job_id)
+        return None
 
     def _job_views(self) -> list[JobView]:
         return [JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq, prompt_tokens=len(j.prompt))
@@ -468,6 +497,8 @@ class Scheduler:
 
     def _settle(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]], now: float) -> None:
         for job, finish in ended:
+            if job.done:  # failed during the commit's await (an unload's fail_all): it has left running
+                continue
             del self.running[job.lane]  # type: ignore[arg-type]
             if finish == "cancelled":
                 if job.preempted and not job.cancelled:
@@ -488,7 +519,9 @@ class Scheduler:
         self._gauges()
 
     def _gauges(self) -> None:
-        self.metrics.set("superfluid_lanes_active", len(self.running))
+        # a preempted lane is on its way out (its Cancel precedes the preemptor's Admit on the
+        # link): counting it would show more lanes than --max-batch until the worker acks
+        self.metrics.set("superfluid_lanes_active", sum(1 for j in self.running.values() if not j.preempted))
         for k, q in self.queues.items():
             self.metrics.set("superfluid_queue_depth", len(q), **{"class": k.label})
 

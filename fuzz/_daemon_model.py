@@ -1,0 +1,1142 @@
+"""Harness for the stateful daemon fuzzer (``fuzz/test_fuzz_daemon.py``).
+
+A *sequence* is a list of actions (the frozen classes below). :func:`run_sequence`
+starts the real daemon as a subprocess (``python -m superfluid serve`` on the
+mock runtime, two models, ``--max-batch 4 --hang-timeout 2 --resume-ttl 5``),
+applies the actions in one ``trio.run``, and checks the invariants after every
+step and at the end. Requests run in the background while later actions (worker
+SIGKILL, unload, daemon SIGKILL and restart, ...) hit them.
+
+Invariants (each violation is one line of the :class:`InvariantViolation`):
+
+``terminates``
+    Every request ends: completed, or a typed error (an HTTP status with a JSON
+    ``error`` object, or an SSE ``data: {"error":…}`` frame right before
+    ``data: [DONE]``); never a reset, a stream without ``[DONE]``, or no answer
+    within ``REQUEST_DEADLINE_S``. Requests in flight when the daemon itself is
+    SIGKILLed are exempt (their text is still checked as a prefix).
+``explained``
+    A valid request only fails when a disruption (worker kill, unload, a fault
+    prompt, a hang) overlapped it; never with a 4xx.
+``exact``
+    The text a client received is a prefix of the reference text for the same
+    body (computed on a separate clean daemon); a completed greedy or seeded
+    request's text *equals* it, and a resumed session's head + resumed tail equals
+    it. Nothing is delivered twice and nothing committed is lost.
+``resumable``
+    A session id can be resumed from the last ``id:`` its client saw, also
+    after a daemon SIGKILL: never a 400 for a cursor the client was shown.
+``max_batch``
+    ``superfluid_lanes_active`` (polled every few ms) never exceeds ``--max-batch``.
+``quiescent``
+    After the last request: ``superfluid_lanes_active`` and every queue depth are
+    0; a normal request to each model succeeds with the reference text; exactly
+    one live worker per loaded model among the daemon's children, no zombie;
+    the daemon's open file descriptors return to their baseline (+ slack).
+``clean_exit``
+    SIGTERM stops the daemon (exit 0) with no process left in its group, and the
+    session log replays (``open_journal``) without ``WalCorrupt``; every session's
+    event ids are contiguous, and each tracked session's logged text is a prefix
+    of (when it finished: equal to) its reference.
+``no_traceback``
+    The daemon's log holds no Python traceback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Union
+
+import attrs
+import httpx
+import psutil
+import trio
+
+__all__ = [
+    "Action", "FreezeWorker", "InvariantViolation", "KillDaemon", "KillWorker", "Load", "Resume", "Sleep", "Start",
+    "StopGeneration", "Unload", "format_sequence", "run_sequence",
+]
+
+MODELS = ("mock", "m2")
+OPTS = "step_ms=2&prefill_us=20"
+MAX_BATCH = 4
+HANG_TIMEOUT_S = 2.0
+RESUME_TTL_S = 5.0
+REQUEST_DEADLINE_S = 45.0     # a request that is still open after this "hangs"
+EXPLAIN_SLACK_S = 3.0         # a disruption explains errors of requests within this long after it
+FD_SLACK = 4
+FREEZE_MIN_AGE_S = 3.0        # FreezeWorker leaves younger workers alone (they may still be loading)
+math_inf = float("inf")
+SHARED_PREFIX = " the model reads every token and the worker keeps the cache" * 100  # ~1100 tokens
+
+
+# --- actions ---------------------------------------------------------------------------------------
+
+@attrs.frozen
+class Start:
+    """Start ``n`` requests in the background (request ``i`` gets prompt ``i`` of family ``prompt``)."""
+
+    n: int = 1
+    model: str = "mock"
+    route: str = "chat"               # "chat" (/v1/chat/completions) or "completion" (/v1/completions)
+    stream: bool = True
+    resumable: bool = False           # x-superfluid-resumable (streams only)
+    qos: str | None = None            # x-superfluid-qos
+    prompt: int = 0
+    shared: bool = False              # all n share a ~1100-token prefix
+    max_tokens: int = 40
+    ignore_eos: bool = False
+    seeded: bool = False              # temperature 0.8 with a seed, else greedy
+    fault: str | None = None          # a [[mock:...]] directive in request 0's prompt, e.g. "crash_after=3"
+    disconnect: int | None = None     # streams: leave after this many data events; else after this many ms
+    slow_ms: int = 0                  # sleep per line read
+
+
+@attrs.frozen
+class Sleep:
+    ms: int
+
+
+@attrs.frozen
+class KillWorker:
+    model: str
+
+
+@attrs.frozen
+class FreezeWorker:
+    """SIGSTOP the model's worker: it reads and answers nothing until --hang-timeout replaces it."""
+
+    model: str
+
+
+@attrs.frozen
+class Unload:
+    model: str
+
+
+@attrs.frozen
+class Load:
+    model: str
+
+
+@attrs.frozen
+class KillDaemon:
+    """SIGKILL the daemon's process group, then restart it on the same sessions dir and port."""
+
+
+@attrs.frozen
+class Resume:
+    """Follow tracked session ``which`` (mod their number) from the last event id a client saw."""
+
+    which: int = 0
+    disconnect: int | None = None
+    slow_ms: int = 0
+
+
+@attrs.frozen
+class StopGeneration:
+    which: int = 0
+
+
+Action = Union[Start, Sleep, KillWorker, FreezeWorker, Unload, Load, KillDaemon, Resume, StopGeneration]
+
+
+def format_sequence(actions: list[Action]) -> str:
+    return "[\n" + "".join(f"    {a!r},\n" for a in actions) + "]"
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+# --- request bodies and references -----------------------------------------------------------------
+
+RefKey = tuple[str, str, int, bool, bool]   # route, prompt text, max_tokens, ignore_eos, seeded
+
+
+def prompt_text(start: Start, i: int) -> str:
+    text = f"story {start.prompt} part {i}"
+    if start.shared:
+        text = SHARED_PREFIX + " " + text
+    if start.fault and i == 0:
+        text = f"[[mock:{start.fault}]] " + text
+    return text
+
+
+def body_for(key: RefKey, *, model: str, stream: bool) -> dict[str, Any]:
+    route, text, max_tokens, ignore_eos, seeded = key
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": ignore_eos, "stream": stream}
+    body.update({"temperature": 0.8, "seed": 1234} if seeded else {"temperature": 0})
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def path_of(route: str) -> str:
+    return "/v1/chat/completions" if route == "chat" else "/v1/completions"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _argv(port: int, sessions: Path, *, opts: str = OPTS, max_batch: int = MAX_BATCH) -> list[str]:
+    return [
+        sys.executable, "-m", "superfluid", "serve", f"mock?{opts}", "--runtime", "mock",
+        "--model", f"mock?name=m2&{opts}", "--http", f"127.0.0.1:{port}", "--sessions", str(sessions),
+        "--max-batch", str(max_batch), "--hang-timeout", str(HANG_TIMEOUT_S), "--resume-ttl", str(RESUME_TTL_S),
+        "--log-level", "WARNING",
+    ]
+
+
+def _wait_ready_sync(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode} during startup")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("daemon did not become ready")
+
+
+class _Reference:
+    """A clean daemon (no faults, no timing: ``step_ms=0``) that computes reference texts, cached."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="superfluid-fuzz-ref-"))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            _argv(self.port, self.dir / "sessions", opts="step_ms=0&prefill_us=0", max_batch=8),
+            stdout=open(self.dir / "daemon.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        atexit.register(self.close)
+        _wait_ready_sync(self.url, self.proc)
+        self.cache: dict[RefKey, tuple[str, str]] = {}
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def fill(self, keys: set[RefKey]) -> None:
+        missing = sorted(k for k in keys if k not in self.cache)
+        if not missing:
+            return
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+            async def one(key: RefKey, limiter: trio.CapacityLimiter) -> None:
+                async with limiter:
+                    r = await client.post(path_of(key[0]), json=body_for(key, model="mock", stream=False))
+                if r.status_code != 200:
+                    raise RuntimeError(f"reference daemon refused {key!r}: {r.status_code} {r.text}")
+                choice = r.json()["choices"][0]
+                text = choice["message"]["content"] if key[0] == "chat" else choice["text"]
+                self.cache[key] = (text or "", choice["finish_reason"])
+
+            limiter = trio.CapacityLimiter(8)
+            async with trio.open_nursery() as n:
+                for key in missing:
+                    n.start_soon(one, key, limiter)
+
+
+_REFERENCE: _Reference | None = None
+
+
+def reference() -> _Reference:
+    global _REFERENCE
+    if _REFERENCE is None or _REFERENCE.proc.poll() is not None:
+        _REFERENCE = _Reference()
+    return _REFERENCE
+
+
+# --- the daemon under test ---------------------------------------------------------------------------
+
+class Daemon:
+    def __init__(self, workdir: Path) -> None:
+        self.sessions = workdir / "sessions"
+        self.log = workdir / "daemon.log"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pgids: list[int] = []
+
+    async def start(self) -> None:
+        with open(self.log, "ab") as log:
+            log.write(f"--- start at {time.time():.3f}\n".encode())
+        self.proc = subprocess.Popen(_argv(self.port, self.sessions), stdout=open(self.log, "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgids.append(self.proc.pid)
+        await trio.to_thread.run_sync(_wait_ready_sync, self.url, self.proc)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def workers(self) -> dict[str, list[psutil.Process]]:
+        """Live (non-zombie) worker children of the daemon, by model name."""
+        out: dict[str, list[psutil.Process]] = {}
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.NoSuchProcess:
+            return out
+        for p in children:
+            try:
+                cmd = p.cmdline()
+                if p.status() == psutil.STATUS_ZOMBIE or not any("superfluid-worker-mock" in c for c in cmd):
+                    continue
+            except psutil.NoSuchProcess:
+                continue
+            spec = cmd[cmd.index("--model") + 1] if "--model" in cmd else ""
+            out.setdefault("m2" if "name=m2" in spec else "mock", []).append(p)
+        return out
+
+    def zombies(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.pid).children() if p.status() == psutil.STATUS_ZOMBIE]
+        except psutil.NoSuchProcess:
+            return []
+
+    def num_fds(self) -> int:
+        """Open fds, less TCP sockets the client already closed (CLOSE_WAIT): hypercorn's trio
+        server keeps those until ``keep_alive_timeout`` (a known issue with its own regression
+        test, ``test_client_closed_connections_release_their_fds``). ``SUPERFLUID_FUZZ_STRICT_FDS=1``
+        counts them too."""
+        proc = psutil.Process(self.pid)
+        n = proc.num_fds()
+        if os.environ.get("SUPERFLUID_FUZZ_STRICT_FDS") != "1":
+            n -= sum(1 for c in proc.net_connections("tcp") if c.status == psutil.CONN_CLOSE_WAIT)
+        return n
+
+    def group_survivors(self, pgid: int) -> list[str]:
+        out = []
+        for p in psutil.process_iter(["pid", "status", "cmdline"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:120]}")
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                continue
+        return out
+
+    async def kill(self) -> None:
+        """SIGKILL the whole process group and wait for the daemon."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await trio.to_thread.run_sync(self.proc.wait)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+# --- requests ---------------------------------------------------------------------------------------
+
+@attrs.define(eq=False)
+class Req:
+    no: int
+    step: int
+    kind: str                          # "request", "resume", "stop", "unload", "load"
+    epoch: int
+    model: str = ""
+    key: RefKey | None = None          # None: no reference (a fault prompt)
+    stream: bool = False
+    resumable: bool = False
+    fault: bool = False
+    session: str | None = None         # the tracked session (resumes and resumable streams)
+    t0: float = 0.0
+    t1: float | None = None
+    status: int | None = None
+    text: str = ""
+    finish: str | None = None
+    error: Any = None
+    done_frame: bool = False
+    outcome: str = "running"           # completed, error, disconnected, killed, violation
+    problems: list[str] = attrs.field(factory=list)
+
+    def describe(self) -> str:
+        return (f"#{self.no} ({self.kind} from step {self.step}, model={self.model}, stream={self.stream}, "
+                f"resumable={self.resumable}, session={self.session}) outcome={self.outcome} status={self.status} "
+                f"finish={self.finish} error={json.dumps(self.error)[:200] if self.error is not None else None} "
+                f"text[:60]={self.text[:60]!r}")
+
+
+@attrs.define(eq=False)
+class Tracked:
+    """A resumable session: the furthest cursor a client was shown, and the text up to it."""
+
+    id: str
+    key: RefKey | None
+    model: str
+    cursor: int = 0
+    head: str = ""
+    finished: str | None = None        # the finish reason a follower saw, if any
+
+
+def _is_typed_error(obj: Any) -> bool:
+    if not isinstance(obj, dict) or not isinstance(obj.get("error"), dict):
+        return False
+    err = obj["error"]
+    return isinstance(err.get("message"), str) and bool(err["message"]) and isinstance(err.get("type"), str) \
+        and set(err) == {"message", "type", "param", "code"}
+
+
+def _content(obj: dict[str, Any]) -> str:
+    out = []
+    for c in obj.get("choices") or ():
+        delta = c.get("delta")
+        out.append((delta.get("content") or "") if isinstance(delta, dict) else (c.get("text") or ""))
+    return "".join(out)
+
+
+def _finish(obj: dict[str, Any]) -> str | None:
+    for c in obj.get("choices") or ():
+        if c.get("finish_reason"):
+            return str(c["finish_reason"])
+    return None
+
+
+# --- the harness ------------------------------------------------------------------------------------
+
+class Harness:
+    def __init__(self, actions: list[Action], workdir: Path) -> None:
+        self.actions = actions
+        self.workdir = workdir
+        self.daemon = Daemon(workdir)
+        self.ref = reference()
+        self.epoch = 0
+        self.step = -1
+        self.reqs: list[Req] = []
+        self.tracked: list[Tracked] = []
+        self.disruptions: list[list[Any]] = []   # [start, end (inf while it lasts), what]
+        self.violations: list[str] = []
+        self.max_lanes = 0.0
+        self.max_lanes_at = ""
+        self.client: httpx.AsyncClient | None = None
+        self.old_clients: list[httpx.AsyncClient] = []
+        self.fd_baseline = 0
+        self.active = 0
+        self.idle = trio.Event()
+        self.idle.set()
+        self.killing = False
+        self.nursery: trio.Nursery | None = None
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+
+    def violate(self, message: str) -> None:
+        self.violations.append(message)
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.daemon.url, timeout=httpx.Timeout(REQUEST_DEADLINE_S + 5),
+                                 limits=httpx.Limits(max_keepalive_connections=0, max_connections=200))
+
+    def reference_keys(self) -> set[RefKey]:
+        keys: set[RefKey] = {("chat", "probe", 8, False, False)}
+        for a in self.actions:
+            if isinstance(a, Start):
+                for i in range(a.n):
+                    if not (a.fault and i == 0):
+                        keys.add((a.route, prompt_text(a, i), a.max_tokens, a.ignore_eos, a.seeded))
+        return keys
+
+    def check(self, where: str) -> None:
+        if self.daemon.proc is not None and not self.killing and not self.daemon.alive():
+            self.violate(f"daemon exited on its own with status {self.daemon.proc.returncode}")
+        if self.max_lanes > MAX_BATCH:
+            self.violate(f"superfluid_lanes_active reached {self.max_lanes:g} > --max-batch {MAX_BATCH} "
+                         f"({self.max_lanes_at})")
+        if self.violations:
+            raise InvariantViolation(self.report(where))
+
+    def report(self, where: str) -> str:
+        lines = [f"invariant violated {where}:"] + [f"  - {v}" for v in dict.fromkeys(self.violations)]
+        lines.append("requests:")
+        lines += [f"  {r.describe()}" for r in self.reqs]
+        lines.append(f"disruptions: {[(round(a, 2), round(b, 2), w) for a, b, w in self.disruptions]}")
+        lines.append(f"max lanes_active seen: {self.max_lanes:g}")
+        lines.append(f"workdir (kept): {self.workdir}")
+        lines.append("daemon log tail:\n" + self.daemon.log_tail())
+        return "\n".join(lines)
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.ref.fill(self.reference_keys())
+        await self.daemon.start()
+        self.client = self.new_client()
+        await self.settle_baseline()
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            poll_scope = trio.CancelScope()
+            nursery.start_soon(self.poll_metrics, poll_scope)
+            for i, action in enumerate(self.actions):
+                self.step = i
+                await self.apply(action)
+                self.check(f"after step {i}: {action!r}")
+            with trio.move_on_after(REQUEST_DEADLINE_S + 15):
+                await self.idle.wait()
+            if not self.idle.is_set():
+                self.violate("requests still open long after their deadline")
+            self.check("after every request ended")
+            poll_scope.cancel()
+        await self.quiesce()
+        self.check("at quiescence")
+        await self.stop_and_replay()
+        self.check("after shutdown")
+
+    def spawn(self, req: Req, fn: Any, *args: Any) -> None:
+        assert self.nursery is not None
+        self.reqs.append(req)
+        self.active += 1
+        self.idle = trio.Event() if self.idle.is_set() else self.idle
+
+        async def wrapper() -> None:
+            req.t0 = self.now()
+            try:
+                with trio.move_on_after(REQUEST_DEADLINE_S) as deadline:
+                    await fn(req, *args)
+                if deadline.cancelled_caught:
+                    req.outcome = "violation"
+                    req.problems.append(f"no end within {REQUEST_DEADLINE_S:g}s")
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                if req.epoch != self.epoch or self.killing:
+                    req.outcome = "killed"
+                else:
+                    req.outcome = "violation"
+                    req.problems.append(f"transport error: {type(exc).__name__}: {exc}")
+            finally:
+                req.t1 = self.now()
+                self.judge(req)
+                self.active -= 1
+                if self.active == 0:
+                    self.idle.set()
+
+        self.nursery.start_soon(wrapper)
+
+    async def apply(self, action: Action) -> None:
+        if isinstance(action, Start):
+            for i in range(action.n):
+                fault = bool(action.fault and i == 0)
+                key: RefKey = (action.route, prompt_text(action, i), action.max_tokens, action.ignore_eos,
+                               action.seeded)
+                req = Req(no=len(self.reqs), step=self.step, kind="request", epoch=self.epoch, model=action.model,
+                          key=None if fault else key, stream=action.stream,
+                          resumable=action.stream and action.resumable, fault=fault)
+                self.spawn(req, self.do_request, action, key)
+            await trio.sleep(0)
+        elif isinstance(action, Sleep):
+            await trio.sleep(action.ms / 1000)
+        elif isinstance(action, KillWorker):
+            t = self.now()
+            for p in self.daemon.workers().get(action.model, []):
+                try:
+                    p.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            self.disruptions.append([t, t, f"kill worker {action.model}"])
+        elif isinstance(action, FreezeWorker):
+            t = self.now()
+            for p in self.daemon.workers().get(action.model, []):
+                try:
+                    # a worker frozen before its handshake waits out the start timeout (300 s, as
+                    # a slow model load may): by design, and longer than a request's deadline here
+                    if time.time() - p.create_time() >= FREEZE_MIN_AGE_S:
+                        p.send_signal(signal.SIGSTOP)
+                except psutil.NoSuchProcess:
+                    pass
+            self.disruptions.append([t, t + HANG_TIMEOUT_S, f"freeze worker {action.model}"])
+        elif isinstance(action, (Unload, Load)):
+            req = Req(no=len(self.reqs), step=self.step, kind=type(action).__name__.lower(), epoch=self.epoch,
+                      model=action.model)
+            self.spawn(req, self.do_admin, action)
+            await trio.sleep(0)
+        elif isinstance(action, KillDaemon):
+            await self.kill_daemon()
+        elif isinstance(action, Resume):
+            if self.tracked:
+                tr = self.tracked[action.which % len(self.tracked)]
+                req = Req(no=len(self.reqs), step=self.step, kind="resume", epoch=self.epoch, model=tr.model,
+                          key=tr.key, stream=True, resumable=True, session=tr.id)
+                self.spawn(req, self.do_resume, tr, action)
+                await trio.sleep(0)
+        elif isinstance(action, StopGeneration):
+            if self.tracked:
+                tr = self.tracked[action.which % len(self.tracked)]
+                req = Req(no=len(self.reqs), step=self.step, kind="stop", epoch=self.epoch, model=tr.model,
+                          session=tr.id)
+                self.spawn(req, self.do_stop, tr)
+                await trio.sleep(0)
+
+    async def kill_daemon(self) -> None:
+        self.killing = True
+        old = self.daemon.pid
+        await self.daemon.kill()
+        self.epoch += 1
+        with trio.move_on_after(10):
+            while self.daemon.group_survivors(old):
+                await trio.sleep(0.05)
+        survivors = self.daemon.group_survivors(old)
+        if survivors:
+            self.violate(f"processes of the SIGKILLed daemon's group survive: {survivors}")
+        if self.client is not None:
+            self.old_clients.append(self.client)
+        await self.daemon.start()
+        self.client = self.new_client()
+        self.killing = False
+        await self.settle_baseline()
+
+    async def settle_baseline(self) -> None:
+        """Warm both models up and take the daemon's fd baseline (no client connection open)."""
+        for model in MODELS:
+            await self.probe(model)
+        await trio.sleep(0.2)
+        self.fd_baseline = self.daemon.num_fds()
+
+    async def probe(self, model: str) -> None:
+        assert self.client is not None
+        key: RefKey = ("chat", "probe", 8, False, False)
+        r = await self.client.post("/v1/chat/completions", json=body_for(key, model=model, stream=False))
+        if r.status_code != 200:
+            self.violate(f"a normal request to {model} failed: {r.status_code} {r.text[:300]}")
+            return
+        text = r.json()["choices"][0]["message"]["content"]
+        if text != self.ref.cache[key][0]:
+            self.violate(f"probe of {model}: text {text!r} != reference {self.ref.cache[key][0]!r}")
+
+    # -- request bodies ---------------------------------------------------------------------------
+
+    async def do_request(self, req: Req, start: Start, key: RefKey) -> None:
+        assert self.client is not None
+        client = self.client
+        headers = {}
+        if start.qos:
+            headers["x-superfluid-qos"] = start.qos
+        if start.resumable:
+            headers["x-superfluid-resumable"] = "true"
+        body = body_for(key, model=start.model, stream=start.stream)
+        if not start.stream:
+            with trio.move_on_after(start.disconnect / 1000 if start.disconnect is not None else math_inf) as cs:
+                r = await client.post(path_of(start.route), json=body, headers=headers)
+            if cs.cancelled_caught:
+                req.outcome = "disconnected"
+                return
+            req.status = r.status_code
+            self.read_whole(req, r, chat=start.route == "chat")
+            return
+        async with client.stream("POST", path_of(start.route), json=body, headers=headers) as r:
+            req.status = r.status_code
+            sid = r.headers.get("x-superfluid-session")
+            tracked = None
+            if r.status_code == 200 and req.resumable:
+                if not sid:
+                    req.problems.append("a resumable stream without x-superfluid-session")
+                else:
+                    req.session = sid
+                    tracked = Tracked(id=sid, key=req.key, model=start.model)
+                    self.tracked.append(tracked)
+            await self.read_stream(req, r, tracked, disconnect=start.disconnect, slow_ms=start.slow_ms)
+
+    async def do_resume(self, req: Req, tr: Tracked, action: Resume) -> None:
+        assert self.client is not None
+        cursor, head = tr.cursor, tr.head
+        req.text = head
+        async with self.client.stream("GET", f"/v1/sessions/{tr.id}/stream",
+                                      headers={"Last-Event-ID": str(cursor)}) as r:
+            req.status = r.status_code
+            if r.status_code == 404:
+                await self.read_error_body(req, r)
+                # not live here: then the log must show it ended (it was not lost)
+                info = await self.client.get(f"/v1/sessions/{tr.id}")
+                if info.status_code != 200:
+                    req.problems.append(f"session {tr.id} is neither live nor in the log ({info.status_code})")
+                elif info.json().get("finish_reason") is None:
+                    req.problems.append(f"session {tr.id} is not live but its log shows no end: {info.text[:200]}")
+                else:
+                    req.outcome = "gone"
+                return
+            await self.read_stream(req, r, tr, disconnect=action.disconnect, slow_ms=action.slow_ms)
+
+    async def do_stop(self, req: Req, tr: Tracked) -> None:
+        assert self.client is not None
+        r = await self.client.delete(f"/v1/sessions/{tr.id}/generation")
+        req.status = r.status_code
+        if r.status_code == 200:
+            req.outcome = "completed"
+        else:
+            await self.read_error_body(req, r)
+            if r.status_code in (404, 409):
+                req.outcome = "refused"
+
+    async def do_admin(self, req: Req, action: Unload | Load) -> None:
+        assert self.client is not None
+        path = "/v1/models/unload" if isinstance(action, Unload) else "/v1/models/load"
+        span = [self.now(), math_inf, f"{type(action).__name__.lower()} {action.model}"]
+        if isinstance(action, Unload):
+            self.disruptions.append(span)
+        try:
+            r = await self.client.post(path, json={"model": action.model})
+        finally:
+            span[1] = self.now()
+        req.status = r.status_code
+        if r.status_code == 200:
+            req.outcome = "completed"
+        else:
+            await self.read_error_body(req, r)
+            if r.status_code == 400 and isinstance(action, Unload):
+                req.outcome = "refused"   # the last loaded model
+
+    async def read_error_body(self, req: Req, r: httpx.Response) -> None:
+        raw = await r.aread()
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            req.problems.append(f"HTTP {r.status_code} with a body that is not JSON: {raw[:200]!r}")
+            req.outcome = "violation"
+            return
+        if not _is_typed_error(obj):
+            req.problems.append(f"HTTP {r.status_code} without a typed error body: {raw[:200]!r}")
+            req.outcome = "violation"
+            return
+        req.error = obj["error"]
+        req.outcome = "error"
+
+    def read_whole(self, req: Req, r: httpx.Response, *, chat: bool) -> None:
+        try:
+            obj = r.json()
+        except ValueError:
+            req.problems.append(f"HTTP {r.status_code} with a body that is not JSON: {r.text[:200]!r}")
+            req.outcome = "violation"
+            return
+        if r.status_code != 200:
+            if not _is_typed_error(obj):
+                req.problems.append(f"HTTP {r.status_code} without a typed error body: {r.text[:200]!r}")
+                req.outcome = "violation"
+            else:
+                req.error = obj["error"]
+                req.outcome = "error"
+            return
+        choice = obj["choices"][0]
+        req.text = (choice["message"]["content"] if chat else choice["text"]) or ""
+        req.finish = choice["finish_reason"]
+        req.outcome = "completed"
+
+    async def read_stream(self, req: Req, r: httpx.Response, tr: Tracked | None, *, disconnect: int | None,
+                          slow_ms: int) -> None:
+        if r.status_code != 200:
+            await self.read_error_body(req, r)
+            return
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            req.problems.append(f"200 stream with content-type {r.headers.get('content-type')!r}")
+        n = 0
+        last_id = -1
+        current_id: str | None = None
+        async for line in r.aiter_lines():
+            if slow_ms:
+                await trio.sleep(slow_ms / 1000)
+            if line.startswith("id: "):
+                current_id = line[4:]
+                continue
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            if req.done_frame:
+                req.problems.append(f"data after [DONE]: {payload[:100]!r}")
+            if payload == "[DONE]":
+                req.done_frame = True
+                continue
+            if req.error is not None:
+                req.problems.append(f"data after the error frame: {payload[:100]!r}")
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                req.problems.append(f"an SSE frame that is not JSON: {payload[:100]!r}")
+                continue
+            if "error" in obj:
+                if not _is_typed_error(obj):
+                    req.problems.append(f"an untyped SSE error frame: {payload[:200]!r}")
+                req.error = obj.get("error")
+            else:
+                req.text += _content(obj)
+                req.finish = _finish(obj) or req.finish
+                if tr is not None and current_id is not None:
+                    cursor = int(current_id)
+                    if cursor < last_id:
+                        req.problems.append(f"event id went back: {cursor} after {last_id}")
+                    last_id = cursor
+                    if len(req.text) >= len(tr.head):
+                        tr.cursor, tr.head = cursor, req.text
+                    if req.finish is not None:
+                        tr.finished = req.finish
+            n += 1
+            if disconnect is not None and n >= disconnect and not req.done_frame:
+                req.outcome = "disconnected"
+                return
+        if not req.done_frame:
+            if req.epoch != self.epoch or self.killing:
+                req.outcome = "killed"
+                return
+            req.problems.append("the stream ended without data: [DONE]")
+            req.outcome = "violation"
+            return
+        req.outcome = "error" if req.error is not None else "completed"
+        if req.outcome == "completed" and req.finish is None:
+            req.problems.append("a completed stream without a finish_reason")
+
+    # -- judging ----------------------------------------------------------------------------------
+
+    def explained(self, req: Req) -> bool:
+        if req.fault:
+            return True
+        end = req.t1 if req.t1 is not None else self.now()
+        # a resume replays how its session ended, which may have been long before the resume began
+        start = -math_inf if req.kind == "resume" else req.t0
+        for a, b, _what in self.disruptions:
+            if a <= end and start <= b + EXPLAIN_SLACK_S:
+                return True
+        for other in self.reqs:
+            if other.fault and other.t0 <= end and start <= (other.t1 or self.now()) + EXPLAIN_SLACK_S:
+                return True
+        return False
+
+    def judge(self, req: Req) -> None:
+        if req.fault and req.t1 is not None:
+            self.disruptions.append([req.t0, req.t1, f"fault request #{req.no}"])
+        if req.problems and req.outcome != "killed":
+            req.outcome = "violation"
+        if req.outcome == "violation":
+            self.violate(f"request #{req.no}: " + "; ".join(req.problems or ["no outcome"]))
+        elif req.outcome == "error" and req.kind in ("request", "resume"):
+            status = req.status or 0
+            invalid = isinstance(req.error, dict) and req.error.get("type") == "invalid_request_error"
+            if 400 <= status < 500 or invalid:
+                self.violate(f"request #{req.no}: a valid request answered {status}: {req.error}")
+            elif not self.explained(req):
+                self.violate(f"request #{req.no}: failed with no disruption to explain it: {req.error}")
+        # exact text: a prefix of the reference always; equal when it completed
+        if req.key is not None and req.kind in ("request", "resume"):
+            ref_text, ref_finish = self.ref.cache[req.key]
+            if not ref_text.startswith(req.text):
+                self.violate(f"request #{req.no}: text is not a prefix of the reference\n"
+                             f"      got {req.text!r}\n      ref {ref_text!r}")
+            elif req.outcome == "completed" and req.finish in ("stop", "length"):
+                if req.text != ref_text or req.finish != ref_finish:
+                    self.violate(f"request #{req.no}: completed with {len(req.text)} chars/{req.finish}, the "
+                                 f"reference has {len(ref_text)} chars/{ref_finish}\n"
+                                 f"      got {req.text!r}\n      ref {ref_text!r}")
+
+    # -- background checks ------------------------------------------------------------------------
+
+    async def metrics(self) -> dict[str, float]:
+        assert self.client is not None
+        text = (await self.client.get("/metrics")).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    async def poll_metrics(self, scope: trio.CancelScope) -> None:
+        with scope:
+            while True:
+                if not self.killing:
+                    try:
+                        lanes = (await self.metrics()).get("superfluid_lanes_active", 0.0)
+                        if lanes > self.max_lanes:
+                            self.max_lanes = lanes
+                            self.max_lanes_at = f"step {self.step}"
+                    except Exception:  # noqa: BLE001 - the daemon may be restarting
+                        pass
+                await trio.sleep(0.005)
+
+    async def quiesce(self) -> None:
+        d = self.daemon
+        m: dict[str, float] = {}
+        with trio.move_on_after(RESUME_TTL_S + 20):
+            while True:
+                m = await self.metrics()
+                if m.get("superfluid_lanes_active", 0) == 0 and m.get("superfluid_queue_depth", 0) == 0:
+                    break
+                await trio.sleep(0.05)
+        if m.get("superfluid_lanes_active", 0) or m.get("superfluid_queue_depth", 0):
+            self.violate(f"not quiescent: lanes_active={m.get('superfluid_lanes_active')} "
+                         f"queued={m.get('superfluid_queue_depth')}")
+            return
+        for model in MODELS:   # a normal request still works (and loads an unloaded model)
+            await self.probe(model)
+        health = (await self.client.get("/health")).json()  # type: ignore[union-attr]
+        if health.get("models_loaded") != len(MODELS):
+            self.violate(f"after a request to each model, /health says {health}")
+        with trio.move_on_after(10):
+            while True:
+                workers = d.workers()
+                if sorted(workers) == sorted(MODELS) and all(len(v) == 1 for v in workers.values()) \
+                        and not d.zombies():
+                    break
+                await trio.sleep(0.05)
+        workers = d.workers()
+        if sorted(workers) != sorted(MODELS) or any(len(v) != 1 for v in workers.values()):
+            self.violate(f"workers per model: { {k: [p.pid for p in v] for k, v in workers.items()} }")
+        zombies = d.zombies()
+        if zombies:
+            self.violate(f"unreaped worker processes: {zombies}")
+        assert self.client is not None
+        for c in [self.client, *self.old_clients]:
+            await c.aclose()
+        fds = d.num_fds()
+        with trio.move_on_after(5):
+            while fds > self.fd_baseline + FD_SLACK:
+                await trio.sleep(0.05)
+                fds = d.num_fds()
+        if fds > self.fd_baseline + FD_SLACK:
+            self.violate(f"daemon holds {fds} fds, baseline {self.fd_baseline} (+{FD_SLACK})")
+
+    async def stop_and_replay(self) -> None:
+        from superfluid.journal import WalCorrupt, open_journal
+
+        d = self.daemon
+        assert d.proc is not None
+        self.killing = True  # the daemon is meant to go now
+        d.proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(30):
+            await trio.to_thread.run_sync(d.proc.wait)
+        if d.proc.poll() is None:
+            self.violate("SIGTERM did not stop the daemon within 30 s")
+            await d.kill()
+        elif d.proc.returncode != 0:
+            self.violate(f"the daemon exited with {d.proc.returncode} after SIGTERM")
+        survivors = d.group_survivors(d.pid)
+        if survivors:
+            self.violate(f"processes left in the daemon's group after it exited: {survivors}")
+        log = d.log.read_text(errors="replace")
+        if "Traceback" in log:
+            i = log.index("Traceback")
+            self.violate("the daemon logged a traceback:\n" + log[max(0, i - 300): i + 3000])
+        try:
+            async with open_journal(d.sessions) as journal:
+                sessions = dict(journal.sessions)
+        except WalCorrupt as exc:
+            self.violate(f"the session log does not replay: {exc}")
+            return
+        for sid, slog in sessions.items():
+            ids = [rec.event_id for rec in slog.events]
+            if ids != list(range(len(ids))):
+                self.violate(f"session {sid}: event ids {ids[:20]}... are not contiguous from 0")
+        for tr in self.tracked:
+            slog = sessions.get(tr.id)
+            if slog is None or tr.key is None:
+                continue
+            ref_text = self.ref.cache[tr.key][0]
+            if not ref_text.startswith(slog.text):
+                self.violate(f"session {tr.id}: logged text is not a prefix of the reference\n"
+                             f"      log {slog.text!r}\n      ref {ref_text!r}")
+            elif slog.finish not in (None, "cancelled", "error") and slog.text != ref_text:
+                self.violate(f"session {tr.id}: finished ({slog.finish}) with logged text != reference\n"
+                             f"      log {slog.text!r}\n      ref {ref_text!r}")
+            if len(tr.head) > len(slog.text):
+                self.violate(f"session {tr.id}: a client saw {len(tr.head)} chars, the log holds {len(slog.text)}")
+
+    def cleanup(self) -> None:
+        for pgid in self.daemon.pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.daemon.proc is not None:
+            self.daemon.proc.wait()
+
+
+
+def _violation_in(exc: BaseException) -> InvariantViolation | None:
+    if isinstance(exc, InvariantViolation):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _violation_in(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def run_sequence(actions: list[Action], *, keep: bool = False) -> dict[str, Any]:
+    """Run one sequence against a fresh daemon. Raises InvariantViolation (an
+    AssertionError) with a report; returns a summary of outcomes."""
+    workdir = Path(tempfile.mkdtemp(prefix="superfluid-fuzz-daemon-"))
+    harness = Harness(list(actions), workdir)
+    ok = False
+    try:
+        trio.run(harness.run)
+        ok = True
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        found = _violation_in(exc)
+        if found is not None:
+            raise InvariantViolation(f"{found}\nsequence = {format_sequence(actions)}") from None
+        raise InvariantViolation(
+            f"the harness failed with {type(exc).__name__}: {exc}\n{harness.report('(harness error)')}\n"
+            f"sequence = {format_sequence(actions)}") from exc
+    finally:
+        harness.cleanup()
+        if ok and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    outcomes: dict[str, int] = {}
+    for r in harness.reqs:
+        outcomes[f"{r.kind}:{r.outcome}"] = outcomes.get(f"{r.kind}:{r.outcome}", 0) + 1
+    return outcomes
+
+
+# --- a seeded random driver (long campaigns) -----------------------------------------------------------
+
+FAULTS = ("crash_after=2", "crash_after=9", "fault_after=3", "garbage_after=2", "hang_after=4")
+
+
+def random_sequence(rng: Any, max_actions: int = 14) -> list[Action]:
+    """A sequence drawn from ``rng`` (a ``random.Random``): same seed, same sequence."""
+    out: list[Action] = []
+    for _ in range(rng.randint(3, max_actions)):
+        r = rng.random()
+        if r < 0.42:
+            fault = None
+            if rng.random() < 0.12:
+                fault = rng.choice(FAULTS[:4]) if rng.random() < 0.8 else FAULTS[4]
+            out.append(Start(
+                n=rng.choice([1, 1, 2, 3, 4, 6, 8]), model=rng.choice(MODELS),
+                route=rng.choice(["chat", "chat", "completion"]), stream=rng.random() < 0.7,
+                resumable=rng.random() < 0.4,
+                qos=rng.choice([None, "interactive", "completion", "agent", "background"]),
+                prompt=rng.randint(0, 2), shared=rng.random() < 0.3, max_tokens=rng.choice([1, 6, 40, 150]),
+                ignore_eos=rng.random() < 0.4, seeded=rng.random() < 0.3, fault=fault,
+                disconnect=rng.choice([None, None, None, 0, 1, 3, 12]), slow_ms=rng.choice([0, 0, 0, 3, 30]),
+            ))
+        elif r < 0.66:
+            out.append(Sleep(rng.choice([0, 5, 30, 100, 300, 800])))
+        elif r < 0.71:
+            out.append(KillWorker(rng.choice(MODELS)))
+        elif r < 0.74:
+            out.append(FreezeWorker(rng.choice(MODELS)))
+        elif r < 0.79:
+            out.append(Unload(rng.choice(MODELS)))
+        elif r < 0.83:
+            out.append(Load(rng.choice(MODELS)))
+        elif r < 0.91:
+            out.append(Resume(rng.randint(0, 5), rng.choice([None, None, 1, 5]), rng.choice([0, 0, 30])))
+        elif r < 0.95:
+            out.append(StopGeneration(rng.randint(0, 5)))
+        else:
+            out.append(KillDaemon())
+    return out
+
+
+def _fails(actions: list[Action], tries: int) -> str | None:
+    for _ in range(tries):
+        try:
+            run_sequence(actions)
+        except InvariantViolation as exc:
+            return str(exc)
+    return None
+
+
+def shrink(actions: list[Action], *, tries: int = 2, budget_s: float = 600.0) -> tuple[list[Action], str]:
+    """Delta debugging: drop chunks of actions while the sequence still fails (each
+    candidate runs up to ``tries`` times: timing makes some failures intermittent)."""
+    deadline = time.monotonic() + budget_s
+    report = _fails(actions, tries) or ""
+    n = 2
+    while len(actions) >= 2 and time.monotonic() < deadline:
+        chunk = max(1, len(actions) // n)
+        reduced = False
+        for i in range(0, len(actions), chunk):
+            candidate = actions[:i] + actions[i + chunk:]
+            if not candidate:
+                continue
+            found = _fails(candidate, tries)
+            if found is not None:
+                actions, report, n, reduced = candidate, found, max(n - 1, 2), True
+                break
+        if not reduced:
+            if chunk == 1:
+                break
+            n = min(len(actions), n * 2)
+    return actions, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fuzz._daemon_model --minutes 20`` (or ``--sequences 1000``): run seeded random
+    sequences; shrink and print each failure with its seed; go on to the next seed."""
+    import argparse
+    import random
+
+    p = argparse.ArgumentParser(prog="python -m fuzz._daemon_model")
+    p.add_argument("--seed", type=int, default=int(time.time()) % 100000, help="first seed (sequence k uses seed+k)")
+    p.add_argument("--sequences", type=int, default=1000)
+    p.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
+    p.add_argument("--max-actions", type=int, default=14)
+    p.add_argument("--replay", type=int, help="run only this seed (and shrink it if it fails)")
+    p.add_argument("--no-shrink", action="store_true")
+    args = p.parse_args(argv)
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # run the cleanups (each daemon's process group is killed)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    seeds = [args.replay] if args.replay is not None else [args.seed + k for k in range(args.sequences)]
+    stop_at = time.monotonic() + args.minutes * 60 if args.minutes else math_inf
+    ran = failed = 0
+    t0 = time.monotonic()
+    for seed in seeds:
+        if time.monotonic() > stop_at:
+            break
+        actions = random_sequence(random.Random(seed), args.max_actions)
+        ran += 1
+        try:
+            outcomes = run_sequence(actions)
+        except InvariantViolation as exc:
+            failed += 1
+            print(f"\n=== seed {seed}: FAILED\n{exc}", flush=True)
+            if not args.no_shrink:
+                small, report = shrink(actions)
+                print(f"\n=== seed {seed}: shortest failing sequence ({len(small)} of {len(actions)} actions):\n"
+                      f"{report}\nsequence = {format_sequence(small)}", flush=True)
+            continue
+        kinds = ",".join(sorted({type(a).__name__ for a in actions}))
+        print(f"seed {seed}: ok ({len(actions)} actions: {kinds}; {outcomes}; {time.monotonic() - t0:.0f}s)",
+              flush=True)
+    print(f"\n{ran} sequences, {failed} failed, {time.monotonic() - t0:.0f}s", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
