@@ -340,3 +340,29 @@ class Exchange:
         st._deliver(text[len(seen):])
         st.finish_reason = info.get("finish_reason") or st.finish_reason
         st.done = True
+
+
+class StateView:
+    """What both stream flavours expose of their :class:`ChatState`."""
+
+    _state: ChatState
+
+    @property
+    def session_id(self) -> str | None:
+        return self._state.session_id
+
+    @property
+    def last_event_id(self) -> str | None:
+        return self._state.last_event_id
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._state.finish_reason
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self._state.usage
+
+    @property
+    def reconnects(self) -> int:
+        return self._state.reconnects

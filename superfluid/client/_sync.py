@@ -12,14 +12,14 @@ import time
 from types import TracebackType
 from typing import Any
 
-from ._core import ChatState, Dropped, Exchange, ResumePolicy
+from ._core import ChatState, Dropped, Exchange, ResumePolicy, StateView
 
 __all__ = ["SyncChatStream", "stream_chat"]
 
 READ_SIZE = 65536
 
 
-class SyncChatStream:
+class SyncChatStream(StateView):
     """An iterator of text deltas that survives dropped connections (see :func:`stream_chat`)."""
 
     def __init__(self, state: ChatState) -> None:
@@ -27,26 +27,6 @@ class SyncChatStream:
         self._sock: socket.socket | None = None
         self._exchange: Exchange | None = None
         self._next: Exchange | None = None
-
-    @property
-    def session_id(self) -> str | None:
-        return self._state.session_id
-
-    @property
-    def last_event_id(self) -> str | None:
-        return self._state.last_event_id
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._state.finish_reason
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._state.usage
-
-    @property
-    def reconnects(self) -> int:
-        return self._state.reconnects
 
     def __iter__(self) -> SyncChatStream:
         return self

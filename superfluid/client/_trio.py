@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from ._core import ChatState, Dropped, Exchange, ResumePolicy
+from ._core import ChatState, Dropped, Exchange, ResumePolicy, StateView
 
 __all__ = ["ChatStream", "open_chat_stream"]
 
@@ -16,7 +16,7 @@ READ_SIZE = 65536
 CLOSE_S = 1.0
 
 
-class ChatStream:
+class ChatStream(StateView):
     """An async iterator of text deltas that survives dropped connections.
 
     Attributes mirror the state: ``session_id``, ``last_event_id``,
@@ -28,26 +28,6 @@ class ChatStream:
         self._stream: trio.SocketStream | None = None
         self._exchange: Exchange | None = None
         self._next: Exchange | None = None
-
-    @property
-    def session_id(self) -> str | None:
-        return self._state.session_id
-
-    @property
-    def last_event_id(self) -> str | None:
-        return self._state.last_event_id
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._state.finish_reason
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._state.usage
-
-    @property
-    def reconnects(self) -> int:
-        return self._state.reconnects
 
     def __aiter__(self) -> ChatStream:
         return self
