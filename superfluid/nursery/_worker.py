@@ -243,7 +243,7 @@ async def _open_worker_nursery(
         if process is not None:
             # run_process leaves the pipes of stdin/stdout=PIPE to the caller: close them when
             # the generation ends, not when the garbage collector breaks a cycle that holds them
-            with trio.CancelScope(shield=True):
+            with trio.move_on_after(1, shield=True):  # closing two pipe fds; bounded all the same
                 for pipe in (process.stdin, process.stdout):
                     if pipe is not None:
                         await pipe.aclose()

@@ -219,7 +219,7 @@ class Server:
         """SIGTERM the group, wait, SIGKILL the group, wait for the port to close."""
         if self.proc is None:
             return
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(grace + 30, shield=True):  # each step inside is bounded too
             if self.proc.poll() is None:
                 self._signal_group(signal.SIGTERM)
                 with trio.move_on_after(grace):
