@@ -93,28 +93,31 @@ class SessionStore:
 
     # -- the scheduler's committer ----------------------------------------------------
 
-    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
-        """Make this round's tokens and finishes durable: one write, one fsync."""
+    async def commit(self, spans: list[tuple[Job, list[int], list[bytes]]], ended: list[tuple[Job, str]]) -> None:
+        """Make these rounds' tokens and finishes durable: one write, one fsync.
+        Sessions whose end is already logged (an unload failed them) are skipped."""
         items: list[tuple[str, dict[str, Any]]] = []
         finishing = {job.id: finish for job, finish in ended if finish not in ("cancelled",)}
-        for job, start in touched:
-            if not job.session:
+        for job, tokens, pieces in spans:
+            if not job.session or job.session in self._ended:
                 continue
             dec = self._decoders.get(job.id)
             if dec is None:
                 dec = self._decoders[job.id] = codecs.getincrementaldecoder("utf-8")(errors="replace")
             finish = finishing.pop(job.id, None)
-            text = dec.decode(b"".join(job.pieces[start:]), final=finish is not None)
-            items.append((job.session, body_generated(tokens=job.tokens[start:], text=text, finish=finish)))
+            text = dec.decode(b"".join(pieces), final=finish is not None)
+            items.append((job.session, body_generated(tokens=tokens, text=text, finish=finish)))
             if finish is not None:
                 self._ended.add(job.session)
                 self._decoders.pop(job.id, None)
         for job, finish in ended:
-            if job.session and finish == "cancelled" and job.cancelled and job.session not in self._ended:
+            if not job.session or job.session in self._ended:
+                continue
+            if finish == "cancelled" and job.cancelled:
                 items.append((job.session, body_cancelled()))
                 self._ended.add(job.session)
                 self._decoders.pop(job.id, None)
-            elif job.session and job.id in finishing:
+            elif job.id in finishing:
                 dec = self._decoders.pop(job.id, None)
                 tail = dec.decode(b"", final=True) if dec is not None else ""
                 items.append((job.session, body_generated(tokens=[], text=tail, finish=finish)))

@@ -91,7 +91,7 @@ def check_invariants(ex: Executor) -> None:
     for i, slot in enumerate(ex.slots):
         assert engine.kv[i] == slot.tokens, f"seq {i}: the engine's KV and the executor's record differ"
     assert ex.kv_used() == sum(ln.n_past for ln in ex.lanes.values())
-    assert ex.prefill_left() == {t: ln.pending for t, ln in ex.lanes.items() if ln.pending > 1}
+    assert ex.prefill_left() == {t: ln.pending if ln.pending > 1 else 0 for t, ln in ex.lanes.items()}
 
 
 # ---- deterministic properties -------------------------------------------------------------

@@ -249,7 +249,8 @@ async def test_a_victim_gone_while_the_plan_is_sent_is_skipped() -> None:
 # fuzz: an Unload(m2) while m2 streamed -> the daemon exited with KeyError: None in Scheduler._settle.
 # fail_all (from the unload's request handler) cleared `running` and finished the jobs while the loop
 # awaited the session log's commit of a round; _settle then deleted a lane that was gone.
-# Fix: _settle skips a job that ended meanwhile.
+# Fix: the loop frees a lane when its round arrives; the commit task (which now owns the await) shows
+# tokens and finishes only to jobs that are still going.
 
 async def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
     from superfluid.proto import Emit
@@ -257,18 +258,60 @@ async def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
     sched: Scheduler
 
     class UnloadDuringCommit:
-        async def commit(self, touched: object, ended: object) -> None:
+        async def commit(self, spans: object, ended: object) -> None:
             await trio.sleep(0)
             sched.fail_all("model 'm' was unloaded", code="model_unloaded")
 
     sched = Scheduler("m", SchedulerConfig(), Metrics(), UnloadDuringCommit())
-    job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=1)
+    job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4)
     sched.submit(job)
     await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
     [lane] = sched.running
-    await sched._emit([Emit(items=[[lane, 7, b"x", "length", None]])])
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run_commits)
+        await sched._emit([Emit(items=[[lane, 7, b"x", None, None]])])
+        await trio.testing.wait_all_tasks_blocked()
+        n.cancel_scope.cancel()
     assert job.done and job.error is not None and job.error.code == "model_unloaded"
-    assert not sched.running
+    assert not sched.running and not job.tokens and not job.staged
+
+
+async def test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends_typed() -> None:
+    from superfluid.proto import Emit
+
+    gate = trio.Event()
+    committed: list[list[int]] = []
+
+    class SlowLog:
+        fail = False
+
+        async def commit(self, spans: list[tuple[Job, list[int], list[bytes]]], ended: object) -> None:
+            await gate.wait()
+            if self.fail:
+                raise OSError("disk full")
+            committed.extend(tokens for _job, tokens, _pieces in spans)
+
+    slow = SlowLog()
+    sched = Scheduler("m", SchedulerConfig(), Metrics(), slow)
+    job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=8)
+    sched.submit(job)
+    await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
+    [lane] = sched.running
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run_commits)
+        await sched._emit([Emit(items=[[lane, 7, b"a", None, None]]), Emit(items=[[lane, 8, b"b", None, None]])])
+        await trio.testing.wait_all_tasks_blocked()
+        # staged for the scheduler (a re-admission would continue from them), invisible to readers
+        assert job.n_generated == 2 and job.tokens == [] and job.generated() == [7, 8]
+        gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert job.tokens == [7, 8] and job.pieces == [b"a", b"b"] and committed == [[7, 8]]
+        slow.fail = True
+        await sched._emit([Emit(items=[[lane, 9, b"c", None, None]])])
+        await trio.testing.wait_all_tasks_blocked()
+        n.cancel_scope.cancel()
+    assert job.done and job.error is not None and job.error.code == "session_log_failed"
+    assert job.tokens == [7, 8] and "disk full" in job.error.message
 
 
 # --- 5. request bodies the JSON parser accepts but nothing downstream can handle --------------------------

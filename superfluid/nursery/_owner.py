@@ -3,6 +3,7 @@
 Nursery tree for one model::
 
     model owner (serve)
+    ├── scheduler.run_commits()                 the session log's group commits
     └── worker generation N: open_worker(...)   process + link reader
         └── scheduler.run(worker)               until the worker dies
 
@@ -22,7 +23,7 @@ import trio
 
 from ..sched import Scheduler
 from ._policy import RestartPolicy, RestartTracker
-from ._worker import WorkerDied, WorkerLoadFailed, WorkerSpec, open_worker
+from ._worker import WorkerDied, WorkerLoadFailed, WorkerSpec, first_leaf, open_worker
 
 __all__ = ["ModelOwner"]
 
@@ -54,6 +55,18 @@ class ModelOwner:
         Cancellation: cancelling ends the current worker (Shutdown, then the
         kill ladder) and returns.
         """
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.scheduler.run_commits)
+                await self._generations(task_status)
+        except BaseExceptionGroup as group:
+            # hide the nursery: the first load's failure surfaces as itself
+            failures, rest = group.split((WorkerDied, WorkerLoadFailed, trio.TooSlowError))
+            if rest is not None or failures is None:
+                raise
+            raise first_leaf(failures) from group
+
+    async def _generations(self, task_status: trio.TaskStatus[None]) -> None:
         tracker = RestartTracker(self.policy)
         started = False
         sched = self.scheduler

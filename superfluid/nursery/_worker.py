@@ -182,10 +182,10 @@ async def open_worker(
         failures, rest = group.split((WorkerDied, WorkerLoadFailed, trio.TooSlowError))
         if rest is not None or failures is None:
             raise
-        raise _first_leaf(failures) from group
+        raise first_leaf(failures) from group
 
 
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     exc: BaseException = group
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]  # a non-empty group by construction (split returned it)

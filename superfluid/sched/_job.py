@@ -1,7 +1,9 @@
 """A job: one generation request as the scheduler sees it.
 
 The job is the daemon's record of a generation: its prompt ids, the tokens
-committed so far and how it ended. Readers (HTTP handlers, session
+committed so far and how it ended. Tokens arrive *staged* (the scheduler's
+view: a re-admission continues from them) and become visible to readers
+only when the commit task has made them durable. Readers (HTTP handlers, session
 subscribers) follow it by cursor with :meth:`Job.wait_beyond`; the scheduler
 never blocks on a reader, so a slow client can only fall behind its own
 cursor, never stall a lane.
@@ -49,9 +51,10 @@ class Job:
     ignore_eos: bool = False
     id: int = attrs.field(factory=lambda: next(_ids))
     session: str = ""
-    tokens: list[int] = attrs.field(factory=list)
+    tokens: list[int] = attrs.field(factory=list)        # committed: durable, what readers see
     pieces: list[bytes] = attrs.field(factory=list)
     logprobs: list[Any] = attrs.field(factory=list)
+    staged: list[tuple[int, bytes, Any]] = attrs.field(factory=list)  # generated, commit in flight
     finish: str | None = None
     error: JobError | None = None
     cached: int = 0
@@ -78,6 +81,23 @@ class Job:
     @property
     def done(self) -> bool:
         return self.state is JobState.DONE
+
+    @property
+    def n_generated(self) -> int:
+        """Tokens generated so far: committed plus staged (the scheduler's view)."""
+        return len(self.tokens) + len(self.staged)
+
+    def generated(self) -> list[int]:
+        return self.tokens + [token for token, _piece, _lp in self.staged]
+
+    def commit_staged(self, n: int) -> None:
+        """Make the first ``n`` staged tokens visible (their commit is durable)."""
+        moved, self.staged = self.staged[:n], self.staged[n:]
+        for token, piece, lp in moved:
+            self.tokens.append(token)
+            self.pieces.append(piece)
+            if lp is not None:
+                self.logprobs.append(lp)
 
     def publish(self) -> None:
         """Wake every reader waiting on this job."""

@@ -6,6 +6,14 @@ owner runs :meth:`Scheduler.run` once per worker generation, and calls
 at the head of its queue with the tokens it already committed, so the next
 worker continues it (nothing repeated, nothing lost).
 
+Commits are off the loop's path: :meth:`Scheduler._emit` stages each round's
+tokens on its jobs, frees the lanes that ended and hands the round to
+:meth:`Scheduler.run_commits` over a bounded channel; that task makes the
+rounds durable (one write and one fsync for whatever is waiting: group
+commit), and only then shows their tokens and finishes to readers. The engine
+keeps running while the log syncs; a slow disk fills the channel and then
+holds the loop (back-pressure, never an unbounded buffer).
+
 Everything that reaches the loop arrives on one bounded inbox: worker events
 tagged with the worker generation, and *pokes* (``(None, None)``) from
 request handlers that submitted or cancelled a job. Pokes are best-effort:
@@ -39,7 +47,8 @@ __all__ = ["Committer", "Scheduler", "SchedulerConfig", "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
 INBOX_SIZE = 512
-DRAIN_BATCH = 64            # inbox items taken at once (rounds committed with one fsync)
+DRAIN_BATCH = 64            # inbox items taken at once
+COMMIT_QUEUE = 16           # rounds waiting for the commit task before the loop waits for the log
 HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with a prefilling lane waits for it
 HOLD_MAX_TICKS = 64
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
@@ -50,14 +59,23 @@ class Unavailable(Exception):
 
 
 class Committer(Protocol):
-    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
-        """Make the new tokens of each ``(job, first_new_index)`` and each
-        ``(job, finish)`` durable before any reader sees them (the write-ahead rule)."""
+    async def commit(self, spans: list[tuple[Job, list[int], list[bytes]]], ended: list[tuple[Job, str]]) -> None:
+        """Make each ``(job, new_tokens, their_pieces)`` and each ``(job, finish)``
+        durable before any reader sees them (the write-ahead rule)."""
 
 
 class _NullCommitter:
-    async def commit(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]]) -> None:
+    async def commit(self, spans: list[tuple[Job, list[int], list[bytes]]], ended: list[tuple[Job, str]]) -> None:
         return None
+
+
+@attrs.define(eq=False)
+class _Round:
+    """Engine rounds applied by the loop, waiting for their commit."""
+
+    spans: list[tuple[Job, int]]              # (job, tokens this round staged on it)
+    ended: list[tuple[Job, str]]              # (job, the worker's finish): what the log records
+    finishes: list[tuple[Job, str]]           # (job, finish) to show readers once durable
 
 
 @attrs.frozen(kw_only=True)
@@ -83,6 +101,7 @@ class Scheduler:
         self.queues: dict[QosClass, collections.deque[Job]] = {k: collections.deque() for k in QosClass}
         self.running: dict[int, Job] = {}
         self.inbox_send, self.inbox = trio.open_memory_channel[Any](INBOX_SIZE)
+        self._commit_send, self._commit_recv = trio.open_memory_channel[_Round](COMMIT_QUEUE)
         self.tick_no = 0
         self.worker: WorkerHandle | None = None
         self._lane_ids = itertools.count(1)
@@ -197,7 +216,7 @@ class Scheduler:
             if job.cancelled:
                 job.finish_with("cancelled")
                 continue
-            if len(job.tokens) == job.tokens_at_admit:
+            if job.n_generated == job.tokens_at_admit:
                 job.lost_without_progress += 1
             else:
                 job.lost_without_progress = 0
@@ -363,7 +382,7 @@ class Scheduler:
                     leaders[job.prefix_key] = job      # the first of its group goes ahead
                     continue
                 if leader.state is JobState.RUNNING:
-                    done = len(leader.prompt) + len(leader.tokens) - leader.prefill_left
+                    done = len(leader.prompt) + leader.n_generated - leader.prefill_left
                     if done >= _shared_len(job.prompt, leader.prompt):
                         continue
                 held.add(job.id)
@@ -387,13 +406,14 @@ class Scheduler:
         job.lane = lane
         job.preempted = False
         job.cancel_sent = False
-        job.prefill_left = len(job.prompt) + len(job.tokens)
-        job.tokens_at_admit = len(job.tokens)
+        generated = job.generated()
+        job.prefill_left = len(job.prompt) + len(generated)
+        job.tokens_at_admit = len(generated)
         job.admitted_at = job.admitted_at or trio.current_time()
         self.running[lane] = job
         self._gauges()
         await worker.send(Admit(
-            lane=lane, tokens=job.prompt + job.tokens, n_prompt=len(job.prompt),
+            lane=lane, tokens=job.prompt + generated, n_prompt=len(job.prompt),
             max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
         ))
 
@@ -417,7 +437,8 @@ class Scheduler:
 
     def _tick_done(self, done: TickDone) -> None:
         for lane, job in self.running.items():
-            job.prefill_left = done.prefill_left.get(lane, 0)
+            # a lane admitted after the tick ended is not in its report: it has not begun
+            job.prefill_left = done.prefill_left.get(lane, job.prefill_left)
         if done.prefill_tokens and done.busy_ms > 0:
             rate = done.prefill_tokens / (done.busy_ms / 1000)
             self._prefill_rate = rate if not self._prefill_rate else 0.7 * self._prefill_rate + 0.3 * rate
@@ -434,7 +455,7 @@ class Scheduler:
         if event is None:
             return
         if isinstance(event, Emit):
-            await self._emit(event)
+            await self._emit([event])
         elif isinstance(event, Admitted):
             job = self.running.get(event.lane)
             if job is not None:
@@ -460,46 +481,42 @@ class Scheduler:
                 pending.event.set()
 
     async def _emit(self, events: list[Emit]) -> None:
-        """Apply engine rounds: commit their tokens (one fsync), then publish."""
-        touched: list[tuple[Job, int]] = []
-        seen: set[int] = set()
+        """Apply engine rounds: stage their tokens, free the lanes that ended,
+        and queue the rounds for the commit task (which shows them to readers)."""
+        spans: dict[int, list[Any]] = {}
         ended: list[tuple[Job, str]] = []
-        now = trio.current_time()
         for event in events:
-            self._apply_round(event, touched, seen, ended, now)
-        if touched or ended:
-            await self.committer.commit(touched, ended)
-        self._settle(touched, ended, now)
+            self._apply_round(event, spans, ended)
+        if not (spans or ended):
+            return
+        finishes = self._settle(ended)
+        await self._commit_send.send(_Round(spans=[(job, n) for job, n in spans.values()], ended=ended,
+                                            finishes=finishes))
 
-    def _apply_round(self, event: Emit, touched: list[tuple[Job, int]], seen: set[int],
-                     ended: list[tuple[Job, str]], now: float) -> None:
+    def _apply_round(self, event: Emit, spans: dict[int, list[Any]], ended: list[tuple[Job, str]]) -> None:
         decoding = 0
         for lane, token, piece, finish, lp in event.items:
             job = self.running.get(lane)
             if job is None:
                 continue
             if token >= 0 and finish not in ("eos", "cancelled", "error"):
-                if job.id not in seen:
-                    seen.add(job.id)
-                    touched.append((job, len(job.tokens)))
-                job.tokens.append(token)
-                job.pieces.append(piece)
-                if lp is not None:
-                    job.logprobs.append(lp)
+                job.staged.append((token, piece, lp))
+                spans.setdefault(job.id, [job, 0])[1] += 1
                 decoding += 1
-                if job.first_token_at is None:
-                    job.first_token_at = now
-                    self.metrics.observe("superfluid_ttft_seconds", now - job.created)
             if finish is not None:
+                del self.running[lane]
                 ended.append((job, finish))
         if decoding > 1:
             self.metrics.inc("superfluid_batched_rounds_total")
 
-    def _settle(self, touched: list[tuple[Job, int]], ended: list[tuple[Job, str]], now: float) -> None:
+    def _settle(self, ended: list[tuple[Job, str]]) -> list[tuple[Job, str]]:
+        """The scheduler's side of jobs that left their lanes: preempted ones
+        requeue now; the others end for readers once their round is durable."""
+        finishes = []
+        now = trio.current_time()
         for job, finish in ended:
-            if job.done:  # failed during the commit's await (an unload's fail_all): it has left running
+            if job.done:  # failed meanwhile (an unload's fail_all)
                 continue
-            del self.running[job.lane]  # type: ignore[arg-type]
             if finish == "cancelled":
                 if job.preempted and not job.cancelled:
                     job.lane = None
@@ -507,16 +524,80 @@ class Scheduler:
                     job.queued_tick = self.tick_no
                     self.queues[job.klass].appendleft(job)
                     continue
-                job.finish_with("cancelled")
                 self.metrics.inc("superfluid_requests_total", outcome="cancelled")
             else:
                 job.done_at = now
-                job.finish_with(FINISH_MAP.get(finish, finish))
                 self.metrics.inc("superfluid_requests_total", outcome="ok")
-        for job, _start in touched:
+            finishes.append((job, FINISH_MAP.get(finish, finish)))
+        self._gauges()
+        return finishes
+
+    # -- the commit task --------------------------------------------------------------
+
+    async def run_commits(self) -> None:
+        """Make rounds durable in order, then show them to readers. Rounds that
+        queued during one commit share the next (one write, one fsync).
+
+        Owned by the model owner, beside the worker generations: staged rounds
+        survive a worker's death. A failed commit (the log refuses writes) ends
+        the jobs of its rounds typed (503 ``session_log_failed``).
+        """
+        async for first in self._commit_recv:
+            rounds = [first]
+            while len(rounds) < DRAIN_BATCH:
+                try:
+                    rounds.append(self._commit_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await self._commit(rounds)
+
+    async def _commit(self, rounds: list[_Round]) -> None:
+        counts: dict[int, list[Any]] = {}
+        for rnd in rounds:
+            for job, n in rnd.spans:
+                counts.setdefault(job.id, [job, 0])[1] += n
+        ended = [pair for rnd in rounds for pair in rnd.ended]
+        spans = [(job, [t for t, _p, _l in job.staged[:n]], [p for _t, p, _l in job.staged[:n]])
+                 for job, n in counts.values()]
+        failure: JobError | None = None
+        try:
+            await self.committer.commit(spans, ended)
+        except Exception as exc:  # noqa: BLE001 - any log failure ends these jobs typed, never silently
+            log.error("model %s: session log commit failed: %s", self.name, exc)
+            failure = JobError(status=503, code="session_log_failed",
+                               message=f"the session log could not make tokens durable: {exc}")
+        now = trio.current_time()
+        for job, n in counts.values():
+            if failure is not None or job.done:
+                job.staged = job.staged[n:]
+                if failure is not None and not job.done:
+                    self._fail_running(job, failure)
+                continue
+            if job.first_token_at is None and n:
+                job.first_token_at = now
+                self.metrics.observe("superfluid_ttft_seconds", now - job.created)
+            job.commit_staged(n)
+        for rnd in rounds:
+            for job, finish in rnd.finishes:
+                if not job.done:
+                    if failure is not None:
+                        job.finish_with(error=failure)
+                    else:
+                        job.finish_with(finish)
+        for job, _n in counts.values():
             if not job.done:
                 job.publish()
-        self._gauges()
+
+    def _fail_running(self, job: Job, error: JobError) -> None:
+        """End ``job`` typed now; if it still holds a lane, stop it there too."""
+        if job.state is JobState.QUEUED:
+            try:
+                self.queues[job.klass].remove(job)
+            except ValueError:
+                pass
+        job.cancelled = True
+        job.finish_with(error=error)
+        self._poke()
 
     def _gauges(self) -> None:
         # a preempted lane is on its way out (its Cancel precedes the preemptor's Admit on the

@@ -190,7 +190,9 @@ class Executor:
             slot.tokens = []
 
     def prefill_left(self) -> dict[int, int]:
-        return {t: ln.pending for t, ln in self.lanes.items() if ln.prefilling}
+        """Prompt tokens left per open lane (0 once decoding). A lane missing
+        here was not open yet: the daemon keeps its own count for it."""
+        return {t: ln.pending if ln.prefilling else 0 for t, ln in self.lanes.items()}
 
     def kv_used(self) -> int:
         return sum(len(s.tokens) for s in self.slots if s.owner is not None)

@@ -1,0 +1,70 @@
+"""The scheduler loop's own decisions, driven without a worker process."""
+
+from __future__ import annotations
+
+import trio
+
+from superfluid._metrics import Metrics
+from superfluid.proto import Admit, Sampling, TickDone
+from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig
+
+
+class _Worker:
+    """Records what the scheduler sends; every send is a checkpoint."""
+
+    dead = False
+    generation = 1
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    async def send(self, event: object) -> None:
+        self.sent.append(event)
+        await trio.sleep(0)
+
+    def admitted(self) -> list[int]:
+        return [e.lane for e in self.sent if isinstance(e, Admit)]
+
+
+def _burst(shared: int, n: int) -> list[Job]:
+    system = list(range(10, 10 + shared))
+    return [Job(prompt=[*system, 5000 + i, 6000 + i], sampling=Sampling(), max_new=4, klass=QosClass.AGENT)
+            for i in range(n)]
+
+
+async def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> None:
+    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    worker = _Worker()
+    jobs = _burst(1500, 4)
+    for job in jobs:
+        sched.submit(job)
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    [leader_lane] = worker.admitted()
+    assert sched.running[leader_lane] is jobs[0]
+
+    # a tick that ended before the worker opened the leader's lane says nothing about it:
+    # the followers keep waiting (they were released at once, and prefilled the prefix again)
+    sched._tick_done(TickDone(seq=1, prefill_left={}))
+    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert worker.admitted() == [leader_lane]
+
+    sched._tick_done(TickDone(seq=2, prefill_left={leader_lane: 700}))   # 802 of 1,502 done
+    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert worker.admitted() == [leader_lane]
+
+    sched._tick_done(TickDone(seq=3, prefill_left={leader_lane: 2}))     # the shared 1,500 are in
+    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert len(worker.admitted()) == 4
+    assert {id(j) for j in sched.running.values()} == {id(j) for j in jobs}
+
+
+async def test_urgent_classes_never_wait_for_a_shared_prefix() -> None:
+    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    worker = _Worker()
+    leader, follower = _burst(1500, 2)
+    follower.klass = QosClass.INTERACTIVE
+    sched.submit(leader)
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    sched.submit(follower)
+    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert len(worker.admitted()) == 2
