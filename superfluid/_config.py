@@ -29,6 +29,7 @@ class ServeConfig:
     max_batch: int = 8
     max_context: int = 4096
     threads: int = 0
+    host_cache_mb: int = 2048             # evicted prefixes kept in host memory, per model (0: off)
     drain_timeout_s: float = 30.0
     default_qos: QosClass = QosClass.AGENT
     http_qos_header: bool = True

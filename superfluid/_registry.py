@@ -55,7 +55,7 @@ class ModelRegistry:
                 return self.loaded[source.name]
             cfg = self.config
             spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
-                              max_context=cfg.max_context, threads=cfg.threads,
+                              max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               start_timeout_s=cfg.worker_start_timeout_s)
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
                               self.metrics, self.committer)

@@ -345,3 +345,54 @@ ExecutorMachine.TestCase.settings = settings(
     database=None, deadline=None, max_examples=60, stateful_step_count=30
 )
 TestExecutorMachine = ExecutorMachine.TestCase
+
+
+# -- the host cache -------------------------------------------------------------------
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory() -> None:
+    """With every sequence taken by other prompts, a long cached prefix is
+    exported before it is overwritten and imported when a prompt needs it."""
+    ex = Executor(MockEngine(SPEC, n_seq=2), max_lanes=1, host_cache_bytes=1 << 20)
+    long_prompt = words(*range(50)) * 6         # 300 tokens
+    ex.admit(make_admit(0, long_prompt, max_new=4))
+    first = generated_tokens(drain(ex)[0])
+    for lane, start in ((1, 3), (2, 5)):        # two other prompts take both sequences
+        ex.admit(make_admit(lane, words(*range(start, 50)), max_new=2))
+        drain(ex)
+    assert len(ex.host) == 1 and not any(slot.tokens[:10] == long_prompt[:10] for slot in ex.slots)
+    again = ex.admit(make_admit(3, [*long_prompt, WORD0 + 7], max_new=4))
+    assert again.cached == again.n_past == 300 and ex.host.stats["hits"] == 1 and len(ex.host) == 0
+    check_invariants(ex)
+    rows = drain(ex)[3]
+    assert generated_tokens(rows) == generated_tokens(reference([*long_prompt, WORD0 + 7], max_new=4,
+                                                                sampling=GREEDY))
+    # a replay of the first prompt alone gives what it gave the first time
+    ex.admit(make_admit(4, long_prompt, max_new=4))
+    assert generated_tokens(drain(ex)[4]) == first
+
+
+def test_short_prefixes_and_a_zero_budget_stay_out_of_host_memory() -> None:
+    for budget, repeats in ((1 << 20, 2), (0, 6)):
+        ex = Executor(MockEngine(SPEC, n_seq=1), max_lanes=1, host_cache_bytes=budget)
+        ex.admit(make_admit(0, words(*range(50)) * repeats, max_new=2))
+        drain(ex)
+        ex.admit(make_admit(1, words(*range(9, 30)), max_new=2))
+        drain(ex)
+        assert len(ex.host) == 0
+
+
+def test_the_host_cache_keeps_its_byte_budget() -> None:
+    from superfluid.worker._hostcache import HostCache
+
+    cache = HostCache(1000)
+    cache.put(list(range(300)), b"a" * 400)
+    cache.put(list(range(1000, 1300)), b"b" * 400)
+    cache.put(list(range(2000, 2300)), b"c" * 400)        # evicts the oldest
+    assert cache.bytes == 800 and cache.best(list(range(300)), 299, whole=False) is None
+    cache.put(list(range(1000, 1400)), b"d" * 500)        # covers (replaces) the second entry
+    assert cache.bytes == 900 and len(cache) == 2
+    assert not cache.wants(list(range(1000, 1300)))      # already covered
+    key, n = cache.best([*range(1000, 1350), 7], 500, whole=False)
+    assert n == 350 and cache.best([*range(1000, 1350), 7], 500, whole=True) is None
+    assert cache.take(key).data == b"d" * 500 and cache.bytes == 400

@@ -243,3 +243,23 @@ def test_gemma_shared_pool_generates(gemma: Any) -> None:
     resumed = admit(ex, 2, toks + full[:4], n_prompt=len(toks), max_new=6)
     assert resumed.n_past == len(toks) + 3 and resumed.cached == len(toks)
     assert tokens_of(drain(ex)[2]) == full[4:]
+
+
+def test_a_prefix_exported_to_host_memory_continues_identically(smol: Any) -> None:
+    """Export a cached sequence, let other prompts overwrite every sequence,
+    import it back: the continuation equals a fresh prefill's."""
+    ex = fresh(smol)
+    toks = prompt(smol, " ".join(PROMPTS * 12))
+    assert len(toks) >= 300
+    ex = Executor(smol, max_lanes=1, host_cache_bytes=256 << 20)
+    for seq in range(smol.info.n_seq):
+        smol.seq_rm(seq, 0, -1)
+    admit(ex, 0, toks, max_new=6)
+    reference_out = tokens_of(drain(ex)[0])
+    for lane in range(1, smol.info.n_seq + 1):
+        admit(ex, lane, prompt(smol, PROMPTS[lane % len(PROMPTS)]), max_new=1)
+        drain(ex)
+    assert len(ex.host) == 1
+    back = admit(ex, 99, toks, max_new=6)
+    assert back.cached == len(toks) - 1 and ex.host.stats["hits"] == 1
+    assert tokens_of(drain(ex)[99]) == reference_out

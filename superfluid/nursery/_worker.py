@@ -58,6 +58,7 @@ class WorkerSpec:
     max_batch: int = 8
     max_context: int = 4096
     threads: int = 0
+    host_cache_mb: int = 0
     start_timeout_s: float = 120.0
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
@@ -70,6 +71,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
     ]
     if spec.threads:
         argv += ["--threads", str(spec.threads)]
+    if spec.host_cache_mb:
+        argv += ["--host-cache-mb", str(spec.host_cache_mb)]
     return argv
 
 

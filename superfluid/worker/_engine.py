@@ -91,4 +91,12 @@ class Engine(Protocol):
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
 
+    def seq_export(self, seq: int) -> Any:
+        """``seq``'s KV state as a bytes-like object (``len`` is its size in
+        bytes); empty if the runtime cannot export."""
+
+    def seq_import(self, seq: int, data: Any) -> bool:
+        """Load state from :meth:`seq_export` into the empty ``seq``. False
+        if the runtime refused it (``seq`` is then unspecified: clear it)."""
+
     def close(self) -> None: ...

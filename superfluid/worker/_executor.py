@@ -13,6 +13,9 @@ whose positions do not continue its sequence):
   that decodes its last pending token samples its next token in the same step.
 * Every KV sequence is owned by at most one lane; a sequence no lane owns is a
   prefix-cache entry described by ``Executor.slots[seq]`` (its token ids).
+* A cached sequence about to be overwritten is exported to the host cache
+  (:mod:`._hostcache`) when it is long and held nowhere else; an admission
+  imports a host entry when it covers more of the prompt than any sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import attrs
 
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler
+from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
 
 __all__ = ["Executor", "Lane", "StepResult"]
 
@@ -80,7 +84,7 @@ def counter_seed(seed: int, k: int) -> int:
 
 
 class Executor:
-    def __init__(self, engine: Engine, *, max_lanes: int) -> None:
+    def __init__(self, engine: Engine, *, max_lanes: int, host_cache_bytes: int = 0) -> None:
         self.engine = engine
         self.info = engine.info
         self.max_lanes = max(1, min(max_lanes, engine.info.n_seq))
@@ -92,6 +96,7 @@ class Executor:
         self._last_step_decoded = True
         self._clock = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self.host = HostCache(host_cache_bytes)
 
     # -- lanes ---------------------------------------------------------------
 
@@ -112,7 +117,11 @@ class Executor:
         seq, matched, src = self._pick_slot(tokens)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(msg.sampling, tokens[msg.n_prompt:])
-        if src is not None and src != seq:
+        self._spill(seq, keep=0 if src is not None else matched)
+        imported = self._import(seq, tokens, better_than=matched)
+        if imported is not None:
+            matched = imported
+        elif src is not None and src != seq:
             self.engine.seq_rm(seq, 0, -1)
             self.engine.seq_cp(src, seq, 0, matched)
         elif matched < len(slot.tokens):
@@ -148,7 +157,7 @@ class Executor:
             if not free:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
-            matches = [_common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
+            matches = [common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
             # in place if it keeps the live span compact, else the lowest free sequence
             in_span = [i for i in free if _span([*live, i]) <= 2 * (len(live) + 1)] or free[:1]
             target = max(in_span, key=lambda i: (matches[i], -i))
@@ -160,7 +169,7 @@ class Executor:
         free_seq = -1
         for i, slot in enumerate(self.slots):
             if slot.owner is None:
-                n = _common_prefix(slot.tokens, tokens, limit)
+                n = common_prefix(slot.tokens, tokens, limit)
                 if n < len(slot.tokens):
                     n = 0  # a shared pool reuses a cached sequence only whole
                 key = (n, -slot.last_use)
@@ -169,6 +178,43 @@ class Executor:
         if best_free is None:
             raise ValueError("no free KV sequence")
         return free_seq, best_free[0], None
+
+    # -- the host cache ----------------------------------------------------------
+
+    def _spill(self, seq: int, *, keep: int) -> None:
+        """``seq``'s cached tokens past ``keep`` are about to be overwritten:
+        export the sequence first if that prefix is worth keeping and no other
+        sequence holds it."""
+        slot = self.slots[seq]
+        if len(slot.tokens) - keep < HOST_MIN_TOKENS or not self.host.wants(slot.tokens):
+            return
+        n = len(slot.tokens)
+        if any(i != seq and common_prefix(other.tokens, slot.tokens, n) == n for i, other in enumerate(self.slots)):
+            return
+        data = self.engine.seq_export(seq)
+        if data:
+            self.host.put(slot.tokens, data)
+
+    def _import(self, seq: int, tokens: list[int], *, better_than: int) -> int | None:
+        """Seed ``seq`` from the host cache if an entry covers at least
+        ``HOST_MIN_TOKENS`` more of ``tokens`` than ``better_than``. Returns
+        the tokens now in ``seq`` (0 if the import failed and left it empty),
+        or None if nothing was tried (``seq`` untouched)."""
+        found = self.host.best(tokens, len(tokens) - 1, whole=self.shared)
+        if found is None or found[1] < better_than + HOST_MIN_TOKENS:
+            return None
+        key, n = found
+        entry = self.host.take(key)
+        self.engine.seq_rm(seq, 0, -1)
+        self.slots[seq].tokens = []
+        self._make_room(len(entry.tokens))
+        if not self.engine.seq_import(seq, entry.data):
+            self.engine.seq_rm(seq, 0, -1)
+            return 0
+        if n < len(entry.tokens):
+            self.engine.seq_rm(seq, n, -1)
+        self.host.stats["hit_tokens"] += n
+        return n
 
     def cancel(self, lane_tag: int, *, publish: bool) -> bool:
         lane = self.lanes.pop(lane_tag, None)
@@ -213,7 +259,9 @@ class Executor:
             if used + cells <= self.pool_cells:
                 return
             used -= len(slot.tokens)
-            self.engine.seq_rm(self.slots.index(slot), 0, -1)
+            seq = self.slots.index(slot)
+            self._spill(seq, keep=0)
+            self.engine.seq_rm(seq, 0, -1)
             slot.tokens = []
 
     # -- one engine step -------------------------------------------------------
@@ -325,11 +373,3 @@ class Executor:
 
 def _span(seqs: list[int]) -> int:
     return max(seqs) - min(seqs) + 1
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -338,6 +338,17 @@ class LlamaEngine:
         if p1 >= 0:
             L.llama_memory_seq_rm(self._mem, dst, p1, -1)
 
+    def seq_export(self, seq: int) -> Any:
+        size = L.llama_state_seq_get_size(self._ctx, seq)
+        if size <= 0:
+            return b""
+        buf = (ctypes.c_uint8 * size)()
+        written = L.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return buf if written == size else b""
+
+    def seq_import(self, seq: int, data: Any) -> bool:
+        return L.llama_state_seq_set_data(self._ctx, data, len(data), seq) > 0
+
     def close(self) -> None:
         if self._batch is not None:
             L.llama_batch_free(self._batch)

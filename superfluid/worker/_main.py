@@ -240,7 +240,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
     except Exception as exc:  # boundary: any load failure is reported, typed, then exit 3
         await out.send_all(link.send(LoadFailed(message=f"{type(exc).__name__}: {exc}")))
         return 3
-    executor = Executor(engine, max_lanes=args.max_batch)
+    executor = Executor(engine, max_lanes=args.max_batch, host_cache_bytes=args.host_cache_mb << 20)
     await out.send_all(link.send(HelloAck(
         version=PROTOCOL_VERSION, runtime=args.runtime, runtime_version=_runtime_version(args.runtime),
         model=engine.info.to_dict(), capabilities=engine.capabilities(),
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--host-cache-mb", type=int, default=0)
     try:
         args = parser.parse_args(argv)
     except SystemExit:

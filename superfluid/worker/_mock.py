@@ -20,6 +20,8 @@ blocks the engine thread; ``[[mock:fault_after=N]]`` fails just that lane;
 
 from __future__ import annotations
 
+import array
+
 import hashlib
 import os
 import re
@@ -226,6 +228,15 @@ class MockEngine:
             raise RuntimeError("mock: seq_cp must continue the destination")
         end = len(self.kv[src]) if p1 < 0 else p1
         self.kv[dst].extend(self.kv[src][p0:end])
+
+    def seq_export(self, seq: int) -> bytes:
+        return array.array("I", self.kv[seq]).tobytes()
+
+    def seq_import(self, seq: int, data: Any) -> bool:
+        if self.kv[seq]:
+            raise RuntimeError("mock: seq_import into a non-empty sequence")
+        self.kv[seq] = array.array("I", bytes(data)).tolist()
+        return True
 
     def close(self) -> None:
         self.kv = []

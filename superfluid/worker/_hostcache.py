@@ -1,0 +1,101 @@
+"""Prefix-cache entries kept in host memory after they leave the KV pool.
+
+When the executor is about to overwrite a cached KV sequence (a new lane
+takes its slot, or the shared pool needs the cells), it exports the
+sequence's state (``Engine.seq_export``) into this store if the prefix is
+long enough to be worth it. A later admission whose prompt starts with a
+stored prefix imports it (``Engine.seq_import``) instead of prefilling it.
+
+The store is bounded in bytes and evicts the least recently used entry. It
+is plain data: the executor does every engine call.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+
+__all__ = ["HOST_MIN_TOKENS", "HostCache", "HostEntry", "common_prefix"]
+
+# Shorter prefixes are cheaper to prefill again than to export (measured on
+# SmolLM2: exporting costs about 0.07 ms per token, prefilling about 2 ms).
+HOST_MIN_TOKENS = 256
+
+
+@attrs.define(eq=False)
+class HostEntry:
+    tokens: list[int]
+    data: bytes
+
+
+class HostCache:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: collections.OrderedDict[int, HostEntry] = collections.OrderedDict()
+        self._next = 0
+        self.bytes = 0
+        self.stats = {"stored": 0, "evicted": 0, "hits": 0, "hit_tokens": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def wants(self, tokens: list[int]) -> bool:
+        """Whether a prefix of ``tokens`` is worth exporting: long enough and
+        not already covered by a stored entry."""
+        if self.budget_bytes <= 0 or len(tokens) < HOST_MIN_TOKENS:
+            return False
+        return not any(_covers(entry.tokens, tokens) for entry in self._entries.values())
+
+    def put(self, tokens: list[int], data: bytes) -> None:
+        """Store ``data`` (the exported KV of ``tokens``), evicting the least
+        recently used entries to stay within the byte budget. Entries that
+        the new one covers are dropped."""
+        if len(data) > self.budget_bytes:
+            return
+        for key in [k for k, e in self._entries.items() if _covers(tokens, e.tokens)]:
+            self._drop(key)
+        while self._entries and self.bytes + len(data) > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+            self.stats["evicted"] += 1
+        self._next += 1
+        self._entries[self._next] = HostEntry(tokens=list(tokens), data=data)
+        self.bytes += len(data)
+        self.stats["stored"] += 1
+
+    def best(self, tokens: list[int], limit: int, *, whole: bool) -> tuple[int, int] | None:
+        """The entry sharing the longest prefix with ``tokens`` (at most
+        ``limit`` tokens): ``(key, shared)``, or None. ``whole``: only entries
+        that are entirely a prefix of ``tokens`` count (a shared pool cannot
+        trim an imported sequence)."""
+        found: tuple[int, int] | None = None
+        for key, entry in self._entries.items():
+            n = common_prefix(entry.tokens, tokens, limit)
+            if whole and n < len(entry.tokens):
+                continue
+            if n and (found is None or n > found[1]):
+                found = (key, n)
+        return found
+
+    def take(self, key: int) -> HostEntry:
+        """Remove and return an entry (it is going back into the KV pool)."""
+        entry = self._entries[key]
+        self._drop(key)
+        self.stats["hits"] += 1
+        return entry
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self.bytes -= len(entry.data)
+
+
+def _covers(longer: list[int], shorter: list[int]) -> bool:
+    return len(longer) >= len(shorter) and longer[: len(shorter)] == shorter
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
