@@ -396,3 +396,18 @@ def test_the_host_cache_keeps_its_byte_budget() -> None:
     key, n = cache.best([*range(1000, 1350), 7], 500, whole=False)
     assert n == 350 and cache.best([*range(1000, 1350), 7], 500, whole=True) is None
     assert cache.take(key).data == b"d" * 500 and cache.bytes == 400
+
+
+def test_a_new_lane_keeps_the_live_sequences_compact() -> None:
+    """llama.cpp's per-sequence KV slows with the span of sequence ids in a
+    batch: a new lane fills a hole between live lanes, and a better prefix
+    cached further out is copied in rather than widening the span."""
+    ex = Executor(MockEngine(SPEC, n_seq=8), max_lanes=4)
+    prompt = words(*range(30))
+    for seq, owner in ((0, 100), (3, 101)):
+        ex.slots[seq].owner = owner
+    ex.slots[5].tokens = prompt[:20]          # a cached prefix outside the live lanes
+    ex.slots[2].tokens = prompt[:2]
+    assert ex._pick_slot(prompt) == (2, 20, 5)
+    ex.slots[0].owner = ex.slots[3].owner = None
+    assert ex._pick_slot(prompt) == (5, 20, None)  # nothing live: the best match, in place

@@ -145,10 +145,9 @@ class Executor:
         Per-sequence layout: llama.cpp's per-sequence KV costs grow with the
         span of sequence ids in a batch (lanes on 0,5,7,9 decode about 1.5x
         slower than on 0,1,2,3), so the new lane takes the best-matching free
-        sequence among those that keep the live span within twice the lane
-        count (the lowest free one if none does), and a prefix at least
-        ``MIN_COPY`` tokens longer elsewhere (cached or live) is copied in with
-        ``seq_cp``. Shared pool: the best whole cached sequence, else the least
+        sequence among those that keep the live span smallest, and a prefix at
+        least ``MIN_COPY`` tokens longer elsewhere (cached or live) is copied
+        in with ``seq_cp``. Shared pool: the best whole cached sequence, else the least
         recently used one.
         """
         limit = len(tokens) - 1  # always decode at least one token for logits
@@ -158,8 +157,10 @@ class Executor:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
             matches = [common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
-            # in place if it keeps the live span compact, else the lowest free sequence
-            in_span = [i for i in free if _span([*live, i]) <= 2 * (len(live) + 1)] or free[:1]
+            # the free sequences that keep the live span smallest; among them the best match
+            spans = {i: _span([*live, i]) for i in free}
+            least = min(spans.values())
+            in_span = [i for i in free if spans[i] == least]
             target = max(in_span, key=lambda i: (matches[i], -i))
             best = max(range(len(self.slots)), key=lambda i: (matches[i], i == target))
             if best != target and matches[best] - matches[target] >= MIN_COPY:
