@@ -48,6 +48,18 @@ bodies = st.one_of(
     st.builds(lambda f, e: {"type": "finished", "finish": f, "error": e},
               st.sampled_from(["eos", "error"]), st.none() | texts),
     st.just({"type": "cancelled"}),
+    # conversations (SPEC.md §7, "Conversations")
+    st.builds(lambda m, x, p: {"type": "conversation", "model": m or "m", "system": x, "tools": None, "sampling": p,
+                               "template_kwargs": {}}, st.text(max_size=8), st.none() | texts, params),
+    st.builds(lambda r, x: {"type": "message", "message": {"role": r, "content": x}, "turn": None, "finish": None},
+              st.sampled_from(["system", "user", "assistant", "tool"]), st.none() | texts),
+    st.builds(lambda x, t, f: {"type": "message", "message": {"role": "assistant", "content": x}, "turn": t,
+                               "finish": f}, texts, st.integers(0, 2**40), st.sampled_from(["stop", "length"])),
+    st.builds(lambda g, p: {"type": "turn", "generation": g or "g", "params": {"sampling": p}},
+              st.text(max_size=8), params),
+    st.builds(lambda t, e: {"type": "turn_end", "turn": t, "finish": "error", "error": e},
+              st.integers(0, 2**40), st.none() | texts),
+    st.builds(lambda s, a: {"type": "fork", "source": s or "s", "at": a}, st.text(max_size=8), st.integers(0, 2**40)),
 )
 
 

@@ -77,8 +77,11 @@ async def serve(
         for i, source in enumerate(config.models):
             await registry.load(source, make_default=(i == 0))
         app = App(config, registry, metrics, store, session_nursery=root)
-        for session in store.restore(registry):
-            root.start_soon(serve_resume_ttl, store, session)
+        restored = store.restore(registry)
+        turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
+        for session in restored:
+            if session.id not in turns:
+                root.start_soon(serve_resume_ttl, store, session)
         app_holder.append(app)
         hconfig = HypercornConfig()
         hconfig.bind = [f"{config.host}:{config.port}"]

@@ -11,6 +11,7 @@ import trio
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
+from ._conversations import route_conversations
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
 from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_tags, api_version, managed, root
@@ -20,6 +21,7 @@ from ._responses import responses
 from pathlib import Path
 
 from .._config import ModelSource
+from .._conversations import ConversationStore
 from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
@@ -86,6 +88,7 @@ class App:
         self.config = config
         self.registry = registry
         self.sessions = sessions
+        self.conversations = ConversationStore(sessions.journal)
         self.metrics = metrics
         self.accepting = True
 
@@ -189,6 +192,8 @@ class App:
         if handler is not None:
             await handler(self, scope, receive, send, {})
             return
+        if await route_conversations(self, scope, receive, send):
+            return
         m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9_.-]+)(/stream|/generation)?", path)
         if m:
             sid, tail = m.group(1), m.group(2)
@@ -207,6 +212,13 @@ class App:
             await self._tokenize(send, body)
             return
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
+
+    def restore_turns(self) -> set[str]:
+        """After a restart: resume every conversation turn the log shows open
+        (``api/_turns.py``). Returns the generation session ids they hold."""
+        from ._turns import restore_turns
+
+        return restore_turns(self)
 
     def _known(self, name: str) -> dict[str, Any]:
         src = self.registry.known[name]

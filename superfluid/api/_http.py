@@ -8,7 +8,7 @@ from typing import Any, Awaitable, Callable
 
 import attrs
 
-__all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "read_json", "send_json", "send_text"]
+__all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "decode_json", "read_json", "send_json", "send_text"]
 
 MAX_BODY = 100 * 1024 * 1024
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -68,7 +68,11 @@ async def read_body(scope: dict[str, Any], receive: Receive, *, limit: int = MAX
 
 
 async def read_json(scope: dict[str, Any], receive: Receive) -> dict[str, Any]:
-    raw = await read_body(scope, receive)
+    return decode_json(await read_body(scope, receive))
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object. Raises ApiError 400."""
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep

@@ -292,7 +292,8 @@ def _content_text(content: Any, index: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict):
-                raise ApiError(400, f"invalid request: messages[{index}].content parts must be objects")
+                raise ApiError(400, f"invalid request: messages[{index}].content parts must be objects",
+                               param=f"messages[{index}].content")
             kind = part.get("type")
             if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
                 parts.append(part["text"])
@@ -303,7 +304,8 @@ def _content_text(content: Any, index: int) -> str:
                 raise ApiError(400, f"invalid request: unknown content part type {kind!r}",
                                param=f"messages[{index}].content")
         return "".join(parts)
-    raise ApiError(400, f"invalid request: messages[{index}].content must be a string or an array")
+    raise ApiError(400, f"invalid request: messages[{index}].content must be a string or an array",
+                   param=f"messages[{index}].content")
 
 
 def _tool_calls(value: Any, index: int) -> list[dict[str, Any]]:

@@ -15,6 +15,22 @@ Client to server (``id`` is an optional client reference echoed in replies):
 * ``{"op":"get","session":S}``: ``{"op":"session","session":{…}}``, the body of
   ``GET /v1/sessions/{id}``.
 
+Conversations (``api/_conversations.py``); ``body`` is the HTTP route's body:
+
+* ``{"op":"create","body":{model, system?, tools?, sampling?, messages?, id?}}``:
+  ``{"op":"created","session":C,"info":{…}}``.
+* ``{"op":"append","session":C,"body":{"messages":[…]}}``:
+  ``{"op":"appended","session":C,"events":[ids]}``.
+* ``{"op":"generate","session":C,"body":{max_tokens?, qos?…}?}`` where ``C`` is a
+  conversation: a turn; ``started`` (``session`` is its generation session,
+  ``conversation`` C, ``turn`` its event id), then ``delta``… and ``done``,
+  which also carries the reply that joined the conversation (``message``,
+  its ``event``). The turn runs to its end whatever happens to the socket.
+* ``{"op":"events","session":C,"after":N?,"limit":L?}``: ``{"op":"events",
+  "session":C,"events":[…],"has_more":…}``.
+* ``{"op":"fork","session":C,"body":{"at":N?,"id":new?}}``:
+  ``{"op":"forked","session":new,"source":C,"info":{…}}``.
+
 Server to client: ``delta {session, cursor, text}``, ``done {session, cursor,
 finish_reason, usage}``, ``error {id?, session?, error:{message, type, param,
 code}}``, and the replies above. ``cursor`` is the token cursor of the SSE
@@ -61,7 +77,9 @@ from ._openai import (
     require_grammar, thinking_kwargs, usage_of,
 )
 from ._params import integer, sampling_from, stops_from
+from ._conversations import append_messages, create_conversation, events_page, fork_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
+from ._turns import landed_summary, start_turn
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -236,6 +254,9 @@ class _Socket:
     # -- ops -------------------------------------------------------------------------------------------------------
 
     async def _op_generate(self, msg: dict[str, Any], ref: Any) -> None:
+        if isinstance(msg.get("session"), str) and self.app.conversations.get(msg["session"]) is not None:
+            await self._generate_turn(msg["session"], _body_of(msg), ref)
+            return
         body = msg.get("body")
         if not isinstance(body, dict):
             raise ApiError(400, "invalid message: generate needs a body object (a chat completion body)",
@@ -267,6 +288,39 @@ class _Socket:
         await self._emit(_with_ref({"op": "started", "session": session.id, "model": model.name,
                                     "resumable": resumable}, ref))
         self._follow(session, 0, ack=None)
+
+    async def _generate_turn(self, cid: str, body: dict[str, Any], ref: Any) -> None:
+        self._check_room()
+        turn = await start_turn(self.app, self.scope, cid, body)
+        assert turn.session is not None
+        await self._emit(_with_ref({"op": "started", "session": turn.generation, "conversation": cid,
+                                    "turn": turn.event_id, "model": turn.session.model, "resumable": True}, ref))
+        self._follow(turn.session, 0, ack=None)
+
+    async def _op_create(self, msg: dict[str, Any], ref: Any) -> None:
+        info = await create_conversation(self.app, _body_of(msg))
+        await self._emit(_with_ref({"op": "created", "session": info["id"], "info": info}, ref))
+
+    async def _op_append(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await append_messages(self.app, sid, _body_of(msg))
+        await self._emit(_with_ref({"op": "appended", "session": sid, "events": done["events"]}, ref))
+
+    async def _op_events(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        after, limit = msg.get("after", -1), msg.get("limit", 1000)
+        for name, value, lo in (("after", after, -1), ("limit", limit, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ApiError(400, f"invalid message: {name} must be an integer >= {lo}", code="invalid_message",
+                               param=name)
+        page = events_page(self.app, sid, after=after, limit=min(limit, 10_000))
+        await self._emit(_with_ref({"op": "events", "session": sid, "events": page["events"],
+                                    "has_more": page["has_more"], "last_event_id": page["last_event_id"]}, ref))
+
+    async def _op_fork(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        info = await fork_conversation(self.app, sid, _body_of(msg))
+        await self._emit(_with_ref({"op": "forked", "session": info["id"], "source": sid, "info": info}, ref))
 
     def _check_unused(self, sid: str, claims: set[str]) -> None:
         live = self.app.sessions.live.get(sid)
@@ -343,8 +397,12 @@ class _Socket:
                     if text:
                         await self._emit({"op": "delta", "session": sid, "cursor": follower.cursor, "text": text})
                     if done:
-                        await self._emit({"op": "done", "session": sid, "cursor": follower.cursor,
-                                          "finish_reason": follower.finish, "usage": usage_of(session.job)})
+                        last = {"op": "done", "session": sid, "cursor": follower.cursor,
+                                "finish_reason": follower.finish, "usage": usage_of(session.job)}
+                        turn = self.app.conversations.turn(sid)
+                        if turn is not None:  # a conversation's turn: done once its reply joined it
+                            last.update(await landed_summary(turn), finish_reason=turn.finish or follower.finish)
+                        await self._emit(last)
                         return
         finally:
             session.detach()
@@ -358,6 +416,13 @@ class _Socket:
                 await job.wait_beyond(len(job.tokens))
         finally:
             await end(self.app, job, resumable=resumable)  # cancels it unless resumable; bounded and shielded
+
+
+def _body_of(msg: dict[str, Any]) -> dict[str, Any]:
+    body = msg.get("body", {})
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid message: body must be an object", code="invalid_message", param="body")
+    return body
 
 
 def _session_of(msg: dict[str, Any]) -> str:
@@ -374,6 +439,10 @@ _OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
     "unsubscribe": _Socket._op_unsubscribe,
     "cancel": _Socket._op_cancel,
     "get": _Socket._op_get,
+    "create": _Socket._op_create,
+    "append": _Socket._op_append,
+    "events": _Socket._op_events,
+    "fork": _Socket._op_fork,
 }
 
 

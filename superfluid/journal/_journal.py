@@ -27,9 +27,12 @@ Retention (compaction), copied to SPEC.md:
     every session that is unfinished and was written to since this start, or
     that has records waiting to be written; the ``keep_interrupted`` (1000)
     most recently active unfinished sessions left over from earlier runs
-    (they can still be resumed by id); and the ``keep_finished`` (1000) most
-    recently finished sessions. Everything else (older finished sessions,
-    older interrupted ones) is dropped from the file and from memory. Kept
+    (they can still be resumed by id); the ``keep_finished`` (1000) most
+    recently finished sessions; every conversation with a turn open; and the
+    ``keep_conversations`` (10,000) most recently touched other conversations
+    among those touched within ``conversation_ttl_s`` (30 days). Everything
+    else (older finished sessions, older interrupted ones, conversations
+    idle past the TTL or the count) is dropped from the file and from memory. Kept
     records are rewritten byte for byte (same ids, epochs and timestamps).
     The rewrite goes to ``wal.log.compact``, is fsynced, renamed over
     ``wal.log`` and the directory is fsynced, so a crash at any point leaves
@@ -59,7 +62,11 @@ import attrs
 import trio
 
 from ..proto._errors import LocalProtocolError
-from ..proto._wal import CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record, ends_session
+from ..proto._wal import (
+    CONVERSATION, CONVERSATION_EVENTS, CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record,
+    ends_session,
+)
+from ..proto._wal_conversation import open_turn_after
 from ._errors import JournalClosed, JournalWriteError, SessionStateError
 from ._files import WAL_NAME, Opened, close_quietly, open_log, write_and_sync, write_compacted
 
@@ -86,6 +93,8 @@ class JournalConfig:
     compact_at_bytes: int = 64 * _MiB
     keep_finished: int = 1000
     keep_interrupted: int = 1000
+    keep_conversations: int = 10_000  # at most this many idle conversations, the most recently touched...
+    conversation_ttl_s: float = 30 * 86400.0  # ...and only those touched within this
     max_pending_bytes: int = 16 * _MiB  # queued, not yet written; appenders wait beyond it
     max_record_size: int = MAX_RECORD_SIZE
     full_fsync: bool = False  # F_FULLFSYNC where the platform has it (SUPERFLUID_FULLFSYNC)
@@ -147,6 +156,8 @@ class Journal:
         self.epoch = self._state.epoch
         # next event id of every session that may still be appended to
         self._next_ids = {sid: s.last_event_id + 1 for sid, s in self.sessions.items() if not s.done}
+        # open turn (-1: none) of every conversation that may be appended to; marks conversations
+        self._open_turns = {sid: s.open_turn for sid, s in self.sessions.items() if s.conversation is not None}
         self._queue: list[_Ticket] = []
         self._pending_bytes = 0
         self._pending_records = 0
@@ -171,7 +182,7 @@ class Journal:
     def interrupted(self) -> list[SessionLog]:
         """Unfinished sessions last written before this run (oldest first):
         generations cut off by a crash or restart, resumable from their log."""
-        found = [s for s in self.sessions.values() if not s.done and s.epoch < self.epoch]
+        found = [s for s in self.sessions.values() if not s.done and s.conversation is None and s.epoch < self.epoch]
         return sorted(found, key=lambda s: s.last_seq)
 
     def statistics(self) -> JournalStatistics:
@@ -220,8 +231,11 @@ class Journal:
         Raises:
             ValueError: an invalid body or session id, or an oversized record.
             SessionStateError: the first event of a session is not
-                ``created``, a session is created twice, or a finished
-                session gets another event. Nothing of the call is queued.
+                ``created`` or ``conversation``, a session is created twice,
+                a finished session gets another event, an event of a
+                generation goes to a conversation or the other way round, or
+                a conversation's turns are out of order (see
+                ``open_turn_after``). Nothing of the call is queued.
             JournalWriteError: the write or fsync failed (the journal then
                 refuses all further appends).
             JournalClosed: the journal is closing.
@@ -284,6 +298,7 @@ class Journal:
         """Validate, number and encode ``items`` and queue them as one ticket.
         Synchronous, so ids are assigned in queue order; all or nothing."""
         staged: dict[str, int] = {}
+        turns: dict[str, int] = {}
         records: list[WalRecord] = []
         for session, body in items:
             if type(session) is not str or session == DAEMON_SESSION:
@@ -295,12 +310,24 @@ class Journal:
             if next_id == _CLOSING or (next_id is None and session in self.sessions):
                 raise SessionStateError(f"session {session} has finished; it takes no more events")
             if next_id is None:
-                if kind != CREATED:
-                    raise SessionStateError(f"unknown session {session}: its first event must be 'created'")
+                if kind not in (CREATED, CONVERSATION):
+                    raise SessionStateError(f"unknown session {session}: its first event must be 'created' or "
+                                            "'conversation'")
                 next_id = 0
-            elif kind == CREATED:
+            elif kind in (CREATED, CONVERSATION):
                 raise SessionStateError(f"session {session} already exists")
             record = WalRecord(session=session, event_id=next_id, epoch=self.epoch, ts=ts, body=body)
+            open_turn = turns.get(session, self._open_turns.get(session))
+            if kind == CONVERSATION:
+                turns[session] = -1
+            elif (open_turn is not None) != (kind in CONVERSATION_EVENTS):
+                family = "conversation" if open_turn is not None else "generation session"
+                raise SessionStateError(f"a {kind} event does not belong in {family} {session}")
+            elif open_turn is not None:
+                try:
+                    turns[session] = open_turn_after(open_turn, next_id, record.body)
+                except ValueError as exc:
+                    raise SessionStateError(f"conversation {session}: {exc}") from None
             records.append(record)
             staged[session] = _CLOSING if ends_session(record.body) else next_id + 1
         try:
@@ -308,6 +335,7 @@ class Journal:
         except LocalProtocolError as exc:
             raise ValueError(str(exc)) from None
         self._next_ids.update(staged)
+        self._open_turns.update(turns)
         ticket = _Ticket(records, data)
         self._queue.append(ticket)
         self._pending_bytes += len(data)
@@ -415,15 +443,25 @@ class Journal:
         keep: list[SessionLog] = []
         interrupted: list[SessionLog] = []
         finished: list[SessionLog] = []
+        idle: list[SessionLog] = []  # conversations touched within the TTL, no turn open
+        drop: list[str] = []
+        since = _unix_ms() - int(self.config.conversation_ttl_s * 1000)
         for s in self.sessions.values():
-            if s.done:
+            if s.conversation is not None:
+                if s.open_turn >= 0 or s.session in busy:
+                    keep.append(s)
+                elif s.last_ts >= since:
+                    idle.append(s)
+                else:
+                    drop.append(s.session)
+            elif s.done:
                 finished.append(s)
             elif s.epoch >= self.epoch or s.session in busy:
                 keep.append(s)
             else:
                 interrupted.append(s)
-        drop: list[str] = []
-        for group, limit in ((finished, self.config.keep_finished), (interrupted, self.config.keep_interrupted)):
+        for group, limit in ((finished, self.config.keep_finished), (interrupted, self.config.keep_interrupted),
+                             (idle, self.config.keep_conversations)):
             group.sort(key=lambda s: s.last_seq)
             cut = max(0, len(group) - max(0, limit))
             drop += [s.session for s in group[:cut]]
@@ -456,6 +494,7 @@ class Journal:
         self._state.records = result.records
         for sid in drop:
             del self.sessions[sid]
+            self._open_turns.pop(sid, None)
         self._compact_at = max(self.config.compact_at_bytes, 2 * result.size)
         self._compactions += 1
         self._fsyncs += 1

@@ -14,11 +14,13 @@ import bisect
 from array import array
 from typing import Any
 
-from ..proto._wal import CANCELLED, CREATED, FINISHED, GENERATED, PROMPT, WalRecord
+from ..proto._wal import (
+    CANCELLED, CONVERSATION, CREATED, FINISHED, FORK, GENERATED, MESSAGE, PROMPT, TURN, TURN_END, WalRecord,
+)
 
 __all__ = ["SessionLog"]
 
-_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED)
+_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED, CONVERSATION, MESSAGE, TURN, TURN_END, FORK)
 _KIND_CODE = {kind: code for code, kind in enumerate(_KINDS)}
 _NO_TEXT = 0x80  # flag on a PROMPT kind code: its text was None
 
@@ -41,17 +43,25 @@ class SessionLog:
         first_ts, last_ts: unix ms of the oldest and newest event.
         first_seq, last_seq: order of the oldest/newest event among all
             records the journal has applied (for retention).
+        conversation: for a conversation (SPEC.md §7), its ``conversation``
+            body without ``type``; ``None`` for a generation session. A
+            conversation never finishes; its events' bodies are kept whole.
+        open_turn: a conversation's turn (the id of its ``turn`` event) that
+            has no ``message`` or ``turn_end`` ending it yet; else ``-1``.
     """
 
     __slots__ = (
         "_epochs", "_extras", "_ids", "_kinds", "_prompt_len", "_prompt_text", "_text", "_text_len", "_tok_hi",
-        "_tok_lo", "_ts", "_txt_hi", "_txt_lo", "created", "epoch", "error", "finish", "first_seq", "first_ts",
-        "generated_tokens", "last_event_id", "last_seq", "last_ts", "prompt_tokens", "session",
+        "_tok_lo", "_ts", "_txt_hi", "_txt_lo", "conversation", "created", "epoch", "error", "finish", "first_seq",
+        "first_ts", "generated_tokens", "last_event_id", "last_seq", "last_ts", "open_turn", "prompt_tokens",
+        "session",
     )
 
     def __init__(self, session: str) -> None:
         self.session = session
         self.created: dict[str, Any] | None = None
+        self.conversation: dict[str, Any] | None = None
+        self.open_turn = -1
         self.prompt_tokens = array("I")
         self.generated_tokens = array("I")
         self.finish: str | None = None
@@ -183,8 +193,17 @@ class SessionLog:
             self.finish = body["finish"]
             self.error = body["error"]
             self._extras[len(self._ids)] = {"finish": body["finish"], "error": body["error"]}
-        else:  # CANCELLED
+        elif kind == CANCELLED:
             self.finish = "cancelled"
+        else:  # a conversation's event: the body is kept whole
+            extra = {k: v for k, v in body.items() if k != "type"}
+            self._extras[len(self._ids)] = extra
+            if kind == CONVERSATION:
+                self.conversation = extra
+            elif kind == TURN:
+                self.open_turn = record.event_id
+            elif kind == TURN_END or (kind == MESSAGE and body["turn"] is not None):
+                self.open_turn = -1
         self._ids.append(record.event_id)
         self._epochs.append(record.epoch)
         self._ts.append(record.ts)

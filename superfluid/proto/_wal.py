@@ -35,7 +35,6 @@ Reading (:class:`WalReader`) ends in one of three ways:
 
 from __future__ import annotations
 
-import array
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
@@ -46,31 +45,63 @@ import msgpack
 
 from ._errors import LocalProtocolError, ProtocolError
 from ._link import NEED_DATA, _NeedData
+from ._wal_conversation import (
+    CONVERSATION,
+    CONVERSATION_EVENTS,
+    FORK,
+    MESSAGE,
+    TURN,
+    TURN_END,
+    body_conversation,
+    body_fork,
+    body_message,
+    body_turn,
+    body_turn_end,
+    validate_conversation_body,
+)
+from ._wal_fields import MAX_TOKEN_ID
+from ._wal_fields import int_field as _int_field
+from ._wal_fields import opt_str as _opt_str
+from ._wal_fields import plain as _plain
+from ._wal_fields import reason as _reason
+from ._wal_fields import tokens as _tokens
 
 __all__ = [
     "BODY_TYPES",
     "CANCELLED",
+    "CONVERSATION",
+    "CONVERSATION_EVENTS",
     "CREATED",
     "DAEMON_SESSION",
     "EPOCH_BUMP",
     "FINISHED",
+    "FORK",
     "GENERATED",
+    "GENERATION_EVENTS",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_RECORD_SIZE",
     "MAX_SESSION_ID",
     "MAX_TOKEN_ID",
+    "MESSAGE",
     "PROMPT",
+    "TURN",
+    "TURN_END",
     "WalCorrupt",
     "WalEnd",
     "WalReader",
     "WalRecord",
     "body_cancelled",
+    "body_conversation",
     "body_created",
     "body_epoch_bump",
     "body_finished",
+    "body_fork",
     "body_generated",
+    "body_message",
     "body_prompt",
+    "body_turn",
+    "body_turn_end",
     "encode_record",
     "ends_session",
     "read_wal",
@@ -81,8 +112,6 @@ __all__ = [
 MAGIC: Final = b"SFWAL001"
 MAX_RECORD_SIZE: Final = 64 * 1024 * 1024
 MAX_SESSION_ID: Final = 256
-MAX_TOKEN_ID: Final = 2**32 - 1  # token arrays are stored as u32 in memory
-_MAX_INT = 2**63 - 1
 _HEADER = struct.Struct("<IQ")
 HEADER_SIZE: Final = _HEADER.size
 # Every payload we encode starts like this (fixmap of 5, fixstr "session");
@@ -98,56 +127,14 @@ GENERATED: Final = "generated"
 FINISHED: Final = "finished"
 EPOCH_BUMP: Final = "epoch_bump"
 CANCELLED: Final = "cancelled"
-BODY_TYPES: Final = frozenset({CREATED, PROMPT, GENERATED, FINISHED, EPOCH_BUMP, CANCELLED})
+# A generation session starts with ``created`` and takes GENERATION_EVENTS; a
+# conversation starts with ``conversation`` and takes CONVERSATION_EVENTS
+# (``_wal_conversation.py``). The journal refuses an event of the other kind.
+GENERATION_EVENTS: Final = frozenset({PROMPT, GENERATED, FINISHED, CANCELLED})
+BODY_TYPES: Final = frozenset({CREATED, PROMPT, GENERATED, FINISHED, EPOCH_BUMP, CANCELLED, CONVERSATION,
+                               *CONVERSATION_EVENTS})
 # Journal-level records (epoch bumps) belong to no session.
 DAEMON_SESSION: Final = ""
-
-
-def _int_field(name: str, value: object, *, hi: int = _MAX_INT) -> int:
-    if type(value) is not int or not 0 <= value <= hi:
-        raise ValueError(f"{name} must be an int in [0, {hi}], got {value!r}")
-    return value
-
-
-def _tokens(value: object) -> list[int]:
-    if not isinstance(value, (list, tuple, range, array.array)):
-        raise ValueError(f"tokens must be a list of token ids, got {type(value).__name__}")
-    try:
-        # array('I') checks type and range in C: ints in [0, 2**32); it also
-        # turns bools into plain ints, which is the canonical form.
-        return array.array("I", value).tolist()
-    except (TypeError, OverflowError):
-        raise ValueError(f"tokens must be ints in [0, {MAX_TOKEN_ID}]") from None
-
-
-def _opt_str(name: str, value: object) -> str | None:
-    if value is not None and type(value) is not str:
-        raise ValueError(f"{name} must be a string or None, got {type(value).__name__}")
-    return value
-
-
-def _reason(name: str, value: object) -> str:
-    if type(value) is not str or not 0 < len(value) <= 64:
-        raise ValueError(f"{name} must be a non-empty string of at most 64 characters, got {value!r}")
-    return value
-
-
-def _plain(value: object, depth: int = 0) -> object:
-    """A msgpack-native copy with tuples as lists, so a decoded body compares
-    equal to the one that was encoded."""
-    if depth > 32:
-        raise ValueError("nesting too deep")
-    if type(value) is int and not -(2**63) <= value < 2**64:
-        raise ValueError(f"{value} does not fit in 64 bits")
-    if value is None or type(value) in (bool, int, float, str, bytes):
-        return value
-    if isinstance(value, Mapping):
-        if not all(type(k) is str for k in value):
-            raise ValueError("map keys must be strings")
-        return {k: _plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, depth + 1) for v in value]
-    raise ValueError(f"{type(value).__name__} is not a msgpack-native value")
 
 
 def body_created(*, params: Mapping[str, Any], klass: str, model: str) -> dict[str, Any]:
@@ -234,8 +221,21 @@ def validate_body(body: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError("finished.error must be a string, a map or None")
             error = _plain(error)
         return {"type": FINISHED, "finish": _reason("finished.finish", body["finish"]), "error": error}
+    if kind == CONVERSATION or kind in CONVERSATION_EVENTS:
+        _only(*_CONVERSATION_FIELDS[kind])
+        return validate_conversation_body(body)
     _only(set(), set())
     return {"type": kind}
+
+
+# per conversation body type: (allowed fields, required fields)
+_CONVERSATION_FIELDS: Final = {
+    CONVERSATION: ({"model", "system", "tools", "sampling", "template_kwargs"}, {"model", "sampling"}),
+    MESSAGE: ({"message", "turn", "finish"}, {"message"}),
+    TURN: ({"generation", "params"}, {"generation", "params"}),
+    TURN_END: ({"turn", "finish", "error"}, {"turn", "finish"}),
+    FORK: ({"source", "at"}, {"source", "at"}),
+}
 
 
 def ends_session(body: Mapping[str, Any]) -> bool:

@@ -1,0 +1,405 @@
+"""Turns of a conversation: start one, own it until its reply lands, follow it.
+
+A turn renders the conversation (system, tools, every message) with the
+model's chat template exactly as ``/v1/chat/completions`` does
+(:func:`~superfluid.api._openai.render_chat`), and runs as an ordinary
+resumable generation session: ``Created`` and ``Prompt`` logged before it is
+queued, tokens logged before anyone sees them, followed by token cursor.
+
+Ownership: the turn's *owner* task (:func:`serve_turn`) runs in the daemon's
+session nursery, not in a request, so a client leaving never cancels it (nor
+does ``--resume-ttl``: the conversation keeps the reply, so the turn runs to
+its end). The owner reads the generation as the chat route does (a
+:class:`~superfluid.api._openai.Reply`: content, reasoning, tool calls) and
+lands it in the conversation. ``DELETE …/generation`` stops it; what it had
+said lands with ``finish: "cancelled"``. A daemon restart resumes the
+generation (``SessionStore.restore``) and :func:`restore_turns` gives each
+open turn a new owner, so the reply still lands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .._conversations import Turn
+from ..chat import ToolCall
+from ..proto import SSE_DONE, encode_sse_json
+from ..sched import QosClass, parse_qos
+from ._generate import Follower, end, prepare, watch_disconnect
+from ._http import ApiError, Receive, Send, send_json
+from ._openai import (
+    ChatRequest, Reply, _max_tokens, openai_call, parse_tool_choice, parse_tools, qos_of, render_chat,
+    require_grammar, usage_of,
+)
+from ._params import sampling_from, stops_from
+
+if TYPE_CHECKING:
+    from .._model import ServedModel
+    from ._app import App
+
+__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_sampling", "conversation_log", "landed_summary",
+           "load_turn", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
+
+log = logging.getLogger("superfluid.conversations")
+
+# The request fields a conversation's ``sampling`` holds and ``generate`` may override.
+SAMPLING_FIELDS = frozenset({
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens", "stop",
+    "repeat_penalty", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+})
+GENERATE_FIELDS = SAMPLING_FIELDS | {"stream", "stream_options", "qos", "tool_choice"}
+CLEANUP_S = 5.0      # bound on the shielded landing of a finished turn
+LAND_WAIT_S = 30.0   # a reader waits this long for the owner to land the reply
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def check_sampling(model: ServedModel, fields: dict[str, Any], prefix: str = "") -> None:
+    """Validate request fields as the chat route would.
+
+    Raises:
+        ApiError: 400 naming ``prefix + field``.
+    """
+    try:
+        sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
+        _max_tokens(fields)
+        stops_from(fields)
+        if not isinstance(fields.get("ignore_eos", False), bool):
+            raise ApiError(400, "invalid request: ignore_eos must be a boolean", param="ignore_eos")
+    except ApiError as exc:
+        if not prefix or exc.param is None:
+            raise
+        named = prefix + exc.param
+        raise attrs.evolve(exc, message=exc.message.replace(exc.param, named, 1), param=named) from None
+
+
+def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str, Any]],
+             params: dict[str, Any]) -> ChatRequest:
+    """The chat request of a turn: the conversation so far and the turn's fields."""
+    fields = params["sampling"]
+    tools = parse_tools(header["tools"])
+    shown = [{"role": "system", "content": header["system"]}] if header["system"] else []
+    shown += [{**m, "content": m.get("content") or ""} for m in messages]
+    return ChatRequest(
+        messages=shown, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
+        max_tokens=_max_tokens(fields), tools=tools, choice=parse_tool_choice(params.get("tool_choice"), tools),
+        template_kwargs=dict(header["template_kwargs"]), stops=stops_from(fields),
+        ignore_eos=bool(fields.get("ignore_eos", False)))
+
+
+def _klass(app: App, scope: dict[str, Any], body: dict[str, Any]) -> QosClass:
+    qos = body.get("qos")
+    if qos is None:
+        return qos_of(app, scope)
+    if not isinstance(qos, str):
+        raise ApiError(400, "invalid request: qos must be a string", param="qos")
+    try:
+        return parse_qos(qos)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="qos") from None
+
+
+def conversation_log(app: App, cid: str) -> Any:
+    """Raises ApiError 404 ``session_not_found`` unless ``cid`` is a conversation."""
+    slog = app.conversations.get(cid)
+    if slog is None:
+        raise ApiError(404, f"conversation '{cid}' not found", code="session_not_found")
+    return slog
+
+
+def busy_error(cid: str) -> ApiError:
+    return ApiError(409, f"conversation '{cid}' is generating; wait for its reply or stop it "
+                    f"(DELETE /v1/sessions/{cid}/generation)", code="session_busy")
+
+
+async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> Turn:
+    """Render the conversation, log the turn and its generation, queue it, and start its owner.
+
+    Raises:
+        ApiError: 404 unknown conversation; 409 ``session_busy`` if a turn is
+            open or starting; 400 a bad field or a template refusal (naming
+            ``param``); 503 draining or no worker; whatever ``prepare`` raises.
+
+    Cancellation: cancelled before the ``turn`` event is logged, nothing
+    changes; after it, the turn is ended (``turn_end``, shielded) unless its
+    generation was logged, in which case it is queued and owned as usual.
+
+    Resource handling: the turn's owner task (:func:`serve_turn`) runs in
+    the daemon's session nursery and outlives this call.
+    """
+    store = app.conversations
+    conversation_log(app, cid)
+    for key in body:
+        if key not in GENERATE_FIELDS:
+            raise ApiError(400, f"invalid request: unknown field {key!r}", param=key)
+    if not app.accepting:
+        raise ApiError(503, "the server is draining and accepts no new requests", code="draining")
+    if store.busy(cid):
+        raise busy_error(cid)
+    async with store.preparing(cid):
+        conversation_log(app, cid)  # (compaction may have dropped an idle one meanwhile)
+        state = store.fold(cid)
+        if not state.messages:
+            raise ApiError(400, "invalid request: the conversation has no messages yet", param="messages")
+        model = await app.resolve_model(state.header["model"])
+        klass = _klass(app, scope, body)
+        fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
+        check_sampling(model, fields)
+        params = {"sampling": {**state.header["sampling"], **fields}, "tool_choice": body.get("tool_choice"),
+                  "qos": klass.name.lower()}
+        req = _request(model, state.header, [m for _eid, m in state.messages], params)
+        rendered = render_chat(model, req)
+        sampling = req.sampling
+        if rendered.grammar:
+            require_grammar(model, "tool_choice" if req.choice.forced else req.grammar_param)
+            sampling = attrs.evolve(sampling, grammar=rendered.grammar)
+        job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
+                            ignore_eos=req.ignore_eos)
+        job.session = "s-" + uuid.uuid4().hex
+        turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
+                    parser=rendered.parser)
+        await store.begin(turn, params)
+        try:
+            # as _generate.start, without the --resume-ttl watcher: the turn's owner holds it to its end
+            turn.session = await app.sessions.open(job, model=model.name, kind="chat", stops=turn.stops,
+                                                   resumable=True)
+        except BaseException:
+            with trio.move_on_after(CLEANUP_S, shield=True):
+                await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
+            raise
+        model.scheduler.submit(job)
+        app.session_nursery.start_soon(serve_turn, app, turn)
+    return turn
+
+
+def assistant_message(content: str, reasoning: str, calls: list[ToolCall]) -> dict[str, Any] | None:
+    """The reply as an OpenAI assistant message (None when it said nothing)."""
+    if not (content or reasoning or calls):
+        return None
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in openai_call(c, i).items() if k != "index"}
+                                 for i, c in enumerate(calls)]
+    return message
+
+
+async def serve_turn(app: App, turn: Turn) -> None:
+    """Own a turn: read its generation to the end and land the reply in the conversation.
+
+    A failure here (a bug, or the journal refusing the write) is logged and
+    ends only this turn's owner: the log then still shows the turn open, and
+    the next start lands it.
+
+    Cancellation: cancelled (daemon shutdown) before the generation ended,
+    it lands nothing: the log still shows the turn open and the generation
+    unfinished, and the next start resumes both. Once the reply is read,
+    landing it is shielded (bounded by ``CLEANUP_S``).
+    """
+    assert turn.session is not None
+    job = turn.session.job
+    try:
+        message, finish, error = await _read_reply(turn)
+        with trio.move_on_after(CLEANUP_S, shield=True):
+            await app.conversations.land(turn, message, finish, error)
+    except Exception:  # noqa: BLE001 -- boundary: one turn; the daemon goes on
+        log.exception("conversation %s: turn %d failed to land", turn.conversation, turn.event_id)
+    finally:
+        await end(app, job, resumable=True)  # log how the generation ended if the scheduler did not
+
+
+async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str, Any] | None]:
+    """Read the turn's generation as the chat route does: ``(message, finish, error)``."""
+    assert turn.session is not None
+    job = turn.session.job
+    reply = Reply(turn.model, job, Follower(job, turn.stops), turn.reader())  # type: ignore[arg-type]
+    try:
+        content, reasoning, _rows = await reply.collect()
+    except ApiError as exc:
+        return None, "error", {"message": exc.message, "code": exc.code, "status": exc.status,
+                               "type": exc.error_type}
+    if not job.done and job.scheduler is not None:
+        job.scheduler.cancel(job)  # a stop string ended the reply before the generation did
+    return assistant_message(content, reasoning, reply.calls), reply.finish or "stop", None
+
+
+def restore_turns(app: App) -> set[str]:
+    """After a restart: give every turn the log shows open an owner (in the
+    daemon's session nursery). Returns the generation session ids they hold
+    (the daemon starts no ``--resume-ttl`` watcher for them)."""
+    owned: set[str] = set()
+    for cid, slog in list(app.sessions.journal.sessions.items()):
+        if slog.conversation is not None and slog.open_turn >= 0:
+            owned.add(app.conversations.fold(cid).turns[slog.open_turn]["generation"])
+            app.session_nursery.start_soon(_resume_turn, app, cid, slog.open_turn)
+    return owned
+
+
+async def _resume_turn(app: App, cid: str, turn_id: int) -> None:
+    try:
+        try:
+            turn = await load_turn(app, cid, turn_id)
+        except ApiError as exc:  # its model cannot load, or its template now refuses the conversation
+            await app.conversations.end_turn(cid, turn_id, None, "error",
+                                             {"message": f"the turn could not resume after a restart: {exc.message}"})
+            return
+        if turn is None or turn.landed:
+            return
+        if turn.session is None:  # the crash came before its generation was logged (or it left the log)
+            await app.conversations.land(turn, None, "error", {"message": "the turn could not resume after a restart"})
+            return
+    except Exception:  # noqa: BLE001 -- boundary: one turn; the daemon goes on
+        log.exception("conversation %s: turn %d could not be restored", cid, turn_id)
+        return
+    log.info("conversation %s: turn %d resumes with generation %s", cid, turn_id, turn.generation)
+    await serve_turn(app, turn)
+
+
+async def load_turn(app: App, cid: str, turn_id: int) -> Turn | None:
+    """The turn ``turn_id`` of conversation ``cid``, live or rebuilt from the log.
+
+    Returns None if it is not a turn of ``cid``. A rebuilt turn that has
+    ended is landed already; one whose generation left the log (or never
+    reached it) has ``session`` None.
+
+    Raises:
+        ApiError: its model cannot be loaded, or its template refuses the conversation.
+    """
+    store = app.conversations
+    if store.get(cid) is None:
+        return None
+    state = store.fold(cid)
+    spec = state.turns.get(turn_id)
+    if spec is None:
+        return None
+    held = store.turn(spec["generation"])
+    if held is not None:
+        return held
+    model = await app.resolve_model(state.header["model"])
+    req = _request(model, state.header, state.messages_before(turn_id), spec["params"])
+    rendered = render_chat(model, req)
+    session = app.sessions.live.get(spec["generation"]) or app.sessions.lookup(spec["generation"])
+    turn = Turn(conversation=cid, event_id=turn_id, generation=spec["generation"], model=model,
+                stops=session.stops if session is not None else [*req.stops, *rendered.stops],
+                parser=rendered.parser, session=session)
+    end_rec = spec["end"]
+    if end_rec is not None:
+        b = end_rec.body
+        turn.mark_landed(end_rec.event_id, b.get("message"), b["finish"], b.get("error"))
+    return store.index(turn)
+
+
+async def landed_summary(turn: Turn) -> dict[str, Any]:
+    """What a reader reports when the turn's generation is done: the reply that joined the conversation."""
+    with trio.move_on_after(LAND_WAIT_S):
+        await turn.wait_landed()
+    return {"conversation": turn.conversation, "turn": turn.event_id, "event": turn.end_event if turn.landed else None,
+            "message": turn.message}
+
+
+def _reader(turn: Turn, cursor: int) -> Reply:
+    """A reader of the turn's generation after ``cursor`` tokens: its stop filter and parser primed."""
+    assert turn.session is not None
+    job = turn.session.job
+    follower = Follower(job, turn.stops)
+    parser = turn.reader()
+    parser.feed("".join(follower.text.feed(piece) for piece in job.pieces[:cursor]))
+    follower.cursor = cursor
+    return Reply(turn.model, job, follower, parser)  # type: ignore[arg-type]
+
+
+async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> None:
+    """Stream the turn's generation from ``cursor`` as chat.completion.chunk SSE with ``id:`` cursors.
+
+    The last chunk (``finish_reason``, ``usage``, and ``superfluid``: the
+    conversation event the reply landed as) is sent once the reply is in
+    the conversation (waiting at most ``LAND_WAIT_S`` for it).
+
+    Raises:
+        ApiError: the generation was refused before any token (before the
+            response starts); later failures are an SSE error frame.
+
+    Cancellation: a client leaving (or the caller cancelling) stops only
+    this reader; the turn goes on.
+    """
+    assert turn.session is not None
+    session, reply = turn.session, _reader(turn, cursor)
+    rid, created = f"chatcmpl-superfluid-{turn.generation}", int(time.time())
+    name = session.model
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, extra: dict[str, Any] | None = None) -> bytes:
+        obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+               "system_fingerprint": "superfluid",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **(extra or {})}
+        return encode_sse_json(obj, id=str(reply.follower.cursor))
+
+    async with watch_disconnect(receive):
+        if cursor == 0:
+            await reply.wait_admitted()  # refused before any token: an HTTP error
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*SSE_HEADERS, (b"x-superfluid-session", turn.generation.encode()),
+                                (b"x-superfluid-conversation", turn.conversation.encode())]})
+        session.attach()
+        try:
+            if cursor == 0:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": chunk({"role": "assistant", "content": ""})})
+            n_calls = 0
+            try:
+                while True:
+                    events, _rows, done = await reply.next()
+                    delta: dict[str, Any] = {}
+                    for ev in events:
+                        if isinstance(ev, ToolCall):
+                            delta.setdefault("tool_calls", []).append(openai_call(ev, n_calls))
+                            n_calls += 1
+                        else:
+                            key = "reasoning_content" if ev.channel == "reasoning" else "content"
+                            delta[key] = delta.get(key, "") + ev.text
+                    if delta:
+                        await send({"type": "http.response.body", "body": chunk(delta), "more_body": True})
+                    if done:
+                        break
+                final = chunk({}, reply.finish, {"usage": usage_of(session.job),
+                                                 "superfluid": await landed_summary(turn)})
+            except ApiError as exc:
+                final = encode_sse_json(exc.body())
+            await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+        finally:
+            session.detach()
+
+
+async def send_turn(send: Send, receive: Receive, turn: Turn) -> None:
+    """Wait for the turn's reply to land and answer it as one chat.completion.
+
+    Raises:
+        ApiError: the turn failed (its error), or its reply was not logged in time.
+    """
+    assert turn.session is not None
+    job = turn.session.job
+    async with watch_disconnect(receive) as request:
+        while not (job.done or turn.landed):
+            await job.wait_beyond(len(job.tokens))
+        with trio.move_on_after(LAND_WAIT_S):
+            await turn.wait_landed()
+    if request.cancelled_caught:
+        return  # the client left; the turn goes on
+    if not turn.landed:
+        raise ApiError(500, "the turn's reply could not be added to the conversation", code="journal_error")
+    if turn.message is None and isinstance(turn.error, dict):
+        err = turn.error
+        raise ApiError(int(err.get("status") or 500), str(err.get("message")), code=err.get("code"),
+                       type=str(err.get("type") or ""))
+    message = turn.message or {"role": "assistant", "content": ""}
+    obj = {"id": f"chatcmpl-superfluid-{turn.generation}", "object": "chat.completion", "created": int(time.time()),
+           "model": turn.session.model, "system_fingerprint": "superfluid",
+           "choices": [{"index": 0, "message": message, "finish_reason": turn.finish, "logprobs": None}],
+           "usage": usage_of(job), "superfluid": await landed_summary(turn)}
+    await send_json(send, 200, obj, headers=[(b"x-superfluid-session", turn.generation.encode()),
+                                             (b"x-superfluid-conversation", turn.conversation.encode())])

@@ -1,0 +1,143 @@
+"""Session-log event bodies of conversations (SPEC.md §7, "Conversations").
+
+A conversation is a session of its own kind in ``wal.log``. Its first event
+is ``conversation`` and every later one is in :data:`CONVERSATION_EVENTS`;
+it never ends (compaction bounds how many are kept). Bodies:
+
+* ``conversation{model, system, tools, sampling, template_kwargs}``: the
+  model, an optional system prompt, OpenAI ``tools`` (or None), the default
+  request fields of each turn (``temperature``, ``max_tokens``, ``stop``...)
+  and chat-template arguments.
+* ``message{message, turn, finish}``: one OpenAI chat message joins the
+  conversation. ``turn`` (the id of a ``turn`` event) and ``finish`` are set
+  exactly on the assistant reply that ends that turn.
+* ``turn{generation, params}``: a turn starts; ``generation`` is the id of the
+  generation session (``created``, ``prompt``, ``generated``...) that answers
+  the conversation so far; ``params`` are the turn's request fields.
+* ``turn_end{turn, finish, error}``: the turn ended with no reply to add.
+* ``fork{source, at}``: the events before this one are copies of the events
+  of ``source`` up to ``at`` (same ids).
+
+The order rules (one open turn at a time, nothing but its end while it is
+open) are the journal's; this module checks each body alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, plain, reason
+
+__all__ = [
+    "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "TURN", "TURN_END", "body_conversation",
+    "body_fork", "body_message", "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
+]
+
+CONVERSATION: Final = "conversation"
+MESSAGE: Final = "message"
+TURN: Final = "turn"
+TURN_END: Final = "turn_end"
+FORK: Final = "fork"
+CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK})
+MESSAGE_ROLES: Final = frozenset({"system", "user", "assistant", "tool"})
+_MAX_ID: Final = 256  # as MAX_SESSION_ID in _wal.py
+
+
+def body_conversation(*, model: str, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                      sampling: Mapping[str, Any] | None = None,
+                      template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A conversation starts."""
+    return validate_conversation_body({"type": CONVERSATION, "model": model, "system": system, "tools": tools,
+                                       "sampling": sampling or {}, "template_kwargs": template_kwargs or {}})
+
+
+def body_message(*, message: Mapping[str, Any], turn: int | None = None, finish: str | None = None) -> dict[str, Any]:
+    """A message joins the conversation; with ``turn`` and ``finish``, the reply that ends that turn."""
+    return validate_conversation_body({"type": MESSAGE, "message": message, "turn": turn, "finish": finish})
+
+
+def body_turn(*, generation: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """A turn starts: the generation session ``generation`` answers."""
+    return validate_conversation_body({"type": TURN, "generation": generation, "params": params})
+
+
+def body_turn_end(*, turn: int, finish: str, error: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A turn ended with no reply to add (it failed, or was cancelled before any text)."""
+    return validate_conversation_body({"type": TURN_END, "turn": turn, "finish": finish, "error": error})
+
+
+def body_fork(*, source: str, at: int) -> dict[str, Any]:
+    """The events before this one are ``source``'s up to ``at``."""
+    return validate_conversation_body({"type": FORK, "source": source, "at": at})
+
+
+def _session_id(name: str, value: object) -> str:
+    if type(value) is not str or not 0 < len(value) <= _MAX_ID:
+        raise ValueError(f"{name} must be a session id of 1 to {_MAX_ID} characters")
+    return value
+
+
+def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The canonical form of a conversation body (fields already checked by name).
+
+    Raises:
+        ValueError: a bad value.
+    """
+    kind = body["type"]
+    if kind == CONVERSATION:
+        model = body["model"]
+        if type(model) is not str or not model:
+            raise ValueError("conversation.model must be a non-empty string")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, (list, tuple)) and all(isinstance(t, Mapping) for t in tools)):
+            raise ValueError("conversation.tools must be a list of maps or None")
+        return {"type": CONVERSATION, "model": model, "system": opt_str("conversation.system", body.get("system")),
+                "tools": None if tools is None else plain(tools),
+                "sampling": map_field("conversation.sampling", body["sampling"]),
+                "template_kwargs": map_field("conversation.template_kwargs", body.get("template_kwargs") or {})}
+    if kind == MESSAGE:
+        message = map_field("message.message", body["message"])
+        if message.get("role") not in MESSAGE_ROLES:
+            raise ValueError(f"message.message.role must be one of {sorted(MESSAGE_ROLES)}")
+        opt_str("message.message.content", message.get("content"))
+        turn, finish = body.get("turn"), body.get("finish")
+        if (turn is None) != (finish is None) or (turn is not None and message["role"] != "assistant"):
+            raise ValueError("message.turn and message.finish go together, on an assistant reply")
+        return {"type": MESSAGE, "message": message, "turn": None if turn is None else int_field("message.turn", turn),
+                "finish": None if finish is None else reason("message.finish", finish)}
+    if kind == TURN:
+        return {"type": TURN, "generation": _session_id("turn.generation", body["generation"]),
+                "params": map_field("turn.params", body["params"])}
+    if kind == TURN_END:
+        return {"type": TURN_END, "turn": int_field("turn_end.turn", body["turn"]),
+                "finish": reason("turn_end.finish", body["finish"]), "error": error_field("turn_end.error",
+                                                                                          body.get("error"))}
+    if kind == FORK:
+        return {"type": FORK, "source": _session_id("fork.source", body["source"]),
+                "at": int_field("fork.at", body["at"], hi=MAX_INT)}
+    raise ValueError(f"unknown event type {kind!r}")
+
+
+def open_turn_after(open_turn: int, event_id: int, body: Mapping[str, Any]) -> int:
+    """The conversation's open turn (``-1``: none) after event ``event_id`` with
+    canonical ``body``, given the one before it: a turn starts only when none is
+    open; while one is open only its end (its reply, or ``turn_end``) or a
+    ``fork`` marker may follow.
+
+    Raises:
+        ValueError: the event breaks these rules.
+    """
+    kind = body["type"]
+    if kind == TURN:
+        if open_turn >= 0:
+            raise ValueError(f"turn {open_turn} is still open; a second turn cannot start")
+        return event_id
+    ends = body.get("turn") if kind in (MESSAGE, TURN_END) else None
+    if ends is not None:
+        if ends != open_turn:
+            raise ValueError(f"event {event_id} ends turn {ends}, but the open turn is {open_turn}")
+        return -1
+    if kind == MESSAGE and open_turn >= 0:
+        raise ValueError(f"turn {open_turn} is open; only its reply can join the conversation")
+    return open_turn
