@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
 
 import httpx
 import psutil
+import pytest
 import trio
 
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text, worker_pids
@@ -406,4 +409,37 @@ async def test_eight_streams_survive_repeated_worker_kills(nursery: trio.Nursery
                 os.kill(pid, signal.SIGKILL)
     assert got == refs
     assert await metric(d, "superfluid_worker_respawns_total") >= 1
+    d.scope.cancel()
+
+
+async def test_every_generation_writes_one_access_log_line(nursery: trio.Nursery,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="superfluid.access")
+    d = await start_daemon(nursery, mock_config())
+    completion = {"model": "mock", "prompt": "hi", "max_tokens": 5}
+    chat = {**CHAT, "max_tokens": 5}
+
+    async def streamed(path: str, body: dict) -> None:
+        async with d.client.stream("POST", path, json={**body, "stream": True}) as r:
+            await sse_events(r)
+
+    await d.client.post("/v1/completions", json=completion)
+    await streamed("/v1/completions", completion)
+    await d.client.post("/v1/chat/completions", json=chat)
+    await streamed("/v1/chat/completions", chat)
+    r = await d.client.post("/api/chat", json={"model": "mock", "messages": CHAT["messages"], "stream": False,
+                                                "options": {"num_predict": 5}})
+    assert r.status_code == 200, r.text
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "superfluid.access"]
+
+    with trio.fail_after(5):  # a handler logs after its last byte went out
+        while len(lines()) < 5:
+            await trio.sleep(0.01)
+    logged = lines()
+    pattern = re.compile(r"<-- 200 POST (\S+) model=mock prompt=\d+ cached=\d+ completion=5 ttft=\d+ms "
+                         r"prefill=[\d.]+ tok/s decode=[\d.]+ tok/s total=\d+ms finish=length")
+    routes = [m.group(1) for m in map(pattern.fullmatch, logged) if m]
+    assert routes == ["/v1/completions"] * 2 + ["/v1/chat/completions"] * 2 + ["/api/chat"], "\n".join(logged)
     d.scope.cancel()
