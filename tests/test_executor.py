@@ -351,16 +351,15 @@ TestExecutorMachine = ExecutorMachine.TestCase
 
 
 def test_an_evicted_prefix_comes_back_from_host_memory() -> None:
-    """With every sequence taken by other prompts, a long cached prefix is
-    exported before it is overwritten and imported when a prompt needs it."""
-    ex = Executor(MockEngine(SPEC, n_seq=2), max_lanes=1, host_cache_bytes=1 << 20)
+    """With no spare sequence, a long cached prefix is exported before it is
+    overwritten and imported when a prompt needs it again."""
+    ex = Executor(MockEngine(SPEC, n_seq=1), max_lanes=1, host_cache_bytes=1 << 20)
     long_prompt = words(*range(50)) * 6         # 300 tokens
     ex.admit(make_admit(0, long_prompt, max_new=4))
     first = generated_tokens(drain(ex)[0])
-    for lane, start in ((1, 3), (2, 5)):        # two other prompts take both sequences
-        ex.admit(make_admit(lane, words(*range(start, 50)), max_new=2))
-        drain(ex)
-    assert len(ex.host) == 1 and not any(slot.tokens[:10] == long_prompt[:10] for slot in ex.slots)
+    ex.admit(make_admit(1, words(*range(3, 50)), max_new=2))   # takes the only sequence
+    drain(ex)
+    assert len(ex.host) == 1 and ex.slots[0].tokens[:10] != long_prompt[:10]
     again = ex.admit(make_admit(3, [*long_prompt, WORD0 + 7], max_new=4))
     assert again.cached == again.n_past == 300 and ex.host.stats["hits"] == 1 and len(ex.host) == 0
     check_invariants(ex)
@@ -370,6 +369,24 @@ def test_an_evicted_prefix_comes_back_from_host_memory() -> None:
     # a replay of the first prompt alone gives what it gave the first time
     ex.admit(make_admit(4, long_prompt, max_new=4))
     assert generated_tokens(drain(ex)[4]) == first
+
+
+def test_a_cached_prefix_moves_aside_instead_of_being_overwritten() -> None:
+    """Compact placement reuses the low sequences; what they cached moves to a
+    spare sequence (the one holding least), and comes back by copy."""
+    ex = Executor(MockEngine(SPEC, n_seq=4), max_lanes=2)
+    a, b, c = words(*range(50)) * 6, words(*range(5, 50)) * 6, words(*range(9, 50)) * 6
+    ex.admit(make_admit(0, a, max_new=3))
+    drain(ex)
+    ex.admit(make_admit(1, b, max_new=3))   # nothing live: lands on a's sequence, a moves aside
+    drain(ex)
+    assert ex.stats["demoted"] == 1 and sum(slot.tokens[:300] == a for slot in ex.slots) == 1
+    ex.admit(make_admit(2, c, max_new=3))
+    drain(ex)
+    back = ex.admit(make_admit(3, a, max_new=3))
+    assert back.cached == len(a) - 1
+    check_invariants(ex)
+    assert generated_tokens(drain(ex)[3]) == generated_tokens(reference(a, max_new=3, sampling=GREEDY))
 
 
 def test_short_prefixes_and_a_zero_budget_stay_out_of_host_memory() -> None:

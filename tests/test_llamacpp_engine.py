@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from superfluid.proto import Admit, Sampling
-from superfluid.worker._executor import Executor
+from superfluid.worker._executor import DEMOTE_MIN, Executor
+from superfluid.worker._hostcache import HOST_MIN_TOKENS
 
 pytestmark = pytest.mark.real
 
@@ -246,20 +247,34 @@ def test_gemma_shared_pool_generates(gemma: Any) -> None:
 
 
 def test_a_prefix_exported_to_host_memory_continues_identically(smol: Any) -> None:
-    """Export a cached sequence, let other prompts overwrite every sequence,
-    import it back: the continuation equals a fresh prefill's."""
+    """Fill every sequence with longer prompts until the first one is exported
+    to host memory, import it back: the continuation equals a fresh prefill's."""
+    toks = prompt(smol, " ".join(PROMPTS * 11))
+    assert len(toks) >= HOST_MIN_TOKENS
     ex = fresh(smol)
-    toks = prompt(smol, " ".join(PROMPTS * 12))
-    assert len(toks) >= 300
     ex = Executor(smol, max_lanes=1, host_cache_bytes=256 << 20)
-    for seq in range(smol.info.n_seq):
-        smol.seq_rm(seq, 0, -1)
     admit(ex, 0, toks, max_new=6)
     reference_out = tokens_of(drain(ex)[0])
-    for lane in range(1, smol.info.n_seq + 1):
-        admit(ex, lane, prompt(smol, PROMPTS[lane % len(PROMPTS)]), max_new=1)
+    for lane in range(1, 2 * smol.info.n_seq):
+        if len(ex.host):
+            break
+        admit(ex, lane, prompt(smol, f"{lane} " + " ".join(PROMPTS * 13)), max_new=1)   # toks, the oldest, goes last
         drain(ex)
-    assert len(ex.host) == 1
+    assert len(ex.host) == 1 and ex.stats["demoted"] >= 1
     back = admit(ex, 99, toks, max_new=6)
     assert back.cached == len(toks) - 1 and ex.host.stats["hits"] == 1
     assert tokens_of(drain(ex)[99]) == reference_out
+
+
+def test_a_demoted_prefix_copied_back_continues_identically(smol: Any) -> None:
+    ex = fresh(smol)
+    first, second = prompt(smol, " ".join(PROMPTS * 11)), prompt(smol, "2 " + " ".join(PROMPTS * 11))
+    assert len(first) >= DEMOTE_MIN
+    admit(ex, 0, first, max_new=6)
+    reference_out = tokens_of(drain(ex)[0])
+    admit(ex, 1, second, max_new=2)           # lands on first's sequence; first moves aside
+    drain(ex)
+    assert ex.stats["demoted"] == 1
+    back = admit(ex, 2, first, max_new=6)
+    assert back.cached == len(first) - 1
+    assert tokens_of(drain(ex)[2]) == reference_out

@@ -33,6 +33,7 @@ __all__ = ["Executor", "Lane", "StepResult"]
 
 PREFILL_CHUNK = 512
 MIN_COPY = 4    # a prefix this long elsewhere is copied in (a copy costs about 3 prompt tokens of prefill)
+DEMOTE_MIN = 256  # a cached prefix this long moves to a spare sequence rather than be overwritten
 
 
 @attrs.define(eq=False)
@@ -95,7 +96,7 @@ class Executor:
         self.pool_cells = int(engine.info.extra.get("n_ctx", 0)) or engine.info.n_seq * engine.info.n_ctx_seq
         self._last_step_decoded = True
         self._clock = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "demoted": 0}
         self.host = HostCache(host_cache_bytes)
 
     # -- lanes ---------------------------------------------------------------
@@ -117,7 +118,7 @@ class Executor:
         seq, matched, src = self._pick_slot(tokens)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(msg.sampling, tokens[msg.n_prompt:])
-        self._spill(seq, keep=0 if src is not None else matched)
+        self._preserve(seq, keep=0 if src is not None else matched, src=src)
         imported = self._import(seq, tokens, better_than=matched)
         if imported is not None:
             matched = imported
@@ -157,7 +158,9 @@ class Executor:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
             matches = [common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
-            # the free sequences that keep the live span smallest; among them the best match
+            # the free sequences that keep the live span smallest; among them the best match.
+            # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
+            # whole-stream copy of a better match ~9 ms once (at 4,096 cells)
             spans = {i: _span([*live, i]) for i in free}
             least = min(spans.values())
             in_span = [i for i in free if spans[i] == least]
@@ -180,7 +183,38 @@ class Executor:
             raise ValueError("no free KV sequence")
         return free_seq, best_free[0], None
 
-    # -- the host cache ----------------------------------------------------------
+    # -- keeping what a new lane overwrites ------------------------------------------
+
+    def _preserve(self, seq: int, *, keep: int, src: int | None) -> None:
+        """``seq``'s cached tokens past ``keep`` are about to be overwritten.
+
+        Per-sequence KV keeps compact placement from eating the cache: at
+        least ``DEMOTE_MIN`` tokens held nowhere else move to a free sequence
+        that is empty or least recently used, if older than them (one deferred
+        whole-stream copy, a few ms inside the next decode), and what that
+        spare held goes to the host cache if it is worth it. Otherwise (shared pool, no spare) the
+        sequence itself goes to the host cache if it is worth it.
+        """
+        slot = self.slots[seq]
+        if len(slot.tokens) - keep <= 0 or self._held_elsewhere(seq):
+            return
+        if not self.shared and len(slot.tokens) - keep >= DEMOTE_MIN:
+            spares = [i for i, other in enumerate(self.slots) if other.owner is None and i not in (seq, src)
+                      and (not other.tokens or other.last_use < slot.last_use)]
+            if spares:
+                spare = min(spares, key=lambda i: (bool(self.slots[i].tokens), self.slots[i].last_use))
+                self._spill(spare, keep=0)
+                self.engine.seq_rm(spare, 0, -1)
+                self.engine.seq_cp(seq, spare, 0, -1)
+                self.slots[spare].tokens, self.slots[spare].last_use = list(slot.tokens), slot.last_use
+                self.stats["demoted"] += 1
+                return
+        self._spill(seq, keep=keep)
+
+    def _held_elsewhere(self, seq: int) -> bool:
+        tokens = self.slots[seq].tokens
+        n = len(tokens)
+        return any(i != seq and common_prefix(other.tokens, tokens, n) == n for i, other in enumerate(self.slots))
 
     def _spill(self, seq: int, *, keep: int) -> None:
         """``seq``'s cached tokens past ``keep`` are about to be overwritten:
@@ -189,8 +223,7 @@ class Executor:
         slot = self.slots[seq]
         if len(slot.tokens) - keep < HOST_MIN_TOKENS or not self.host.wants(slot.tokens):
             return
-        n = len(slot.tokens)
-        if any(i != seq and common_prefix(other.tokens, slot.tokens, n) == n for i, other in enumerate(self.slots)):
+        if self._held_elsewhere(seq):
             return
         data = self.engine.seq_export(seq)
         if data:
