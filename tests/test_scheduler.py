@@ -68,3 +68,22 @@ async def test_urgent_classes_never_wait_for_a_shared_prefix() -> None:
     sched.submit(follower)
     await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
     assert len(worker.admitted()) == 2
+
+
+async def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
+    """Plans happen on every event (a burst of arrivals makes hundreds); the
+    bound must not run out before the leader's prefill could finish."""
+    from superfluid.sched._loop import HOLD_MAX_TICKS
+
+    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    worker = _Worker()
+    jobs = _burst(1500, 3)
+    for job in jobs:
+        sched.submit(job)
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    for _ in range(3 * HOLD_MAX_TICKS):
+        await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert len(worker.admitted()) == 1
+    sched.tick_no += HOLD_MAX_TICKS
+    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    assert len(worker.admitted()) == 3

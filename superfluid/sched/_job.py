@@ -66,7 +66,7 @@ class Job:
     started: bool = False           # a worker admitted it (its request was valid for the runtime)
     prefix_key: int | None = None
     scheduler: Any = None           # the Scheduler it was submitted to (for cancel by session id)
-    held_ticks: int = 0
+    held_since: int | None = None   # the tick a shared-prefix hold began (counted in ticks, not plans)
     prefill_left: int = 0
     queued_tick: int = 0
     seq: int = 0

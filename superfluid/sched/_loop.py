@@ -50,7 +50,7 @@ INBOX_SIZE = 512
 DRAIN_BATCH = 64            # inbox items taken at once
 COMMIT_QUEUE = 16           # rounds waiting for the commit task before the loop waits for the log
 HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with a prefilling lane waits for it
-HOLD_MAX_TICKS = 64
+HOLD_MAX_TICKS = 400        # ticks a held job waits at most (~20 s of short ticks)
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 
 
@@ -375,7 +375,8 @@ class Scheduler:
                 leaders.setdefault(job.prefix_key, job)
         for q in self.queues.values():
             for job in q:
-                if job.prefix_key is None or job.klass.preempts or job.held_ticks >= HOLD_MAX_TICKS:
+                if job.prefix_key is None or job.klass.preempts or (
+                        job.held_since is not None and self.tick_no - job.held_since >= HOLD_MAX_TICKS):
                     continue
                 leader = leaders.get(job.prefix_key)
                 if leader is None:
@@ -386,7 +387,8 @@ class Scheduler:
                     if done >= _shared_len(job.prompt, leader.prompt):
                         continue
                 held.add(job.id)
-                job.held_ticks += 1
+                if job.held_since is None:
+                    job.held_since = self.tick_no
         return frozenset(held)
 
     def _preemptor_waiting(self) -> bool:
