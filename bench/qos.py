@@ -102,6 +102,7 @@ async def part_shared(url: str, model: str) -> dict[str, Any]:
     cached = [((r["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens") for r in shared_rs]
     prefix = max(prompt - 40, 1)
     out["prompt_tokens"] = prompt
+    out["cached_per_request"] = sorted(x or 0 for x in cached)
     out["times_prefilled"] = (16 - sum(cached) / prefix) if all(x is not None for x in cached) and prompt else None
     out["shared_ttft_p50_s"] = median([r["ttft"] for r in shared_rs if r["ttft"] is not None])
     out["distinct_ttft_p50_s"] = median([r["ttft"] for r in distinct_rs if r["ttft"] is not None])
@@ -163,6 +164,7 @@ def main() -> None:
     p.add_argument("--llama-server", default="")
     p.add_argument("--parts", default="agents,shared,kv")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
     args = p.parse_args()
     parts = [x for x in args.parts.split(",") if x]
     binary = args.llama_server or subprocess.run(
@@ -172,14 +174,19 @@ def main() -> None:
     for part in parts:
         lanes, ctx = 8, 4096
         port = free_port()
-        ours = Server("superfluid", superfluid_argv(args.model, port, "--max-batch", str(lanes), "--max-context",
-                                                    str(ctx), "--threads", str(args.threads)), port)
-        results.setdefault("superfluid", {}).update(run_system("superfluid", ours, [part]))
+        if args.only != "llama-server":
+            ours = Server("superfluid", superfluid_argv(args.model, port, "--max-batch", str(lanes), "--max-context",
+                                                        str(ctx), "--threads", str(args.threads)), port)
+            results.setdefault("superfluid", {}).update(run_system("superfluid", ours, [part]))
+        if args.only == "superfluid":
+            continue
         port = free_port()
         theirs = Server("llama-server", [binary, "-m", args.model, "-c", str(lanes * ctx), "-np", str(lanes),
                                          "-t", str(args.threads), "--host", "127.0.0.1", "--port", str(port)],
                         port, env={"LD_LIBRARY_PATH": str(Path(binary).parent)})
         results.setdefault("llama-server", {}).update(run_system("llama-server", theirs, [part]))
+    if args.only:
+        return
     print()
     rows = {
         "agents": [("chat TTFT s", "chat_ttft_s"), ("agents failed", "agents_failed"),
