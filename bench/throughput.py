@@ -6,6 +6,11 @@
 concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
 (all tokens / wall time of the round) and median TTFT, side by side with the ratio ours/theirs.
 Also runs the raw engine ceiling (bench/engine_ceiling.py: Executor + LlamaEngine, no server).
+
+    python bench/throughput.py --log-cost 5
+
+prices the session log instead: two daemons, sessions on disk and on tmpfs, 8-concurrent
+rounds alternating between them, medians and their ratio.
 """
 
 from __future__ import annotations
@@ -60,6 +65,36 @@ async def measure(url: str, model: str, rounds: int, tokens: int) -> dict[int, t
     return out
 
 
+def log_cost(args: argparse.Namespace) -> None:
+    """Both daemons stay up (the idle one costs nothing); rounds alternate so drift hits both alike."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=Path.home()) as disk, \
+            tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        servers = {}
+        for name, where in (("disk", disk), ("tmpfs", shm)):
+            port = free_port()
+            servers[name] = Server(f"superfluid-{name}", superfluid_argv(
+                args.model, port, "--threads", str(args.threads), "--sessions", where), port)
+        try:
+            rates: dict[str, list[float]] = {name: [] for name in servers}
+            for srv in servers.values():
+                srv.wait_ready()
+                trio.run(one_round, srv.url, model_id(srv.url), 8, 16)  # warm-up
+            for _ in range(args.log_cost):
+                for name, srv in servers.items():
+                    rates[name].append(trio.run(one_round, srv.url, model_id(srv.url), 8, args.tokens)[0])
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    med = {name: median(r) for name, r in rates.items()}
+    print(f"8 concurrent, {args.tokens}-token replies, median of {args.log_cost} alternating rounds")
+    print("| log on disk tok/s | log on tmpfs tok/s | disk/tmpfs |")
+    print("|---|---|---|")
+    print(f"| {med['disk']:.1f} | {med['tmpfs']:.1f} | {med['disk'] / med['tmpfs']:.3f} |")
+    print("rounds:", {name: [round(x, 1) for x in r] for name, r in rates.items()})
+
+
 def model_id(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -74,7 +109,13 @@ def main() -> None:
     p.add_argument("--skip-ceiling", action="store_true")
     p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
     p.add_argument("--sessions", default="", help="superfluid's sessions dir (e.g. on tmpfs, to price fsync)")
+    p.add_argument("--log-cost", type=int, default=0, metavar="N",
+                   help="price the session log: N alternating 8-concurrent rounds each on two daemons, "
+                        "sessions on disk (a temp dir) and on tmpfs (/dev/shm)")
     args = p.parse_args()
+    if args.log_cost:
+        log_cost(args)
+        return
     if args.only == "superfluid":
         port = free_port()
         extra = ["--sessions", args.sessions] if args.sessions else []
