@@ -77,7 +77,7 @@ async def serve(
         for i, source in enumerate(config.models):
             await registry.load(source, make_default=(i == 0))
         app = App(config, registry, metrics, store, session_nursery=root)
-        restored = store.restore(registry)
+        restored = await store.restore(registry)
         turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
         for session in restored:
             if session.id not in turns:

@@ -144,11 +144,25 @@ class SessionStore:
 
     # -- after a restart --------------------------------------------------------------
 
-    def restore(self, registry: ModelRegistry) -> list[LiveSession]:
-        """Re-admit the sessions the log shows as interrupted. Returns them."""
+    async def restore(self, registry: ModelRegistry) -> list[LiveSession]:
+        """Re-admit the resumable sessions the log shows as interrupted. Returns them.
+
+        A session that did not opt in (``x-superfluid-resumable``) lost its only
+        client with the daemon, and without the opt-in a disconnect cancels: it is
+        logged ``cancelled`` (its committed events still replay by id). Re-running
+        it would also be unwelcome work beside the requests of the restarted
+        daemon: a greedy resend must decode as alone as it did before the crash.
+        """
         restored = []
         for slog in self.journal.interrupted():
             created = slog.created or {}
+            if not (created.get("params") or {}).get("resumable"):
+                try:
+                    await self.journal.append(slog.session, body_cancelled())
+                except SessionStateError:
+                    pass  # the log already shows it ended
+                self._ended.add(slog.session)
+                continue
             model = registry.loaded.get(created.get("model", ""))
             if model is None or not slog.prompt_tokens:
                 continue

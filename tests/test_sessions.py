@@ -239,3 +239,57 @@ async def test_a_finished_session_replays_from_the_log_after_a_restart(nursery: 
     assert text.endswith("".join(_content(e) for _i, e in rest))
     assert rest[-1][1]["choices"][0]["finish_reason"] == "length"
     d2.scope.cancel()
+
+
+async def test_after_a_restart_only_resumable_sessions_generate_on(tmp_path: Path) -> None:
+    """A stream that did not opt in lost its client with the daemon: on restart
+    it is logged cancelled, not re-run (a resend then decodes as alone as it did
+    before the crash); one that opted in continues into the log."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    sessions = tmp_path / "sessions"
+    log = tmp_path / "daemon.log"
+    body = {**CHAT, "max_tokens": 400, "stream": True}
+    proc = _spawn(port, sessions, log)
+    try:
+        await _wait_ready(url, proc)
+        sids: dict[bool, str] = {}
+        reading = [trio.Event(), trio.Event()]
+        killed = trio.Event()
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            async def cut(resumable: bool) -> None:
+                # the client is still connected when the daemon dies
+                async with c.stream("POST", "/v1/chat/completions", json=body,
+                                    headers=RESUMABLE if resumable else {}) as r:
+                    sids[resumable] = r.headers.get("x-superfluid-session", "")
+                    await read_sse(r, limit=5)
+                    reading[resumable].set()
+                    await killed.wait()
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(cut, True)
+                    n.start_soon(cut, False)
+                    for event in reading:
+                        await event.wait()
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    killed.set()
+        proc = _spawn(port, sessions, log)
+        await _wait_ready(url, proc)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            async with c.stream("GET", f"/v1/sessions/{sids[True]}/stream") as r:
+                _rest, done = await read_sse(r)
+            assert done
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    async with open_journal(sessions) as journal:
+        kept = journal.sessions[sids[True]]
+        [dropped] = [s for s in journal.sessions.values()
+                     if s.created is not None and not s.created["params"]["resumable"]]
+        assert kept.finish == "length" and len(kept.generated_tokens) == 400
+        assert dropped.finish == "cancelled" and 0 < len(dropped.generated_tokens) < 400
