@@ -127,26 +127,16 @@ class App:
             return
         if scope["type"] != "http":
             return
-        started = completed = False
+        started = False
 
         async def tracked_send(message: dict[str, Any]) -> None:
-            nonlocal started, completed
+            nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                completed = True
             await send(message)
 
-        async def tracked_receive() -> dict[str, Any]:
-            message = await receive()
-            if message["type"] == "http.disconnect" and completed:
-                # the server reports the end of a finished exchange as a disconnect:
-                # not a client leaving, so a disconnect watcher must not cancel the handler's epilogue
-                await trio.sleep_forever()
-            return message
-
         try:
-            await self._route(scope, receive=tracked_receive, send=tracked_send)
+            await self._route(scope, receive, tracked_send)
         except ClientGone:
             return
         except ApiError as exc:

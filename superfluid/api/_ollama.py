@@ -328,25 +328,29 @@ async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, mo
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)
             await send_json(send, 200, {**record, "done": True, **_stats(reply)})
-            access_log(scope["path"], model, reply.job, 200)
-            return
-        await reply.wait_admitted()
-        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-        try:
-            while True:
-                events, _rows, done = await reply.next()
-                text_now = "".join(e.text for e in events if isinstance(e, Delta) and e.channel == "content")
-                think_now = "".join(e.text for e in events if isinstance(e, Delta) and e.channel == "reasoning")
-                if text_now or think_now:
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": encode_ndjson({**_record(model.name, kind, text_now, think_now), "done": False})})
-                if done:
-                    break
-            tail = b""
-            if reply.calls:
-                tail = encode_ndjson({**_record(model.name, kind, "", "", reply.calls), "done": False})
-            final = tail + encode_ndjson({**_record(model.name, kind, "", ""), "done": True, **_stats(reply)})
-        except ApiError as exc:
-            final = encode_ndjson({"error": exc.message})
-        await send({"type": "http.response.body", "body": final, "more_body": False})
-        access_log(scope["path"], model, reply.job, 200)
+        else:
+            await _stream_ndjson(send, reply, model.name, kind)
+    # outside the disconnect scope: the server reports a finished exchange as a disconnect
+    access_log(scope["path"], model, reply.job, 200)
+
+
+async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> None:
+    await reply.wait_admitted()
+    await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+    try:
+        while True:
+            events, _rows, done = await reply.next()
+            text_now = "".join(e.text for e in events if isinstance(e, Delta) and e.channel == "content")
+            think_now = "".join(e.text for e in events if isinstance(e, Delta) and e.channel == "reasoning")
+            if text_now or think_now:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": encode_ndjson({**_record(model, kind, text_now, think_now), "done": False})})
+            if done:
+                break
+        tail = b""
+        if reply.calls:
+            tail = encode_ndjson({**_record(model, kind, "", "", reply.calls), "done": False})
+        final = tail + encode_ndjson({**_record(model, kind, "", ""), "done": True, **_stats(reply)})
+    except ApiError as exc:
+        final = encode_ndjson({"error": exc.message})
+    await send({"type": "http.response.body", "body": final, "more_body": False})

@@ -550,7 +550,8 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await _stream_chat(send, reply, rid=rid, created=created)
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
-        access_log(route, model, reply.job, 200)
+    # outside the disconnect scope: the server reports a finished exchange as a disconnect
+    access_log(route, model, reply.job, 200)
 
 
 async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
@@ -628,7 +629,8 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
                        "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
                                     "finish_reason": follower.finish}], "usage": usage_of(job)}
                 await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(job.cached).encode())])
-            access_log("/v1/completions", model, job, 200)
+        # outside the disconnect scope: the server reports a finished exchange as a disconnect
+        access_log("/v1/completions", model, job, 200)
     finally:
         await end(app, job)
 
