@@ -14,7 +14,7 @@ import trio
 from superfluid.client import ChatStreamError, ResumePolicy, StreamLost, open_chat_stream, stream_chat
 
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text
-from .test_sessions import _free_port, _spawn, _wait_ready
+from .test_sessions import _free_port, _reap, _spawn, _wait_ready
 
 CHAT = {"model": "mock", "messages": [{"role": "user", "content": "tell me a long story"}], "temperature": 0,
         "max_tokens": 150, "ignore_eos": True}
@@ -140,8 +140,4 @@ async def test_client_stream_survives_a_daemon_sigkill_and_restart(tmp_path: Pat
         assert "".join(deltas) == ref
         assert stream.reconnects >= 1
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _reap(proc)

@@ -30,7 +30,7 @@ from superfluid.proto._wal import (
 from superfluid.sched import Job
 
 from .conftest import Daemon, mock_config, start_daemon
-from .test_sessions import _free_port, _spawn, _wait_ready, read_sse
+from .test_sessions import _free_port, _reap, _spawn, _wait_ready, read_sse
 from .test_ws import expect, get, put, ws_url
 
 SAMPLING = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
@@ -309,11 +309,7 @@ async def test_daemon_sigkill_mid_turn_then_the_turn_resumes_and_lands(tmp_path:
                 a2 = (await generate(c, cid, max_tokens=12))["choices"][0]["message"]["content"]
                 assert a2 == await chat(c, [U1, {"role": "assistant", "content": ref}, U2], max_tokens=12)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _reap(proc)
     async with open_journal(sessions) as journal:
         records = journal.sessions[cid].events
         assert [rec.event_id for rec in records] == list(range(len(records)))

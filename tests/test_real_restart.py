@@ -19,7 +19,7 @@ from superfluid._models import model_name
 from superfluid.journal import open_journal
 
 from .conftest import REAL_GGUF, sse_events, stream_text
-from .test_sessions import RESUMABLE, _content, _free_port, _wait_ready, read_sse
+from .test_sessions import RESUMABLE, _content, _free_port, _reap, _wait_ready, read_sse
 
 pytestmark = pytest.mark.real
 
@@ -150,11 +150,7 @@ async def test_daemon_sigkill_mid_streams_then_resume_by_id_matches_uninterrupte
         assert resumed == refs
         assert resent == refs
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _reap(proc)
     async with open_journal(sessions) as journal:
         for i, sid in enumerate(sids):
             slog = journal.sessions[sid]

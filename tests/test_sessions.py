@@ -115,6 +115,15 @@ def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
     )
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a daemon's whole process group (workers too) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     with trio.fail_after(60):
         while True:
@@ -178,11 +187,7 @@ async def test_daemon_sigkill_then_resume_each_session_by_id(tmp_path: Path) -> 
                 assert done
                 assert head + "".join(_content(e) for _i, e in rest) == refs_by_sid[sid]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _reap(proc)
     async with open_journal(sessions) as journal:
         for sid in seen:
             ids = [rec.event_id for rec in journal.sessions[sid].events]
@@ -282,11 +287,7 @@ async def test_after_a_restart_only_resumable_sessions_generate_on(tmp_path: Pat
                 _rest, done = await read_sse(r)
             assert done
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _reap(proc)
     async with open_journal(sessions) as journal:
         kept = journal.sessions[sids[True]]
         [dropped] = [s for s in journal.sessions.values()

@@ -461,6 +461,20 @@ def _chat_logprobs(rows: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def openai_delta(events: list[Any], n_calls: int) -> tuple[dict[str, Any], int]:
+    """A chat.completion.chunk ``delta`` for parsed reply events, and the
+    running count of tool calls (their ``index``) after them."""
+    delta: dict[str, Any] = {}
+    for ev in events:
+        if isinstance(ev, ToolCall):
+            delta.setdefault("tool_calls", []).append(openai_call(ev, n_calls))
+            n_calls += 1
+        else:
+            key = "reasoning_content" if ev.channel == "reasoning" else "content"
+            delta[key] = delta.get(key, "") + ev.text
+    return delta, n_calls
+
+
 def openai_call(call: ToolCall, index: int) -> dict[str, Any]:
     return {"index": index, "id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
@@ -589,14 +603,7 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
                     "more_body": True})
         while True:
             events, rows, done = await reply.next()
-            delta: dict[str, Any] = {}
-            for ev in events:
-                if isinstance(ev, ToolCall):
-                    delta.setdefault("tool_calls", []).append(openai_call(ev, n_calls))
-                    n_calls += 1
-                else:
-                    key = "reasoning_content" if ev.channel == "reasoning" else "content"
-                    delta[key] = delta.get(key, "") + ev.text
+            delta, n_calls = openai_delta(events, n_calls)
             if delta or rows:
                 await send({"type": "http.response.body", "body": chunk(delta, None, rows), "more_body": True})
             if done:

@@ -34,7 +34,7 @@ from ..sched import QosClass, parse_qos
 from ._generate import Follower, end, prepare, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
 from ._openai import (
-    ChatRequest, Reply, _max_tokens, openai_call, parse_tool_choice, parse_tools, qos_of, render_chat,
+    ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
     require_grammar, usage_of,
 )
 from ._params import sampling_from, stops_from
@@ -354,14 +354,7 @@ async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> 
             try:
                 while True:
                     events, _rows, done = await reply.next()
-                    delta: dict[str, Any] = {}
-                    for ev in events:
-                        if isinstance(ev, ToolCall):
-                            delta.setdefault("tool_calls", []).append(openai_call(ev, n_calls))
-                            n_calls += 1
-                        else:
-                            key = "reasoning_content" if ev.channel == "reasoning" else "content"
-                            delta[key] = delta.get(key, "") + ev.text
+                    delta, n_calls = openai_delta(events, n_calls)
                     if delta:
                         await send({"type": "http.response.body", "body": chunk(delta), "more_body": True})
                     if done:
