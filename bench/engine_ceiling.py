@@ -78,12 +78,16 @@ if __name__ == "__main__":
     main()
 
 
-def run_ceiling(model: str, *, lanes: tuple[int, ...], tokens: int, threads: int) -> dict[int, float]:
-    """Aggregate tok/s per lane count (used by bench/throughput.py)."""
-    engine = LlamaEngine(model, max_batch=max(lanes), max_context=4096, threads=threads)
-    try:
-        work = prompts(engine)
-        run_level(engine, work, max(lanes), 16)  # warm-up
-        return {n: run_level(engine, work, n, tokens)["tok_s"] for n in lanes}
-    finally:
-        engine.close()
+class Ceiling:
+    """One loaded engine whose levels bench/throughput.py runs between server rounds."""
+
+    def __init__(self, model: str, *, max_lanes: int, threads: int) -> None:
+        self.engine = LlamaEngine(model, max_batch=max_lanes, max_context=4096, threads=threads)
+        self.work = prompts(self.engine)
+        run_level(self.engine, self.work, max_lanes, 16)  # warm-up
+
+    def level(self, lanes: int, *, tokens: int) -> float:
+        return float(run_level(self.engine, self.work, lanes, tokens)["tok_s"])
+
+    def close(self) -> None:
+        self.engine.close()

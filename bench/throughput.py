@@ -5,6 +5,7 @@
 8 distinct prompts, 128-token replies on /v1/completions with ignore_eos, at 1, 2, 4 and 8
 concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
 (all tokens / wall time of the round) and median TTFT, side by side with the ratio ours/theirs.
+Both servers stay up and rounds alternate between them, so drift hits both alike.
 Also runs the raw engine ceiling (bench/engine_ceiling.py: Executor + LlamaEngine, no server).
 
     python bench/throughput.py --log-cost 5
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -62,6 +65,32 @@ async def measure(url: str, model: str, rounds: int, tokens: int) -> dict[int, t
         runs = [await one_round(url, model, conc, tokens) for _ in range(rounds)]
         out[conc] = (median([r[0] for r in runs]), median([r[1] for r in runs]))
         print(f"  {conc} concurrent: {out[conc][0]:.1f} tok/s, ttft {out[conc][1] * 1000:.0f} ms", flush=True)
+    return out
+
+
+async def measure_alternating(servers: dict[str, Server], rounds: int, tokens: int,
+                              ceiling: Any = None) -> dict[str, dict[int, tuple[float, float]]]:
+    """Rounds alternate between the servers (and, given ``ceiling(conc) -> tok/s``,
+    the in-process engine ceiling: blocking, while the servers idle)."""
+    ids = {}
+    for name, srv in servers.items():
+        srv.wait_ready()
+        ids[name] = model_id(srv.url)
+        await one_round(srv.url, ids[name], 8, 16)  # warm-up
+    names = [*servers, *(["ceiling"] if ceiling else [])]
+    out: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
+    for conc in (1, 2, 4, 8):
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        for _ in range(rounds):
+            for name, srv in servers.items():
+                runs[name].append(await one_round(srv.url, ids[name], conc, tokens))
+            if ceiling:
+                runs["ceiling"].append((ceiling(conc), 0.0))
+        for name, got in runs.items():
+            out[name][conc] = (median([r[0] for r in got]), median([r[1] for r in got]))
+        print(f"  {conc} concurrent: " + ", ".join(
+            f"{name} {out[name][conc][0]:.1f} tok/s (rounds {' '.join(f'{r[0]:.0f}' for r in runs[name])})"
+            for name in names), flush=True)
     return out
 
 
@@ -129,31 +158,30 @@ def main() -> None:
     binary = args.llama_server or subprocess.run(
         ["bash", str(ROOT / "bench/build_llama_server.sh")], capture_output=True, text=True, check=True
     ).stdout.strip().splitlines()[-1]
-    results: dict[str, dict[int, tuple[float, float]]] = {}
+    # both servers stay up (an idle one costs nothing) and rounds alternate between them, so the
+    # machine's drift (this one's speed moves 10-20% over minutes) hits both alike
     port = free_port()
-    ours = Server("superfluid", superfluid_argv(args.model, port, "--max-batch", "8", "--max-context", "4096",
-                                                "--threads", str(args.threads)), port)
-    try:
-        ours.wait_ready()
-        print("superfluid:", flush=True)
-        results["superfluid"] = trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens)
-    finally:
-        ours.stop()
+    servers = {"superfluid": Server("superfluid", superfluid_argv(
+        args.model, port, "--max-batch", "8", "--max-context", "4096", "--threads", str(args.threads)), port)}
     port = free_port()
-    lib = str(Path(binary).parent)
-    theirs = Server("llama-server", [binary, "-m", args.model, "-c", "32768", "-np", "8", "-t", str(args.threads),
-                                     "--host", "127.0.0.1", "--port", str(port)], port, env={"LD_LIBRARY_PATH": lib})
+    servers["llama-server"] = Server("llama-server", [
+        binary, "-m", args.model, "-c", "32768", "-np", "8", "-t", str(args.threads), "--host", "127.0.0.1",
+        "--port", str(port)], port, env={"LD_LIBRARY_PATH": str(Path(binary).parent)})
+    engine = None
     try:
-        theirs.wait_ready()
-        print("llama-server:", flush=True)
-        results["llama-server"] = trio.run(measure, theirs.url, model_id(theirs.url), args.rounds, args.tokens)
-    finally:
-        theirs.stop()
-    ceiling: dict[int, float] = {}
-    if not args.skip_ceiling:
-        from engine_ceiling import run_ceiling  # type: ignore[import-not-found]
+        level = None
+        if not args.skip_ceiling:
+            from engine_ceiling import Ceiling  # type: ignore[import-not-found]
 
-        ceiling = run_ceiling(args.model, lanes=(1, 2, 4, 8), tokens=args.tokens, threads=args.threads)
+            engine = Ceiling(args.model, max_lanes=8, threads=args.threads)
+            level = partial(engine.level, tokens=args.tokens)
+        results = trio.run(measure_alternating, servers, args.rounds, args.tokens, level)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+        if engine is not None:
+            engine.close()
+    ceiling = {c: tok_s for c, (tok_s, _ttft) in results.get("ceiling", {}).items()}
     print()
     print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds}")
     print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | superfluid TTFT ms | llama-server TTFT ms |"

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from superfluid.proto import Admit, Sampling
 from superfluid.worker._executor import PREFILL_CHUNK, Executor, counter_seed
+from superfluid.worker._hostcache import HOST_MIN_TOKENS
 from superfluid.worker._mock import N_VOCAB, WORD0, MockEngine
 
 N_CTX = 800
@@ -361,7 +362,8 @@ def test_an_evicted_prefix_comes_back_from_host_memory() -> None:
     drain(ex)
     assert len(ex.host) == 1 and ex.slots[0].tokens[:10] != long_prompt[:10]
     again = ex.admit(make_admit(3, [*long_prompt, WORD0 + 7], max_new=4))
-    assert again.cached == again.n_past == 300 and ex.host.stats["hits"] == 1 and len(ex.host) == 0
+    assert again.cached == again.n_past == 300 and ex.host.stats["hits"] == 1
+    assert len(ex.host) == 1 and ex.host.best(long_prompt, 300, whole=False) is None   # holds the short one now
     check_invariants(ex)
     rows = drain(ex)[3]
     assert generated_tokens(rows) == generated_tokens(reference([*long_prompt, WORD0 + 7], max_new=4,
@@ -390,13 +392,63 @@ def test_a_cached_prefix_moves_aside_instead_of_being_overwritten() -> None:
 
 
 def test_short_prefixes_and_a_zero_budget_stay_out_of_host_memory() -> None:
-    for budget, repeats in ((1 << 20, 2), (0, 6)):
+    for budget, prompt in ((1 << 20, words(*range(HOST_MIN_TOKENS - 3))), (0, words(*range(50)) * 6)):
         ex = Executor(MockEngine(SPEC, n_seq=1), max_lanes=1, host_cache_bytes=budget)
-        ex.admit(make_admit(0, words(*range(50)) * repeats, max_new=2))
+        ex.admit(make_admit(0, prompt, max_new=2))
         drain(ex)
         ex.admit(make_admit(1, words(*range(9, 30)), max_new=2))
         drain(ex)
         assert len(ex.host) == 0
+
+
+def test_a_short_overwritten_prompt_comes_back_from_host_memory() -> None:
+    """Compact placement overwrites short cached prompts too; they are exported
+    first (cheap next to a prefill) and imported when asked for again."""
+    ex = Executor(MockEngine(SPEC, n_seq=1), max_lanes=1, host_cache_bytes=1 << 20)
+    short = words(*range(12))
+    ex.admit(make_admit(0, short, max_new=3))
+    first = generated_tokens(drain(ex)[0])
+    ex.admit(make_admit(1, words(*range(20, 40)), max_new=2))   # takes the only sequence
+    drain(ex)
+    assert len(ex.host) == 1
+    again = ex.admit(make_admit(2, short, max_new=3))
+    assert again.cached == len(short) - 1 and ex.host.stats["hits"] == 1
+    check_invariants(ex)
+    assert generated_tokens(drain(ex)[2]) == first
+
+
+def test_a_short_prefix_is_copied_by_state_and_a_long_one_by_seq_cp() -> None:
+    """A better match on another sequence comes over by state export/import
+    when that sequence is short (a whole-stream seq_cp costs more), by seq_cp
+    when it is long; either way the lane continues as a fresh prefill would."""
+    for prompt, by_state in ((words(*range(40)), True), (words(*range(50)) * 9, False)):
+        ex = Executor(MockEngine(SPEC, n_seq=4), max_lanes=2)
+        ex.admit(make_admit(0, words(*range(30, 45)), max_new=40))   # lives on sequence 0 throughout
+        ex.step(prefill_budget=4096)
+        ex.slots[3].tokens = prompt[:-1]                             # a cached copy, out of the span
+        ex.engine.kv[3] = prompt[:-1]
+        lane = ex.admit(make_admit(1, prompt, max_new=3))
+        assert lane.seq == 1 and lane.cached == len(prompt) - 1
+        assert ex.stats["state_copies"] == int(by_state)
+        check_invariants(ex)
+        assert generated_tokens(drain(ex)[1]) == generated_tokens(reference(prompt, max_new=3, sampling=GREEDY))
+
+
+def test_common_prefix_matches_a_plain_scan() -> None:
+    import random
+
+    from superfluid.worker._hostcache import common_prefix
+
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randrange(0, 400)
+        a = [rng.randrange(3) for _ in range(n)]
+        b = a[: rng.randrange(0, n + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 50))]
+        limit = rng.randrange(0, 450)
+        plain = 0
+        while plain < min(len(a), len(b), limit) and a[plain] == b[plain]:
+            plain += 1
+        assert common_prefix(a, b, limit) == plain
 
 
 def test_the_host_cache_keeps_its_byte_budget() -> None:
