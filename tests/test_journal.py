@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import pytest
@@ -284,6 +285,33 @@ async def test_journal_group_commit_batches_concurrent_appenders(tmp_path: Path)
             assert journal.sessions[f"s{i}"].text == "01234"
 
 
+async def test_journal_writes_on_the_event_loop_only_while_the_disk_is_fast(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _journal.write_and_sync
+    ran_on: list[bool] = []   # True: on the event loop's thread
+    delay = [0.0]
+
+    def observed(*args: object, **kw: object) -> None:
+        ran_on.append(threading.current_thread() is threading.main_thread())
+        time.sleep(delay[0])
+        real(*args, **kw)  # type: ignore[arg-type]
+
+    async with open_journal(tmp_path) as journal:
+        monkeypatch.setattr(_journal, "write_and_sync", observed)
+        await journal.append("a", created())
+        delay[0] = 0.05                      # the disk turns slow: this commit still runs inline...
+        await journal.append("a", body_prompt(tokens=[1]))
+        delay[0] = 0.0
+        for k in range(30):                  # ...the next ones go to a thread until the average recovers
+            await journal.append("a", body_generated(tokens=[k], text="x"))
+        assert ran_on[:3] == [True, True, False]
+        assert ran_on[-1] is True
+    async with open_journal(tmp_path, config=JournalConfig(inline_sync_s=0)) as journal:
+        ran_on.clear()
+        await journal.append("b", created())
+        assert ran_on == [False]
+
+
 async def test_journal_append_many_is_one_fsync(tmp_path: Path) -> None:
     async with open_journal(tmp_path) as journal:
         before = journal.statistics()
@@ -334,7 +362,8 @@ async def test_journal_cancelled_follower_is_still_committed(tmp_path: Path,
         gate.wait(10)
         real(*args, **kw)  # type: ignore[arg-type]
 
-    async with open_journal(tmp_path) as journal:
+    # the gate blocks the writer: it must be a thread, not the event loop
+    async with open_journal(tmp_path, config=JournalConfig(inline_sync_s=0)) as journal:
         await journal.append_many([("a", created()), ("b", created())])
         monkeypatch.setattr(_journal, "write_and_sync", gated)
         follower = trio.CancelScope()
