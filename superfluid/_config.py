@@ -30,6 +30,7 @@ class ServeConfig:
     max_context: int = 4096
     threads: int = 0
     host_cache_mb: int = 2048             # evicted prefixes kept in host memory, per model (0: off)
+    stream_interval_ms: int = 40          # tokens wait in the worker at most this long to share a chunk
     drain_timeout_s: float = 30.0
     default_qos: QosClass = QosClass.AGENT
     http_qos_header: bool = True

@@ -56,7 +56,7 @@ class ModelRegistry:
             cfg = self.config
             spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
-                              start_timeout_s=cfg.worker_start_timeout_s)
+                              stream_interval_ms=cfg.stream_interval_ms, start_timeout_s=cfg.worker_start_timeout_s)
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
                               self.metrics, self.committer)
             owner = ModelOwner(source.name, spec, sched,

@@ -187,6 +187,24 @@ async def test_malformed_worker_frames_restart_the_worker(daemon: Daemon) -> Non
     assert ok.status_code == 200
 
 
+async def test_stream_interval_coalesces_tokens_but_never_the_first(nursery: trio.Nursery) -> None:
+    """--stream-interval-ms: tokens share chunks (one daemon wake-up each), the first text goes
+    out alone at once, and the text is the same whatever the interval."""
+    body = {**CHAT, "max_tokens": 120, "ignore_eos": True, "stream": True}
+    chunks: dict[int, list[str]] = {}
+    for ms in (0, 300):
+        d = await start_daemon(nursery, mock_config("mock?step_ms=2&prefill_us=5", stream_interval_ms=ms))
+        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = await sse_events(r)
+        chunks[ms] = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
+        chunks[ms] = [c for c in chunks[ms] if c]
+        d.scope.cancel()
+    assert "".join(chunks[0]) == "".join(chunks[300])
+    assert len(chunks[0]) >= 100                          # about one chunk per token
+    assert len(chunks[300]) <= 6                          # 120 tokens x 2 ms: the first, then ~300 ms each
+    assert chunks[300][0] == chunks[0][0]                 # the first token was not held
+
+
 async def test_hung_worker_is_killed_and_replaced(nursery: trio.Nursery) -> None:
     d = await start_daemon(nursery, mock_config(hang_timeout_s=1.0))
     hang = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:hang_after=1]] go"}], "max_tokens": 20}

@@ -59,7 +59,6 @@ from ._executor import Executor
 __all__ = ["load_engine", "main"]
 
 _STOP = object()  # queued by the reader when the link ends: the engine thread returns
-EMIT_HOLD_S = 0.020  # token rows wait at most this long to share a frame (see _Worker.emit)
 
 RUNTIMES = ("mock", "llamacpp")
 
@@ -93,7 +92,7 @@ class _Worker:
     """
 
     def __init__(self, engine: Engine, executor: Executor, link_fd: int, link: WorkerLink, runtime: str,
-                 *, max_ops: int) -> None:
+                 *, max_ops: int, hold_s: float) -> None:
         self.engine = engine
         self.executor = executor
         self.link = link
@@ -103,6 +102,7 @@ class _Worker:
         self.write_lock = threading.Lock()
         self.ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.max_ops = max_ops
+        self.hold_s = hold_s
         self.interrupt = False
         self.held: list[list[Any]] = []   # token rows not sent yet (under write_lock)
         self.held_since = 0.0
@@ -123,7 +123,8 @@ class _Worker:
 
         Every frame wakes the daemon, and on two cores the daemon's share of a
         wake-up (~1 ms of Python for one token) lands on the engine's critical
-        path. So rows are held up to ``EMIT_HOLD_S`` and go out together, except
+        path. So rows are held up to ``hold_s`` (``--stream-interval-ms``) and
+        go out together, except
         that a lane's first token after its admission and a lane's last token
         go at once (time to first text and the end of a request never wait).
         Any other frame sends the held rows first.
@@ -141,7 +142,7 @@ class _Worker:
                         self.fresh.discard(row[0])
                 if row[3] is not None:
                     urgent = True
-            if urgent or now - self.held_since >= EMIT_HOLD_S:
+            if urgent or now - self.held_since >= self.hold_s:
                 self._write(self._take_held())
 
     def _take_held(self) -> list[Any]:
@@ -350,7 +351,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         limits={"max_lanes": executor.max_lanes, "max_context": engine.info.n_ctx_seq,
                 "max_frame": DEFAULT_MAX_FRAME, "n_seq": engine.info.n_seq},
     )))
-    worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16)
+    worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16,
+                     hold_s=max(0, args.stream_interval_ms) / 1000)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(worker.serve_engine)
         nursery.start_soon(worker.serve_reader, recv)
@@ -384,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--host-cache-mb", type=int, default=0)
+    parser.add_argument("--stream-interval-ms", type=int, default=40)
     try:
         args = parser.parse_args(argv)
     except SystemExit:
