@@ -32,13 +32,19 @@ def _burst(shared: int, n: int) -> list[Job]:
             for i in range(n)]
 
 
-async def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> None:
+async def _submitted_burst(n: int) -> tuple[Scheduler, _Worker, list[Job]]:
+    """A scheduler that took a burst of ``n`` jobs on one 1,500-token prefix and planned once."""
     sched = Scheduler("m", SchedulerConfig(), Metrics())
     worker = _Worker()
-    jobs = _burst(1500, 4)
+    jobs = _burst(1500, n)
     for job in jobs:
         sched.submit(job)
     await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    return sched, worker, jobs
+
+
+async def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> None:
+    sched, worker, jobs = await _submitted_burst(4)
     [leader_lane] = worker.admitted()
     assert sched.running[leader_lane] is jobs[0]
 
@@ -75,12 +81,7 @@ async def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
     bound must not run out before the leader's prefill could finish."""
     from superfluid.sched._loop import HOLD_MAX_TICKS
 
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
-    worker = _Worker()
-    jobs = _burst(1500, 3)
-    for job in jobs:
-        sched.submit(job)
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    sched, worker, jobs = await _submitted_burst(3)
     for _ in range(3 * HOLD_MAX_TICKS):
         await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
     assert len(worker.admitted()) == 1
