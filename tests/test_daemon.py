@@ -69,6 +69,32 @@ async def test_completions_and_stop_strings(daemon: Daemon) -> None:
     assert "".join(e["choices"][0]["text"] for e in events) == cut
 
 
+async def test_completions_logprobs_in_the_legacy_shape(daemon: Daemon) -> None:
+    """``logprobs: N`` on /v1/completions: per token its text (joining to the
+    completion), its logprob, the N best as a dict and its text offset; the
+    stream carries the same rows chunk by chunk, a held-back stop included."""
+    base = {"model": "mock", "prompt": "once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    whole = (await daemon.client.post("/v1/completions", json=base)).json()["choices"][0]
+    lp = whole["logprobs"]
+    n = len(lp["tokens"])
+    assert n == 12 and "".join(lp["tokens"]) == whole["text"]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp["top_logprobs"])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(n)]
+    stop = lp["tokens"][6] + lp["tokens"][7]
+    cut = whole["text"][: whole["text"].index(stop)]
+    async with daemon.client.stream("POST", "/v1/completions", json={**base, "stop": [stop], "stream": True}) as s:
+        events = await sse_events(s)
+    rows = [e["choices"][0]["logprobs"] for e in events if e["choices"] and e["choices"][0]["logprobs"]]
+    streamed = {k: [v for r in rows for v in r[k]] for k in ("tokens", "token_logprobs", "text_offset")}
+    assert "".join(e["choices"][0]["text"] for e in events) == cut
+    assert streamed == {k: lp[k][: len(streamed["tokens"])] for k in streamed}
+    assert "".join(streamed["tokens"]).startswith(cut) and len("".join(streamed["tokens"])) > len(cut)
+    assert (await daemon.client.post("/v1/completions", json={**base, "logprobs": None})).json()[
+        "choices"][0]["logprobs"] is None
+
+
 async def test_bad_input_is_typed(daemon: Daemon) -> None:
     c = daemon.client
     cases = [

@@ -480,3 +480,52 @@ def test_a_new_lane_keeps_the_live_sequences_compact() -> None:
     assert ex._pick_slot(prompt) == (2, 20, 5)
     ex.slots[0].owner = ex.slots[3].owner = None
     assert ex._pick_slot(prompt) == (5, 20, None)  # nothing live: the best match, in place
+
+
+def test_a_wave_on_known_prompts_goes_back_to_their_sequences() -> None:
+    """Eight lanes end together and eight requests on the same prompts come
+    back in another order (a client's next wave): the span may grow to the
+    eight lanes the last wave had, so each lane takes the sequence already
+    holding its prompt: no copy, no host import, no prefill beyond the last
+    prompt token."""
+    ex = Executor(MockEngine(SPEC, n_seq=10), max_lanes=8, host_cache_bytes=1 << 30)
+    prompts = [words(i, *range(20, 40)) for i in range(8)]
+    for order in (range(8), (5, 0, 7, 2, 4, 1, 6, 3), (3, 6, 1, 4, 2, 7, 0, 5)):
+        home = {i: next(s for s, slot in enumerate(ex.slots) if slot.tokens[: len(p) - 1] == p[:-1])
+                for i, p in enumerate(prompts) if any(slot.tokens[: len(p) - 1] == p[:-1] for slot in ex.slots)}
+        copies, hits = ex.stats["state_copies"], ex.host.stats["hits"]
+        lanes = {i: ex.admit(make_admit(i, prompts[i], max_new=12)) for i in order}
+        check_invariants(ex)
+        for i, lane in lanes.items():
+            if i in home:
+                assert (lane.seq, lane.cached) == (home[i], len(prompts[i]) - 1)
+        if home:
+            assert (ex.stats["state_copies"], ex.host.stats["hits"]) == (copies, hits)
+        drain(ex)
+    assert ex._pick_slot(prompts[0])[0] in range(10)
+
+
+def test_lanes_pack_tightly_again_when_the_load_drops() -> None:
+    """The span allowance follows the recent load: right after a wave of four,
+    a pair of lanes may spread as far as the wave did (the second takes its
+    prompt in place, three sequences away); after more than ``2 * max_lanes``
+    lone requests a pair packs side by side again (the prompt is copied in)."""
+    ex = Executor(MockEngine(SPEC, n_seq=10), max_lanes=4)
+    wave = [words(40 + i, *range(10, 30)) for i in range(4)]
+    for i, p in enumerate(wave):
+        ex.admit(make_admit(i, p, max_new=4))
+    drain(ex)
+    home = next(s for s, slot in enumerate(ex.slots) if slot.tokens[:20] == wave[3][:20])
+    first = ex.admit(make_admit(10, words(30, 1, 2), max_new=2))
+    second = ex.admit(make_admit(11, wave[3], max_new=2))
+    assert abs(first.seq - home) == 3 and (second.seq, second.cached) == (home, len(wave[3]) - 1)
+    drain(ex)
+    for i in range(9):
+        ex.admit(make_admit(20 + i, words(i, 1, 2), max_new=2))
+        drain(ex)
+    copies = ex.stats["state_copies"]
+    first = ex.admit(make_admit(30, words(30, 1, 2), max_new=2))
+    second = ex.admit(make_admit(31, wave[3], max_new=2))
+    assert abs(first.seq - second.seq) == 1 and second.cached == len(wave[3]) - 1
+    assert ex.stats["state_copies"] == copies + 1
+    check_invariants(ex)

@@ -228,6 +228,34 @@ def test_logprobs_and_logit_bias(smol: Any) -> None:
     assert tokens_of(drain(ex)[0]) == [forced, forced]
 
 
+def test_greedy_argmax_picks_what_the_sampler_chain_picks(smol: Any) -> None:
+    """Stateless greedy sampling is a numpy argmax (bias added); it draws
+    the token llama.cpp's chain draws, for every lane of a batch, with no bias,
+    a ban on the best token, and a ban on end of generation (``ignore_eos``)."""
+    import llama_cpp as L
+
+    from superfluid.worker._engine import BatchRow
+
+    seqs = [prompt(smol, p) for p in PROMPTS]
+    for seq in range(smol.info.n_seq):
+        smol.seq_rm(seq, 0, -1)
+    outs = smol.decode([BatchRow(seq=i, tokens=tuple(t), pos0=0, want_logits=True) for i, t in enumerate(seqs)])
+    best = [int(smol.logits(o).argmax()) for o in outs]
+    for bias in ((), ((best[0], -100.0), (best[1], float("-inf"))), tuple((t, float("-inf")) for t in smol.info.eog)):
+        for out in outs:
+            fast = smol.new_sampler(Sampling(temperature=0.0, logit_bias=bias), [])
+            chain = smol.new_sampler(Sampling(temperature=0.0, logit_bias=bias), [])
+            assert fast._argmax
+            try:
+                assert fast.sample(out, 0) == int(L.llama_sampler_sample(chain._chain, smol._ctx, out))
+            finally:
+                fast.close()
+                chain.close()
+    penalized = smol.new_sampler(Sampling(temperature=0.0, repeat_penalty=1.1), [])
+    assert not penalized._argmax
+    penalized.close()
+
+
 def test_gemma_shared_pool_generates(gemma: Any) -> None:
     assert gemma.info.architecture == "gemma3" and gemma.info.kv_layout == "shared"
     assert isinstance(gemma.capabilities()["prefix_cache"], str)

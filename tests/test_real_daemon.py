@@ -96,6 +96,9 @@ async def test_stop_max_tokens_logprobs_and_prefix_cache(smol: Daemon) -> None:
     content = lp["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
     assert all(c["logprob"] <= 0 for c in content)
+    assert "".join(c["token"] for c in content) == lp["choices"][0]["message"]["content"]
+    # greedy: the token taken is the best one
+    assert all(c["top_logprobs"][0]["token"] == c["token"] for c in content)
 
 
 async def test_json_schema_output_parses_and_validates(smol: Daemon) -> None:

@@ -108,11 +108,12 @@ class Follower:
         self.finish: str | None = None
 
     async def next_delta(self) -> tuple[str, list[Any], bool]:
-        """Wait for progress. Returns ``(text, logprob rows, done)``."""
+        """Wait for progress. Returns ``(text, logprob rows, done)``; a row is
+        ``(piece, [logprob, [[token, piece, logprob], ...]])`` for each new token."""
         job = self.job
         await job.wait_beyond(self.cursor)
         out = []
-        lps = job.logprobs[self.cursor : len(job.tokens)] if job.logprobs else []
+        lps = list(zip(job.pieces[self.cursor :], job.logprobs[self.cursor : len(job.tokens)], strict=False))
         for piece in job.pieces[self.cursor : len(job.pieces)]:
             out.append(self.text.feed(piece))
         self.cursor = len(job.pieces)

@@ -453,12 +453,25 @@ def _logprobs_want(body: dict[str, Any], chat: bool) -> int:
 
 def _chat_logprobs(rows: list[Any]) -> list[dict[str, Any]]:
     out = []
-    for lp in rows:
-        token_lp, top = lp
-        out.append({"token": "", "logprob": token_lp, "bytes": None,
+    for piece, (token_lp, top) in rows:
+        out.append({"token": piece.decode("utf-8", "replace"), "logprob": token_lp, "bytes": list(piece),
                     "top_logprobs": [{"token": p.decode("utf-8", "replace"), "logprob": v, "bytes": list(p)}
                                      for _t, p, v in top]})
     return out
+
+
+def _completion_logprobs(rows: list[Any], offset: int) -> tuple[dict[str, Any], int]:
+    """The legacy completions ``logprobs`` object for ``rows``, whose text starts
+    at ``offset`` characters into the completion; and the offset after them."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for piece, (token_lp, top) in rows:
+        text = piece.decode("utf-8", "replace")
+        tokens.append(text)
+        token_lps.append(token_lp)
+        tops.append({p.decode("utf-8", "replace"): v for _t, p, v in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
 def openai_delta(events: list[Any], n_calls: int) -> tuple[dict[str, Any], int]:
@@ -627,13 +640,16 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
                                          usage=usage)
             else:
                 parts: list[str] = []
+                rows: list[Any] = []
                 while True:
-                    text, _rows, done = await follower.next_delta()
+                    text, got, done = await follower.next_delta()
                     parts.append(text)
+                    rows += got
                     if done:
                         break
+                logprobs = _completion_logprobs(rows, 0)[0] if job.sampling.n_logprobs >= 0 else None
                 obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
-                       "choices": [{"index": 0, "text": "".join(parts), "logprobs": None,
+                       "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs,
                                     "finish_reason": follower.finish}], "usage": usage_of(job)}
                 await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(job.cached).encode())])
         # outside the disconnect scope: the server reports a finished exchange as a disconnect
@@ -646,10 +662,15 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
                              usage: bool = False) -> None:
     """Completion chunks; with ``stream_options.include_usage`` a last chunk
     with empty ``choices`` carries ``usage`` (as OpenAI does)."""
-    def chunk(text: str, finish: str | None) -> bytes:
+    def chunk(text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
         return encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "system_fingerprint": "superfluid",
-                                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+                                "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                             "logprobs": logprobs}]})
+
+    want_logprobs = job.sampling.n_logprobs >= 0
+    offset = 0
+    held: list[Any] = []
 
     await job.wait_started()
     if job.error is not None and not job.tokens:
@@ -657,12 +678,17 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     try:
         while True:
-            text, _rows, done = await follower.next_delta()
+            text, rows, done = await follower.next_delta()
+            held += rows   # tokens whose text is held back (a possible stop) go with the text
             if text:
-                await send({"type": "http.response.body", "body": chunk(text, None), "more_body": True})
+                logprobs = None
+                if want_logprobs:
+                    logprobs, offset = _completion_logprobs(held, offset)
+                held = []
+                await send({"type": "http.response.body", "body": chunk(text, None, logprobs), "more_body": True})
             if done:
                 break
-        final = chunk("", follower.finish)
+        final = chunk("", follower.finish, _completion_logprobs(held, offset)[0] if want_logprobs and held else None)
         if usage:
             final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
                                       "choices": [], "usage": usage_of(job)})

@@ -20,7 +20,9 @@ whose positions do not continue its sequence):
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import math
 from typing import Any
 
 import attrs
@@ -102,6 +104,7 @@ class Executor:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "demoted": 0,
                       "state_copies": 0}
         self.host = HostCache(host_cache_bytes)
+        self._recent_live: collections.deque[int] = collections.deque(maxlen=2 * self.max_lanes)
 
     # -- lanes ---------------------------------------------------------------
 
@@ -121,7 +124,7 @@ class Executor:
             raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
         seq, matched, src = self._pick_slot(tokens)
         slot = self.slots[seq]
-        sampler = self.engine.new_sampler(msg.sampling, tokens[msg.n_prompt:])
+        sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
         self._preserve(seq, keep=0 if src is not None else matched, src=src)
         imported = self._import(seq, tokens, better_than=matched)
         if imported is not None:
@@ -149,9 +152,13 @@ class Executor:
         Per-sequence layout: llama.cpp's per-sequence KV costs grow with the
         span of sequence ids in a batch (lanes on 0,5,7,9 decode about 1.5x
         slower than on 0,1,2,3), so the new lane takes the best-matching free
-        sequence among those that keep the live span smallest, and a prefix at
+        sequence among those that keep the live span within the lanes expected
+        at once (the most live at any of the last ``2 * max_lanes``
+        admissions, plus one), or smallest if it is already wider. So a wave of
+        requests on prompts seen before goes back to the sequences holding
+        them, while lanes still pack as tightly as the load needs. A prefix at
         least ``MIN_COPY`` tokens longer elsewhere (cached or live) is copied
-        in with ``seq_cp``. Shared pool: the best whole cached sequence, else the least
+        in. Shared pool: the best whole cached sequence, else the least
         recently used one.
         """
         limit = len(tokens) - 1  # always decode at least one token for logits
@@ -160,14 +167,14 @@ class Executor:
             if not free:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
+            self._recent_live.append(len(live))
             matches = [common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
-            # the free sequences that keep the live span smallest; among them the best match.
             # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
-            # whole-stream copy of a better match ~9 ms once (at 4,096 cells)
+            # copy of a better match once (0.4-10 ms, by its length and the machine's load)
             spans = {i: _span([*live, i]) for i in free}
-            least = min(spans.values())
-            in_span = [i for i in free if spans[i] == least]
-            target = max(in_span, key=lambda i: (matches[i], -i))
+            bound = max(min(spans.values()), 1 + max(self._recent_live))
+            allowed = [i for i in free if spans[i] <= bound]
+            target = max(allowed, key=lambda i: (matches[i], -spans[i], -i))
             best = max(range(len(self.slots)), key=lambda i: (matches[i], i == target))
             if best != target and matches[best] - matches[target] >= MIN_COPY:
                 return target, matches[best], best
@@ -399,6 +406,16 @@ class Executor:
                 lane = self.lanes.pop(row[0])
                 self._release(lane, publish=True)
         return res
+
+    def _lane_sampling(self, msg: Admit) -> Sampling:
+        """``ignore_eos`` bans the end-of-generation tokens (a -inf bias, as
+        llama-server does), so every generated token is text. Under a grammar
+        they stay drawable (a finished grammar allows nothing else) and pass
+        through as empty pieces."""
+        s = msg.sampling
+        if not msg.ignore_eos or s.grammar or not self.info.eog:
+            return s
+        return attrs.evolve(s, logit_bias=(*s.logit_bias, *((tok, -math.inf) for tok in self.info.eog)))
 
     def _sample(self, ln: Lane, out: Any) -> list[Any]:
         k = ln.n_generated

@@ -29,6 +29,10 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   grammar) by the drawn token; the executor's following ``accept`` of that
   same token is therefore a no-op. A draw that is never accepted ends its
   lane (end of generation), so the early advance is never observed.
+  Greedy sampling with no penalty and no grammar has no state: it is an
+  argmax over the logits (plus any bias) in numpy, which picks the same token
+  as the chain (the first of equal maxima) at a fifth of the cost (0.1 vs
+  0.5 ms for 8 lanes on SmolLM2's 49,152-token vocabulary).
 * Log probabilities come from the raw logits (log-softmax), not from the
   sampler chain's transformed distribution.
 * ``tokenize``/``piece`` only read the vocabulary and may run beside
@@ -460,6 +464,11 @@ class _LaneSampler:
         self._greedy = sampling.greedy
         self._grammar_at: int | None = None
         self._drawn: int | None = None
+        # stateless greedy: argmax over the logits, the bias added to a copy
+        self._argmax = sampling.greedy and not sampling.grammar and sampling.repeat_penalty == 1.0 and not (
+            sampling.presence_penalty or sampling.frequency_penalty)
+        self._bias_tokens = np.array([t for t, _b in sampling.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([b for _t, b in sampling.logit_bias], dtype=np.float32)
         self._chain: Any = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         try:
             self._build(sampling)
@@ -518,6 +527,13 @@ class _LaneSampler:
         self._add(L.llama_sampler_init_dist(_dist_seed(self._seed, k)))
 
     def sample(self, out: Any, k: int) -> int:
+        if self._argmax:
+            x = self._engine.logits(out)
+            if len(self._bias_tokens):
+                x = x.copy()
+                np.add.at(x, self._bias_tokens, self._bias_values)
+            self._drawn = token = int(np.argmax(x))
+            return token
         if not self._greedy:
             self._reseed(k)
         token = int(L.llama_sampler_sample(self._chain, self._engine._ctx, out))

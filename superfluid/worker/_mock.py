@@ -21,8 +21,8 @@ blocks the engine thread; ``[[mock:fault_after=N]]`` fails just that lane;
 from __future__ import annotations
 
 import array
-
 import hashlib
+import math
 import os
 import re
 import signal
@@ -109,7 +109,8 @@ class _MockSampler:
                 time.sleep(3600)
             raise LaneError(f"mock fault injected at token {k}")
         every = max(2, int(self.engine.opts["eos_every"]))
-        if k >= 4 and _h("eos", ctx[-4:], len(ctx)) % every == 0:
+        banned = {tok for tok, bias in self.sampling.logit_bias if bias == -math.inf}
+        if k >= 4 and _h("eos", ctx[-4:], len(ctx)) % every == 0 and SPECIALS["</s>"] not in banned:
             return SPECIALS["</s>"]
         cands = self._candidates(ctx, k)
         for tok, bias in self.sampling.logit_bias:
