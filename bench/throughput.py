@@ -1,11 +1,14 @@
 """Aggregate throughput, superfluid vs llama-server on the same llama.cpp build and model.
 
-    python bench/throughput.py [--model PATH] [--llama-server PATH] [--rounds 3] [--tokens 128]
+    python bench/throughput.py [--model PATH] [--llama-server PATH] [--rounds 5] [--tokens 128]
 
 8 distinct prompts, 128-token replies on /v1/completions with ignore_eos, at 1, 2, 4 and 8
 concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
 (all tokens / wall time of the round) and median TTFT, side by side with the ratio ours/theirs.
-Both servers stay up and rounds alternate between them, so drift hits both alike.
+Both servers stay up and rounds alternate between them, so drift hits both alike; the ratio
+is the median of the per-round ratios (each round of ours against the llama-server round
+right after it), which cancels drift slower than a round (this machine's speed wanders by
+up to a third over minutes; a ratio of two medians carries that noise).
 Also runs the raw engine ceiling (bench/engine_ceiling.py: Executor + LlamaEngine, no server).
 
     python bench/throughput.py --log-cost 5
@@ -29,6 +32,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, Server, free_port, median, stream_request, superfluid_argv  # noqa: E402
 
+Rounds = dict[int, dict[str, list[tuple[float, float]]]]
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
 
 
@@ -69,9 +73,10 @@ async def measure(url: str, model: str, rounds: int, tokens: int) -> dict[int, t
 
 
 async def measure_alternating(servers: dict[str, Server], rounds: int, tokens: int,
-                              ceiling: Any = None) -> dict[str, dict[int, tuple[float, float]]]:
+                              ceiling: Any = None) -> tuple[dict[str, dict[int, tuple[float, float]]], Rounds]:
     """Rounds alternate between the servers (and, given ``ceiling(conc) -> tok/s``,
-    the in-process engine ceiling: blocking, while the servers idle)."""
+    the in-process engine ceiling: blocking, while the servers idle). Returns
+    the medians (name -> conc -> (tok/s, ttft)) and every round (conc -> name -> rounds)."""
     ids = {}
     for name, srv in servers.items():
         srv.wait_ready()
@@ -79,6 +84,7 @@ async def measure_alternating(servers: dict[str, Server], rounds: int, tokens: i
         await one_round(srv.url, ids[name], 8, 16)  # warm-up
     names = [*servers, *(["ceiling"] if ceiling else [])]
     out: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
+    every: Rounds = {}
     for conc in (1, 2, 4, 8):
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for _ in range(rounds):
@@ -86,12 +92,13 @@ async def measure_alternating(servers: dict[str, Server], rounds: int, tokens: i
                 runs[name].append(await one_round(srv.url, ids[name], conc, tokens))
             if ceiling:
                 runs["ceiling"].append((ceiling(conc), 0.0))
+        every[conc] = runs
         for name, got in runs.items():
             out[name][conc] = (median([r[0] for r in got]), median([r[1] for r in got]))
         print(f"  {conc} concurrent: " + ", ".join(
             f"{name} {out[name][conc][0]:.1f} tok/s (rounds {' '.join(f'{r[0]:.0f}' for r in runs[name])})"
             for name in names), flush=True)
-    return out
+    return out, every
 
 
 def log_cost(args: argparse.Namespace) -> None:
@@ -132,7 +139,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--llama-server", default="")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--skip-ceiling", action="store_true")
@@ -175,23 +182,29 @@ def main() -> None:
 
             engine = Ceiling(args.model, max_lanes=8, threads=args.threads)
             level = partial(engine.level, tokens=args.tokens)
-        results = trio.run(measure_alternating, servers, args.rounds, args.tokens, level)
+        results, every = trio.run(measure_alternating, servers, args.rounds, args.tokens, level)
     finally:
         for srv in servers.values():
             srv.stop()
         if engine is not None:
             engine.close()
     ceiling = {c: tok_s for c, (tok_s, _ttft) in results.get("ceiling", {}).items()}
+
+    def paired(c: int, theirs: str) -> float:
+        runs = every[c]
+        return median([o[0] / t[0] for o, t in zip(runs["superfluid"], runs[theirs], strict=True)])
+
     print()
-    print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds}")
+    print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds} "
+          "alternating rounds; ratio: median of per-round ratios")
     print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | superfluid TTFT ms | llama-server TTFT ms |"
           + (" engine ceiling tok/s | ours/ceiling |" if ceiling else ""))
     print("|---|---|---|---|---|---|" + ("---|---|" if ceiling else ""))
     for c in (1, 2, 4, 8):
         o, t = results["superfluid"][c], results["llama-server"][c]
-        row = f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {o[0] / t[0]:.2f} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |"
+        row = f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {paired(c, 'llama-server'):.2f} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |"
         if ceiling:
-            row += f" {ceiling[c]:.1f} | {o[0] / ceiling[c]:.2f} |"
+            row += f" {ceiling[c]:.1f} | {paired(c, 'ceiling'):.2f} |"
         print(row)
 
 
