@@ -18,8 +18,8 @@ class _Worker:
     def __init__(self) -> None:
         self.sent: list[object] = []
 
-    async def send(self, event: object) -> None:
-        self.sent.append(event)
+    async def send(self, *events: object) -> None:
+        self.sent += events
         await trio.sleep(0)
 
     def admitted(self) -> list[int]:

@@ -99,24 +99,26 @@ class WorkerHandle:
     def pid(self) -> int:
         return self.process.pid
 
-    async def send(self, event: Event) -> None:
-        """Raises:
-        WorkerDied: the pipe is gone (the reader will also report it), or the message
-            waited ``send_timeout_s`` for the pipe (the worker is then killed).
+    async def send(self, *events: Event) -> None:
+        """Write ``events`` in order, in one write (one wake-up of the worker).
+
+        Raises:
+            WorkerDied: the pipe is gone (the reader will also report it), or the message
+                waited ``send_timeout_s`` for the pipe (the worker is then killed).
         """
         if self.dead:
             raise WorkerDied("worker is gone")
         with trio.move_on_after(self.send_timeout_s):
-            await self._send(event)
+            await self._send(events)
             return
         self.kill()
         raise WorkerDied(f"worker hung: it took no message for {self.send_timeout_s:g}s")
 
-    async def _send(self, event: Event) -> None:
+    async def _send(self, events: tuple[Event, ...]) -> None:
         async with self._lock:
             if self.dead:  # a send ahead of this one failed or was cancelled mid-frame: the link is in ERROR
                 raise WorkerDied("worker is gone")
-            data = self.link.send(event)
+            data = b"".join(self.link.send(event) for event in events)
             assert self.process.stdin is not None
             try:
                 await self.process.stdin.send_all(data)
