@@ -23,6 +23,7 @@ from .nursery import ModelOwner, RestartPolicy, WorkerLoadFailed, WorkerSpec
 from .sched import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
+    from ._cpu import CpuYield
     from .sched._loop import Committer
 
 __all__ = ["ModelRegistry"]
@@ -32,11 +33,13 @@ log = logging.getLogger("superfluid.models")
 
 class ModelRegistry:
     def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery,
-                 committer: Committer | None = None) -> None:
+                 committer: Committer | None = None, cpu: CpuYield | None = None) -> None:
         """``models_nursery`` owns every model owner task; it must outlive the registry's use.
-        ``committer`` makes every model's tokens durable (the session store)."""
+        ``committer`` makes every model's tokens durable (the session store); ``cpu`` is
+        the daemon's CPU policy, told by each scheduler when a request awaits its first token."""
         self.config = config
         self.committer = committer
+        self.cpu = cpu
         self.metrics = metrics
         self.models_nursery = models_nursery
         self.loaded: dict[str, ServedModel] = {}
@@ -58,7 +61,7 @@ class ModelRegistry:
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               stream_interval_ms=cfg.stream_interval_ms, start_timeout_s=cfg.worker_start_timeout_s)
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
-                              self.metrics, self.committer)
+                              self.metrics, self.committer, cpu=self.cpu)
             owner = ModelOwner(source.name, spec, sched,
                                policy=RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s))
             scope = trio.CancelScope()

@@ -21,6 +21,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from ._config import ServeConfig
 from ._metrics import Metrics
 from ._config import default_sessions_dir
+from ._cpu import CpuYield
 from ._registry import ModelRegistry
 from ._sessions import SessionStore, serve_resume_ttl
 from .journal import JournalConfig, open_journal
@@ -66,35 +67,39 @@ async def serve(
     """
     metrics = Metrics()
     drain = trio.Event()
+    cpu = CpuYield(enabled=config.cpu_yield)
     app_holder: list[App] = []
     sessions_dir = config.sessions or default_sessions_dir()
-    async with open_journal(sessions_dir, fresh=config.sessions_cache, config=journal_config()) as journal, \
-            trio.open_nursery() as root:
-        if handle_signals:
-            root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
-        store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
-        registry = ModelRegistry(config, metrics, root, committer=store)
-        for i, source in enumerate(config.models):
-            await registry.load(source, make_default=(i == 0))
-        app = App(config, registry, metrics, store, session_nursery=root)
-        restored = await store.restore(registry)
-        turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
-        for session in restored:
-            if session.id not in turns:
-                root.start_soon(serve_resume_ttl, store, session)
-        app_holder.append(app)
-        hconfig = HypercornConfig()
-        hconfig.bind = [f"{config.host}:{config.port}"]
-        hconfig.graceful_timeout = config.drain_timeout_s
-        hconfig.accesslog = None
-        hconfig.keep_alive_timeout = 75
+    try:
+        async with open_journal(sessions_dir, fresh=config.sessions_cache, config=journal_config()) as journal, \
+                trio.open_nursery() as root:
+            if handle_signals:
+                root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
+            store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
+            registry = ModelRegistry(config, metrics, root, committer=store, cpu=cpu)
+            for i, source in enumerate(config.models):
+                await registry.load(source, make_default=(i == 0))
+            app = App(config, registry, metrics, store, session_nursery=root)
+            restored = await store.restore(registry)
+            turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
+            for session in restored:
+                if session.id not in turns:
+                    root.start_soon(serve_resume_ttl, store, session)
+            app_holder.append(app)
+            hconfig = HypercornConfig()
+            hconfig.bind = [f"{config.host}:{config.port}"]
+            hconfig.graceful_timeout = config.drain_timeout_s
+            hconfig.accesslog = None
+            hconfig.keep_alive_timeout = 75
 
-        async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-            # On drain, hypercorn stops accepting and waits up to graceful_timeout
-            # for in-flight requests; when it returns, everything else shuts down.
-            await hypercorn_serve(app, hconfig, shutdown_trigger=drain.wait, task_status=task_status)
-            root.cancel_scope.cancel()
+            async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+                # On drain, hypercorn stops accepting and waits up to graceful_timeout
+                # for in-flight requests; when it returns, everything else shuts down.
+                await hypercorn_serve(app, hconfig, shutdown_trigger=drain.wait, task_status=task_status)
+                root.cancel_scope.cancel()
 
-        binds = await root.start(serve_listener)
-        log.info("superfluid listening on %s", ", ".join(binds))
-        task_status.started(binds)
+            binds = await root.start(serve_listener)
+            log.info("superfluid listening on %s", ", ".join(binds))
+            task_status.started(binds)
+    finally:
+        cpu.close()  # back to SCHED_OTHER: the thread may live on (tests run the daemon in-process)

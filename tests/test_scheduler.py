@@ -88,3 +88,63 @@ async def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
     sched.tick_no += HOLD_MAX_TICKS
     await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
     assert len(worker.admitted()) == 3
+
+
+class _Cpu:
+    """Records what the scheduler tells the daemon's CPU policy."""
+
+    def __init__(self) -> None:
+        self.urgent: list[bool] = []
+
+    def note(self, owner: object, *, urgent: bool) -> None:
+        self.urgent.append(urgent)
+
+
+async def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -> None:
+    """Queued, then admitted without a token: urgent (the daemon must answer at
+    once); once the first token is committed: not (it only relays tokens)."""
+    from superfluid.proto import Emit
+
+    cpu = _Cpu()
+    sched = Scheduler("m", SchedulerConfig(), Metrics(), cpu=cpu)  # type: ignore[arg-type]
+    worker = _Worker()
+    job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.INTERACTIVE)
+    sched.submit(job)
+    assert cpu.urgent[-1] is True
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    [lane] = worker.admitted()
+    assert cpu.urgent[-1] is True
+    await sched._emit([Emit(items=[[lane, 7, b"x", None, None]])])
+    await sched._commit([sched._commit_recv.receive_nowait()])
+    assert job.tokens == [7] and cpu.urgent[-1] is False
+    second = Job(prompt=[4, 5], sampling=Sampling(), max_new=4, klass=QosClass.AGENT)
+    sched.submit(second)
+    assert cpu.urgent[-1] is True
+    sched.cancel(second)   # it leaves the queue: nothing waits any more
+    assert cpu.urgent[-1] is False
+
+
+def test_the_daemon_thread_runs_batch_only_while_nothing_is_urgent() -> None:
+    import os
+
+    import pytest
+
+    from superfluid._cpu import CpuYield
+
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("scheduling policies are Linux's")
+    cpu = CpuYield(enabled=True)
+    try:
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+        cpu.note("a", urgent=True)
+        cpu.note("b", urgent=True)
+        cpu.note("a", urgent=False)
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER   # b still waits
+        cpu.note("b", urgent=False)
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH and cpu.switches == 3
+    finally:
+        cpu.close()
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    off = CpuYield(enabled=False)
+    off.note("a", urgent=False)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER

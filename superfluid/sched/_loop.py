@@ -40,6 +40,7 @@ from ._plan import JobView, LaneView, Planner, PlannerConfig
 from ._qos import QosClass
 
 if TYPE_CHECKING:
+    from .._cpu import CpuYield
     from .._metrics import Metrics
     from ..nursery._worker import WorkerHandle
 
@@ -92,8 +93,10 @@ class _Pending:
 
 
 class Scheduler:
-    def __init__(self, name: str, config: SchedulerConfig, metrics: Metrics, committer: Committer | None = None) -> None:
+    def __init__(self, name: str, config: SchedulerConfig, metrics: Metrics, committer: Committer | None = None,
+                 cpu: CpuYield | None = None) -> None:
         self.name = name
+        self.cpu = cpu
         self.config = config
         self.metrics = metrics
         self.committer: Committer = committer or _NullCommitter()
@@ -143,6 +146,7 @@ class Scheduler:
             job.finish_with("cancelled")
             self._gauges()
         self._poke()
+        self._note_cpu()
 
     async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
         """Tokenize in the worker, retrying across a worker respawn.
@@ -154,6 +158,7 @@ class Scheduler:
             worker = await self.wait_worker()
             req = next(self._req_ids)
             pending = self._tokenize[req] = _Pending()
+            self._note_cpu()
             try:
                 await worker.send(Tokenize(req=req, segments=segments, add_special=add_special))
                 with trio.move_on_after(self.config.hang_timeout_s) as waited:
@@ -166,6 +171,7 @@ class Scheduler:
                 log.debug("tokenize retry after %r", exc)
             finally:
                 self._tokenize.pop(req, None)
+                self._note_cpu()
             if pending.result is not None:
                 return pending.result
         raise Unavailable(f"model {self.name!r}: no worker could tokenize the request")
@@ -298,6 +304,7 @@ class Scheduler:
                 elif event is not None:
                     await self._handle(event)
             await self._send_cancels(worker)
+            self._note_cpu()
             if in_flight and not interrupted and self._preemptor_waiting():
                 interrupted = True
                 await worker.send(Interrupt())
@@ -592,6 +599,7 @@ class Scheduler:
         for job, _n in counts.values():
             if not job.done:
                 job.publish()
+        self._note_cpu()
 
     def _fail_running(self, job: Job, error: JobError) -> None:
         """End ``job`` typed now; if it still holds a lane, stop it there too."""
@@ -604,12 +612,21 @@ class Scheduler:
         job.finish_with(error=error)
         self._poke()
 
+    def _note_cpu(self) -> None:
+        """Tell the daemon's CPU policy whether a request here waits for its
+        first token (see ``superfluid/_cpu.py``)."""
+        if self.cpu is not None:
+            urgent = bool(self._tokenize) or any(self.queues.values()) or any(
+                job.first_token_at is None for job in self.running.values())
+            self.cpu.note(self, urgent=urgent)
+
     def _gauges(self) -> None:
         # a preempted lane is on its way out (its Cancel precedes the preemptor's Admit on the
         # link): counting it would show more lanes than --max-batch until the worker acks
         self.metrics.set("superfluid_lanes_active", sum(1 for j in self.running.values() if not j.preempted))
         for k, q in self.queues.items():
             self.metrics.set("superfluid_queue_depth", len(q), **{"class": k.label})
+        self._note_cpu()
 
     def statistics(self) -> dict[str, Any]:
         return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),

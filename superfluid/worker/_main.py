@@ -53,6 +53,7 @@ from ..proto import (
     Tokenized,
     WorkerLink,
 )
+from .._cpu import reset_policy
 from ._engine import Engine
 from ._executor import Executor
 
@@ -119,8 +120,9 @@ class _Worker:
         with self.write_lock:
             self._write([*self._take_held(), event])
 
-    def emit(self, rows: list[list[Any]]) -> None:
-        """Send a step's token rows, or hold them for the next frame.
+    def emit(self, rows: list[list[Any]], *, hold: bool = False) -> None:
+        """Send a step's token rows, or hold them for the next frame
+        (``hold``: a frame follows at once, the tick's ``TickDone``).
 
         Every frame wakes the daemon, and on two cores the daemon's share of a
         wake-up (~1 ms of Python for one token) lands on the engine's critical
@@ -143,7 +145,7 @@ class _Worker:
                         self.fresh.discard(row[0])
                 if row[3] is not None:
                     urgent = True
-            if urgent or now - self.held_since >= self.hold_s:
+            if not hold and (urgent or now - self.held_since >= self.hold_s):
                 self._write(self._take_held())
 
     def _take_held(self) -> list[Any]:
@@ -250,8 +252,10 @@ class _Worker:
                     self._ended(tag)
                     self.send(Fault(lane=tag, kind="engine", message=str(exc)))
                 break
+            # the tick's last step: its rows go out with the TickDone that follows (one write)
+            ending = time.monotonic() >= deadline
             if res.emits:
-                self.emit(res.emits)
+                self.emit(res.emits, hold=ending)
             for tag, message in res.faults:
                 self._ended(tag)
                 self.send(Fault(lane=tag, kind="lane", message=message))
@@ -264,7 +268,7 @@ class _Worker:
             decode += res.decode_tokens
             if res.decode_tokens:
                 rounds += 1
-            if time.monotonic() >= deadline:
+            if ending:
                 break
         self.send(TickDone(
             seq=tick.seq, rounds=rounds, prefill_tokens=prefill, decode_tokens=decode,
@@ -407,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     # for the holder to let go; at 0.5 ms the engine's writes and the reader's answers stop
     # waiting out whole engine steps.
     sys.setswitchinterval(GIL_SWITCH_S)
+    reset_policy()  # the engine never yields: the daemon may have spawned us while it ran SCHED_BATCH
     args.threads = args.threads or (os.cpu_count() or 2)
     link_fd = os.dup(1)
     os.environ["SUPERFLUID_LINK_FD"] = str(link_fd)  # for the mock's garbage_after fault
