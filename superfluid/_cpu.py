@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["CpuYield", "reset_policy"]
+T = TypeVar("T")
+
+__all__ = ["CpuYield", "reset_policy", "unyielding"]
 
 log = logging.getLogger("superfluid.cpu")
 
@@ -68,6 +72,13 @@ class CpuYield:
             return
         self.batch = batch
         self.switches += 1
+
+
+def unyielding(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on ``SCHED_OTHER``: for work handed to a thread (``trio.to_thread``
+    reuses threads, which keep the policy of the thread that started them)."""
+    reset_policy()
+    return fn()
 
 
 def reset_policy() -> None:

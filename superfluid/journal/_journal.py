@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._cpu import reset_policy
+from .._cpu import unyielding
 from ..proto._errors import LocalProtocolError
 from ..proto._wal import (
     CONVERSATION, CONVERSATION_EVENTS, CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record,
@@ -445,7 +445,7 @@ class Journal:
                 else:
                     # the thread may have been started while the event loop ran SCHED_BATCH
                     # (superfluid/_cpu.py): a commit never waits for a scheduler tick
-                    took = await trio.to_thread.run_sync(lambda: (reset_policy(), sync())[1])
+                    took = await trio.to_thread.run_sync(unyielding, sync)
             except OSError as exc:
                 log.error("session log %s: write/fsync failed (%s); refusing further appends", self.path, exc)
                 self._broken = failure = exc

@@ -146,7 +146,6 @@ class Scheduler:
             job.finish_with("cancelled")
             self._gauges()
         self._poke()
-        self._note_cpu()
 
     async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
         """Tokenize in the worker, retrying across a worker respawn.
@@ -304,7 +303,6 @@ class Scheduler:
                 elif event is not None:
                     await self._handle(event)
             await self._send_cancels(worker)
-            self._note_cpu()
             if in_flight and not interrupted and self._preemptor_waiting():
                 interrupted = True
                 await worker.send(Interrupt())
@@ -614,7 +612,8 @@ class Scheduler:
 
     def _note_cpu(self) -> None:
         """Tell the daemon's CPU policy whether a request here waits for its
-        first token (see ``superfluid/_cpu.py``)."""
+        first token (see ``superfluid/_cpu.py``). Called wherever that can
+        change: ``_gauges`` (queues and lanes), ``tokenize`` and ``_commit``."""
         if self.cpu is not None:
             urgent = bool(self._tokenize) or any(self.queues.values()) or any(
                 job.first_token_at is None for job in self.running.values())
