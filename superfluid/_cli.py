@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval-ms", type=int, default=40,
                    help="generated tokens wait in the worker at most this long to share one chunk; a first "
                         "token and a last one never wait (default 40; 0: every engine round)")
+    s.add_argument("--agent-stream-interval-ms", type=int, default=100,
+                   help="the same for requests of the agent and background classes, which programs read "
+                        "(default 100): fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGUSR1 waits for in-flight work")
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
-        stream_interval_ms=args.stream_interval_ms, cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout,
+        stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
+        cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout,
         default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,

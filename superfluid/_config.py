@@ -31,6 +31,7 @@ class ServeConfig:
     threads: int = 0
     host_cache_mb: int = 2048             # evicted prefixes kept in host memory, per model (0: off)
     stream_interval_ms: int = 40          # tokens wait in the worker at most this long to share a chunk
+    agent_stream_interval_ms: int = 100   # the same for agent and background lanes (programs read them)
     cpu_yield: bool = True                # SCHED_BATCH while no request waits for a first token (_cpu.py)
     drain_timeout_s: float = 30.0
     default_qos: QosClass = QosClass.AGENT

@@ -59,7 +59,9 @@ class ModelRegistry:
             cfg = self.config
             spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
-                              stream_interval_ms=cfg.stream_interval_ms, start_timeout_s=cfg.worker_start_timeout_s)
+                              stream_interval_ms=cfg.stream_interval_ms,
+                              agent_stream_interval_ms=cfg.agent_stream_interval_ms,
+                              start_timeout_s=cfg.worker_start_timeout_s)
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
                               self.metrics, self.committer, cpu=self.cpu)
             owner = ModelOwner(source.name, spec, sched,

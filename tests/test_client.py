@@ -65,7 +65,7 @@ async def reference(d: Daemon, body: dict[str, Any]) -> str:
 
 
 async def test_trio_client_resumes_across_dropped_connections(nursery: trio.Nursery) -> None:
-    d = await start_daemon(nursery, mock_config("mock?step_ms=3&prefill_us=5"))
+    d = await start_daemon(nursery, mock_config("mock?step_ms=3&prefill_us=5", agent_stream_interval_ms=40))
     ref = await reference(d, CHAT)
     proxy = CuttingProxy(int(d.url.rsplit(":", 1)[1]), cuts=[1500, 2500])
     url = await nursery.start(proxy.serve)

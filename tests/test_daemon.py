@@ -216,24 +216,35 @@ async def test_malformed_worker_frames_restart_the_worker(daemon: Daemon) -> Non
 
 
 async def test_stream_interval_coalesces_tokens_but_never_the_first(nursery: trio.Nursery) -> None:
-    """--stream-interval-ms: tokens share chunks (one daemon wake-up each), the first text goes
-    out alone at once, and the text is the same whatever the interval."""
+    """--stream-interval-ms and --agent-stream-interval-ms: tokens share chunks (one daemon
+    wake-up each) by the lane's class, the first text goes out alone at once, and the text is
+    the same whatever the interval."""
     body = {**CHAT, "max_tokens": 120, "ignore_eos": True, "stream": True}
-    chunks: dict[int, list[str]] = {}
-    for ms in (0, 300):
+    chunks: dict[tuple[int, int, str], list[str]] = {}
+    for ms, agent_ms in ((0, 300), (300, 0)):
         # one-second ticks: rows leave by the hold, not with each tick's TickDone
         planner = PlannerConfig(max_batch=4, tick_free_ms=1000, tick_busy_ms=1000)
         d = await start_daemon(nursery, mock_config("mock?step_ms=2&prefill_us=5", stream_interval_ms=ms,
-                                                    planner=planner))
-        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            events = await sse_events(r)
-        chunks[ms] = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
-        chunks[ms] = [c for c in chunks[ms] if c]
+                                                    agent_stream_interval_ms=agent_ms, planner=planner))
+
+        async def one(klass: str, ms: int = ms, agent_ms: int = agent_ms, d: Daemon = d) -> None:
+            async with d.client.stream("POST", "/v1/chat/completions", json=body,
+                                       headers={"x-superfluid-qos": klass}) as r:
+                events = await sse_events(r)
+            got = [e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")]
+            chunks[ms, agent_ms, klass] = [c for c in got if c]
+
+        async with trio.open_nursery() as both:  # side by side: one class's flush leaves the other's rows
+            both.start_soon(one, "interactive")
+            both.start_soon(one, "background")
         d.scope.cancel()
-    assert "".join(chunks[0]) == "".join(chunks[300])
-    assert len(chunks[0]) >= 60                           # about one chunk per token (fewer if the daemon lags)
-    assert len(chunks[300]) <= 12                         # 120 tokens x 2 ms: the first alone, then ~300 ms each
-    assert chunks[300][0] == chunks[0][0]                 # the first token was not held
+    texts = {"".join(c) for c in chunks.values()}
+    assert len(texts) == 1
+    for every, held in (((0, 300, "interactive"), (0, 300, "background")),
+                        ((300, 0, "background"), (300, 0, "interactive"))):
+        assert len(chunks[every]) >= 60                   # about one chunk per token (fewer if the daemon lags)
+        assert len(chunks[held]) <= 12                    # 120 tokens x 2 ms: the first alone, then ~300 ms each
+        assert chunks[held][0] == chunks[every][0]        # the first token was not held
 
 
 async def test_hung_worker_is_killed_and_replaced(nursery: trio.Nursery) -> None:

@@ -40,7 +40,7 @@ def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
              "--sessions", str(sessions), "--max-batch", "4", "--max-context", "1024", "--log-level", "INFO",
              # one engine thread: llama.cpp's spinning thread barrier slows ~40x when its threads
              # share the cores with other busy processes (a parallel test, a CI neighbour)
-             "--threads", "1"],
+             "--threads", "1", "--agent-stream-interval-ms", "40"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 

@@ -60,7 +60,7 @@ async def test_every_request_is_a_logged_session(nursery: trio.Nursery, tmp_path
 
 
 async def test_resumable_stream_survives_a_client_reconnect(nursery: trio.Nursery) -> None:
-    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5"))
+    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5", agent_stream_interval_ms=40))
     async with d.client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
         reference = stream_text(await sse_events(r))
     async with d.client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
@@ -110,7 +110,8 @@ async def test_explicit_stop_and_resume_ttl(nursery: trio.Nursery) -> None:
 def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "superfluid", "serve", "mock?step_ms=10&prefill_us=5", "--runtime", "mock",
-         "--http", f"127.0.0.1:{port}", "--sessions", str(sessions), "--log-level", "WARNING"],
+         "--http", f"127.0.0.1:{port}", "--sessions", str(sessions), "--log-level", "WARNING",
+         "--agent-stream-interval-ms", "40"],  # these tests act in the middle of a stream
         stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True,
     )
 

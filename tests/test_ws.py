@@ -84,7 +84,7 @@ async def test_ws_generate_follows_to_done(nursery: trio.Nursery) -> None:
 
 
 async def test_ws_subscribe_from_a_cursor_after_reconnect(nursery: trio.Nursery) -> None:
-    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5"))
+    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5", agent_stream_interval_ms=40))
     ref = await reference(d, CHAT)
     with trio.fail_after(30):
         async with open_websocket_url(ws_url(d)) as ws:

@@ -63,6 +63,7 @@ _STOP = object()  # queued by the reader when the link ends: the engine thread r
 
 RUNTIMES = ("mock", "llamacpp")
 GIL_SWITCH_S = 0.0005   # see main()
+AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int) -> Engine:
@@ -94,7 +95,7 @@ class _Worker:
     """
 
     def __init__(self, engine: Engine, executor: Executor, link_fd: int, link: WorkerLink, runtime: str,
-                 *, max_ops: int, hold_s: float) -> None:
+                 *, max_ops: int, hold_s: float, agent_hold_s: float | None = None) -> None:
         self.engine = engine
         self.executor = executor
         self.link = link
@@ -104,10 +105,13 @@ class _Worker:
         self.write_lock = threading.Lock()
         self.ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.max_ops = max_ops
-        self.hold_s = hold_s
         self.interrupt = False
-        self.held: list[list[Any]] = []   # token rows not sent yet (under write_lock)
-        self.held_since = 0.0
+        # token rows not sent yet (under write_lock), apart by how long they may wait:
+        # [0] lanes a person watches (interactive, completion), [1] agent and background lanes
+        self.holds = (hold_s, hold_s if agent_hold_s is None else agent_hold_s)
+        self.held: list[list[list[Any]]] = [[], []]
+        self.held_since = [0.0, 0.0]
+        self.agents: set[int] = set()     # open lanes of the agent and background classes
         self.fresh: set[int] = set()      # lanes admitted that have not emitted a token yet
         self.queued_ticks: collections.deque[Tick] = collections.deque()
         self.prefill_s_per_token = 0.0   # measured; sizes prefill steps to the tick's step_ms
@@ -124,34 +128,46 @@ class _Worker:
         """Send a step's token rows, or hold them for the next frame
         (``hold``: a frame follows at once, the tick's ``TickDone``).
 
-        Every frame wakes the daemon, and on two cores the daemon's share of a
-        wake-up (~1 ms of Python for one token) lands on the engine's critical
-        path. So rows are held up to ``hold_s`` (``--stream-interval-ms``) and
-        go out together, except
-        that a lane's first token after its admission and a lane's last token
-        go at once (time to first text and the end of a request never wait).
-        Any other frame sends the held rows first.
+        Every frame wakes the daemon, and every chunk wakes a client; on two
+        cores their Python (~1 ms for a round of 8 one-token chunks, the
+        client's as much again) lands on the engine's critical path. So rows
+        wait up to ``hold_s`` (``--stream-interval-ms``) to go out together,
+        and rows of agent and background lanes, read by programs rather
+        than people, up to ``agent_hold_s`` (``--agent-stream-interval-ms``);
+        each class goes out when its own wait is up, without the other's.
+        A lane's first token after its admission and a lane's last token go
+        at once, with everything held (time to first text and the end of a
+        request never wait). Any other frame sends the held rows first.
         """
         now = time.monotonic()
         with self.write_lock:
-            if not self.held:
-                self.held_since = now
-            self.held.extend(rows)
             urgent = False
             for row in rows:
+                kind = int(row[0] in self.agents)
+                if not self.held[kind]:
+                    self.held_since[kind] = now
+                self.held[kind].append(row)
                 if row[0] in self.fresh:
                     urgent = True
                     if row[2]:  # the first token with text: an end-of-generation piece shows nothing
                         self.fresh.discard(row[0])
                 if row[3] is not None:
                     urgent = True
-            if not hold and (urgent or now - self.held_since >= self.hold_s):
-                self._write(self._take_held())
+                    self.fresh.discard(row[0])
+                    self.agents.discard(row[0])
+            if hold:
+                return
+            due = [k for k in (0, 1) if self.held[k] and (urgent or now - self.held_since[k] >= self.holds[k])]
+            if due:
+                rows = [row for k in due for row in self.held[k]]
+                for k in due:
+                    self.held[k] = []
+                self._write([Emit(items=rows)])
 
     def _take_held(self) -> list[Any]:
-        if not self.held:
+        if not (self.held[0] or self.held[1]):
             return []
-        rows, self.held = self.held, []
+        rows, self.held = [*self.held[0], *self.held[1]], [[], []]
         return [Emit(items=rows)]
 
     def _write(self, events: list[Any]) -> None:
@@ -201,6 +217,8 @@ class _Worker:
             else:
                 with self.write_lock:
                     self.fresh.add(op.lane)
+                    if op.priority >= AGENT_PRIORITY:
+                        self.agents.add(op.lane)
                 self.send(Admitted(lane=op.lane, cached=lane.cached))
         elif isinstance(op, Cancel) and self.executor.cancel(op.lane, publish=op.publish):
             self._ended(op.lane)
@@ -210,6 +228,7 @@ class _Worker:
     def _ended(self, lane: int) -> None:
         with self.write_lock:
             self.fresh.discard(lane)
+            self.agents.discard(lane)
 
     def _tick(self, tick: Tick) -> bool:
         """Run one tick; True when ``_STOP`` arrived meanwhile."""
@@ -362,7 +381,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
                 "max_frame": DEFAULT_MAX_FRAME, "n_seq": engine.info.n_seq},
     )))
     worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16,
-                     hold_s=max(0, args.stream_interval_ms) / 1000)
+                     hold_s=max(0, args.stream_interval_ms) / 1000,
+                     agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(worker.serve_engine)
         nursery.start_soon(worker.serve_reader, recv)
@@ -397,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--host-cache-mb", type=int, default=0)
     parser.add_argument("--stream-interval-ms", type=int, default=40)
+    parser.add_argument("--agent-stream-interval-ms", type=int, default=100)
     try:
         args = parser.parse_args(argv)
     except SystemExit:
