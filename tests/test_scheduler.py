@@ -91,13 +91,18 @@ async def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
 
 
 class _Cpu:
-    """Records what the scheduler tells the daemon's CPU policy."""
+    """Records what the scheduler tells the daemon's CPU policy (urgent while any owner is)."""
 
     def __init__(self) -> None:
         self.urgent: list[bool] = []
+        self._owners: set[int] = set()
 
     def note(self, owner: object, *, urgent: bool) -> None:
-        self.urgent.append(urgent)
+        if urgent:
+            self._owners.add(id(owner))
+        else:
+            self._owners.discard(id(owner))
+        self.urgent.append(bool(self._owners))
 
 
 async def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -> None:
@@ -122,6 +127,33 @@ async def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -
     assert cpu.urgent[-1] is True
     sched.cancel(second)   # it leaves the queue: nothing waits any more
     assert cpu.urgent[-1] is False
+
+
+async def test_a_requests_last_commit_runs_with_the_daemon_responsive() -> None:
+    """The commit that ends a request is waited for (its client, and at low
+    concurrency the next request): the policy is urgent during it, and only then."""
+    from superfluid.proto import Emit
+
+    cpu = _Cpu()
+    during: list[bool] = []
+
+    class _Committer:
+        async def commit(self, spans: object, ended: object) -> None:
+            during.append(cpu.urgent[-1])
+
+    sched = Scheduler("m", SchedulerConfig(), Metrics(), _Committer(), cpu=cpu)  # type: ignore[arg-type]
+    worker = _Worker()
+    job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=3, klass=QosClass.AGENT)
+    sched.submit(job)
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    [lane] = worker.admitted()
+    for row in ([lane, 7, b"a", None, None], [lane, 8, b"b", None, None], [lane, 9, b"c", "length", None]):
+        await sched._emit([Emit(items=[row])])
+        await sched._commit([sched._commit_recv.receive_nowait()])
+    # the first token's commit: a request waits for its first token; the middle one relays
+    # only; the last one ends the request
+    assert during == [True, False, True]
+    assert job.tokens == [7, 8, 9] and job.done and cpu.urgent[-1] is False
 
 
 def test_the_daemon_thread_runs_batch_only_while_nothing_is_urgent() -> None:
