@@ -19,7 +19,7 @@ import trio
 from ._config import ModelSource, ServeConfig
 from ._metrics import Metrics
 from ._model import ServedModel
-from .nursery import ModelOwner, RestartPolicy, WorkerLoadFailed, WorkerSpec
+from .nursery import ModelOwner, RestartPolicy, WorkerSpec
 from .sched import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:

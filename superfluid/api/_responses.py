@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..chat import Delta, ToolCall
+from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ._http import ApiError, Receive, Send, send_json
 from ._openai import (

@@ -273,8 +273,6 @@ class Scheduler:
         Raises:
             WorkerDied: the worker exited, hung past ``hang_timeout_s`` or broke the link.
         """
-        from ..nursery._worker import WorkerDied
-
         gen = worker.generation
         worker.send_timeout_s = self.config.hang_timeout_s  # a full pipe is a hang too
         self.set_worker(worker)
