@@ -190,19 +190,25 @@ def main() -> None:
             engine.close()
     ceiling = {c: tok_s for c, (tok_s, _ttft) in results.get("ceiling", {}).items()}
 
-    def paired(c: int, theirs: str) -> float:
+    def per_round(c: int, theirs: str) -> list[float]:
         runs = every[c]
-        return median([o[0] / t[0] for o, t in zip(runs["superfluid"], runs[theirs], strict=True)])
+        return [o[0] / t[0] for o, t in zip(runs["superfluid"], runs[theirs], strict=True)]
+
+    def paired(c: int, theirs: str) -> float:
+        return median(per_round(c, theirs))
 
     print()
     print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds} "
           "alternating rounds; ratio: median of per-round ratios")
-    print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | superfluid TTFT ms | llama-server TTFT ms |"
-          + (" engine ceiling tok/s | ours/ceiling |" if ceiling else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if ceiling else ""))
+    # rounds below 1.00 says how far the median is from noise (one round varies ~6% here)
+    print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | rounds below 1.00 | superfluid TTFT ms "
+          "| llama-server TTFT ms |" + (" engine ceiling tok/s | ours/ceiling |" if ceiling else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if ceiling else ""))
     for c in (1, 2, 4, 8):
         o, t = results["superfluid"][c], results["llama-server"][c]
-        row = f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {paired(c, 'llama-server'):.2f} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |"
+        ratios = per_round(c, "llama-server")
+        row = (f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {paired(c, 'llama-server'):.2f} | "
+               f"{sum(r < 1 for r in ratios)} of {len(ratios)} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |")
         if ceiling:
             row += f" {ceiling[c]:.1f} | {paired(c, 'ceiling'):.2f} |"
         print(row)
