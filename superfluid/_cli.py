@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host-cache-mb", type=int, default=2048,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
     s.add_argument("--stream-interval-ms", type=int, default=40,
-                   help="generated tokens wait in the worker at most this long to share one chunk; a first "
-                        "token and a last one never wait (default 40; 0: every engine round)")
+                   help="generated tokens of interactive and completion requests wait in the worker at most "
+                        "this long to share one chunk; a first token and a last one never wait "
+                        "(default 40; 0: every engine round)")
     s.add_argument("--agent-stream-interval-ms", type=int, default=100,
                    help="the same for requests of the agent and background classes, which programs read "
                         "(default 100): fewer chunks leave more CPU to the engine")
