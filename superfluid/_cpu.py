@@ -44,7 +44,8 @@ class CpuYield:
         self._apply()
 
     def note(self, owner: object, *, urgent: bool) -> None:
-        """``owner`` (a scheduler) has a request waiting for its first token, or not."""
+        """``owner`` has a client waiting on the daemon right now (a scheduler: a request
+        waiting for its first token, or the commit of a request's last tokens), or not."""
         if urgent:
             self._urgent.add(owner)
         else:

@@ -95,7 +95,7 @@ class _Worker:
     """
 
     def __init__(self, engine: Engine, executor: Executor, link_fd: int, link: WorkerLink, runtime: str,
-                 *, max_ops: int, hold_s: float, agent_hold_s: float | None = None) -> None:
+                 *, max_ops: int, hold_s: float, agent_hold_s: float) -> None:
         self.engine = engine
         self.executor = executor
         self.link = link
@@ -108,7 +108,7 @@ class _Worker:
         self.interrupt = False
         # token rows not sent yet (under write_lock), apart by how long they may wait:
         # [0] lanes a person watches (interactive, completion), [1] agent and background lanes
-        self.holds = (hold_s, hold_s if agent_hold_s is None else agent_hold_s)
+        self.holds = (hold_s, agent_hold_s)
         self.held: list[list[list[Any]]] = [[], []]
         self.held_since = [0.0, 0.0]
         self.agents: set[int] = set()     # open lanes of the agent and background classes
