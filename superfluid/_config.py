@@ -8,7 +8,7 @@ import attrs
 
 from .sched import PlannerConfig, QosClass
 
-__all__ = ["ModelSource", "ServeConfig", "default_sessions_dir"]
+__all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir"]
 
 
 @attrs.frozen(kw_only=True)
@@ -16,6 +16,21 @@ class ModelSource:
     spec: str        # a path, or a mock spec
     runtime: str
     name: str
+
+
+@attrs.frozen(kw_only=True)
+class ApiKey:
+    """One client key: ``--api-key`` (named ``default``, admin) or an entry of ``--key-policy``."""
+
+    name: str
+    digest: bytes = attrs.field(repr=False)  # SHA-256 of the secret; the secret itself is not kept
+    admin: bool = False
+
+    @classmethod
+    def from_secret(cls, name: str, secret: str, **kw: object) -> ApiKey:
+        import hashlib
+
+        return cls(name=name, digest=hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest(), **kw)  # type: ignore[arg-type]
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +56,7 @@ class ServeConfig:
     worker_start_timeout_s: float = 300.0
     max_restarts: int = 3
     restart_window_s: float = 60.0
+    api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
 
 
 def default_sessions_dir() -> Path:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import trio
 
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
+from ._principal import ANONYMOUS, PRINCIPAL, authenticate, presented_key
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._conversations import route_conversations
@@ -120,6 +121,15 @@ class App:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["type"] in ("http", "websocket"):
+            refusal = self._authenticate(scope)
+            if refusal is not None:
+                if scope["type"] == "websocket":
+                    await receive()  # websocket.connect
+                    await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+                else:
+                    await send_json(send, refusal.status, _error_body(scope["path"], refusal))
+                return
         if scope["type"] == "websocket":  # GET /v1/ws (api/_ws.py); other paths are refused
             from ._ws import serve_websocket
 
@@ -149,6 +159,21 @@ class App:
             if not started:
                 await send_json(send, 500, _error_body(
                     scope["path"], ApiError(500, f"internal error: {type(exc).__name__}: {exc}")))
+
+    def _authenticate(self, scope: dict[str, Any]) -> ApiError | None:
+        """Set the request's principal on ``scope``; an error to answer if it has none.
+        With no keys configured everyone is :data:`ANONYMOUS`; with keys, every route
+        but ``GET /health`` needs one."""
+        keys = self.config.api_keys
+        if not keys or (scope["type"] == "http" and scope["path"] == "/health" and scope["method"] in ("GET", "HEAD")):
+            scope[PRINCIPAL] = ANONYMOUS
+            return None
+        principal = authenticate(keys, presented_key(scope))
+        if principal is None:
+            return ApiError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
+                            code="invalid_api_key", type="authentication_error")
+        scope[PRINCIPAL] = principal
+        return None
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
