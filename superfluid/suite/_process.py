@@ -27,11 +27,15 @@ from ._client import Client
 from ._corpus import Scale
 from ._systems import SystemSpec, model_id_guess, render_argv
 
-__all__ = ["Context", "ScenarioError", "Server", "StartFailed", "Target"]
+__all__ = ["Context", "NotOurServer", "ScenarioError", "Server", "StartFailed", "Target"]
 
 
 class StartFailed(Exception):
     """The system did not become ready."""
+
+
+class NotOurServer(StartFailed):
+    """The port answers from a process the suite did not start: nothing is recorded from it."""
 
 
 class ScenarioError(Exception):
@@ -56,6 +60,24 @@ def pick_port(preferred: int) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def listener_pids(port: int) -> set[int] | None:
+    """Pids of the processes listening on TCP ``port``; None where this user may not see
+    other users' sockets (then only our own processes can be asked)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.AccessDenied:
+        return None
+    return {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+
+
+def _listens(pid: int, port: int) -> bool:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
 
 
 def _with_n_ctx(spec: str, ctx: int) -> str:
@@ -139,6 +161,8 @@ class Server:
             if trio.current_time() > deadline:
                 raise StartFailed(f"not ready within {timeout:.0f} s")
             status, body = await client.get_json(self.spec.probe, timeout=5.0)
+            if status is not None:
+                self.check_owner()  # before a single answer is believed
             if status == 200 and (self.spec.probe != "/v1/models" or _ids(body)):
                 break
             await trio.sleep(0.25)
@@ -152,6 +176,22 @@ class Server:
         warm = self.client()
         await warm.chat("Say hello.", max_tokens=8, stream=False, timeout=120.0, limit=300.0)
         return ready
+
+    def check_owner(self) -> None:
+        """Raise :class:`NotOurServer` unless whoever listens on our port is the process
+        we started or one of its process group (``start_new_session``: group id = its pid).
+
+        A port checked free before the spawn can be taken by someone else before our
+        server binds it; on a shared machine a suite once recorded verdicts from another
+        process's server that way."""
+        assert self.proc is not None
+        ours = [self.proc.pid, *self._group_members()]
+        owners = listener_pids(self.port)
+        foreign = set() if owners is None else owners - set(ours)
+        if foreign or not any(_listens(pid, self.port) for pid in ours):
+            who = ", ".join(f"pid {p} ({_cmd(p)})" for p in sorted(foreign)) or "a process we cannot see"
+            raise NotOurServer(f"port {self.port} answers from {who}, not the {self.spec.name} server the "
+                               f"suite started (pid {self.proc.pid}); refusing to measure it")
 
     def log_tail(self, n: int = 400) -> str:
         try:
@@ -234,6 +274,13 @@ class Server:
                 self._log.close()
                 self._log = None
         self.proc = None
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:120] or "?"
+    except psutil.Error:
+        return "?"
 
 
 def _ids(body: Any) -> list[str]:
