@@ -18,7 +18,7 @@ import trio
 
 from superfluid.suite import CHECKS, CONDITIONS, SCENARIOS, Client, Reply, StreamReader, judge, read_whole
 from superfluid.suite._compare import compare
-from superfluid.suite._conditions import result
+from superfluid.suite._conditions import result, unsupported
 
 FIXTURES = Path(__file__).parent / "fixtures" / "suite"
 
@@ -120,6 +120,25 @@ def test_shared_prefix_latency_branch_without_cached_report() -> None:
     assert not judge("shared_prefix", n).passed
 
 
+def test_scores_are_passes_over_applicable_cells(tmp_path: Path) -> None:
+    for i, scenario in enumerate(SCENARIOS):
+        kind = "pass" if i < 3 else "fail"
+        res = result(scenario, fixture(f"{scenario}--{kind}"), kind) if i < 6 else unsupported(scenario, "no")
+        res.update(scenario=scenario, system="peer")
+        (tmp_path / f"{scenario}--peer.json").write_text(json.dumps(res))
+    text = compare([tmp_path])
+    assert "| **passes / applicable** | 3/6 (2 n/a) |" in text
+
+
+def test_a_tool_session_without_a_single_call_is_inconclusive() -> None:
+    n = fixture("tool_session--pass")
+    assert n["parsed"] > 0 and judge("tool_session", n).passed
+    n.update(parsed=0, emitted=0, no_call=n["turns"])
+    check = judge("tool_session", n)
+    assert not check.passed and check.inconclusive
+    assert result("tool_session", n, "h")["verdict"] == "inconclusive"
+
+
 def test_result_and_compare_render_a_grid(tmp_path: Path) -> None:
     for scenario in SCENARIOS:
         for system, kind in (("ours", "pass"), ("theirs", "fail")):
@@ -129,7 +148,7 @@ def test_result_and_compare_render_a_grid(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"box": "t", "scale": "quick", "systems": ["ours", "theirs"]}))
     text = compare([tmp_path])
     assert "| worker_kill | pass | **FAIL** |" in text
-    assert "| **passes** | 8/8 | 0/8 |" in text
+    assert "| **passes / applicable** | 8/8 | 0/8 |" in text
     assert text.count("Pass condition:") == 8
     assert "  - why: " in text
 

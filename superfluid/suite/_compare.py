@@ -1,7 +1,8 @@
 """``compare``: result directories -> one Markdown report.
 
 A manifest bullet per directory, a grid (scenario x system: ``pass``,
-``**FAIL**``, ``n/a``, ``error``) with a pass count per system, then one
+``**FAIL**``, ``n/a``, ``error``, ``inconclusive``) with passes over applicable
+cells per system (``n/a`` is not applicable and is counted beside), then one
 section per scenario: its pass condition, and per system the mark, the
 headline, the one-line reason when it did not pass, and the result file.
 """
@@ -16,7 +17,7 @@ from ._conditions import CONDITIONS
 
 __all__ = ["MARKS", "compare", "load_results"]
 
-MARKS = {"pass": "pass", "fail": "**FAIL**", "unsupported": "n/a", "error": "error"}
+MARKS = {"pass": "pass", "fail": "**FAIL**", "unsupported": "n/a", "error": "error", "inconclusive": "inconclusive"}
 _ORDER = list(CONDITIONS)
 
 
@@ -81,8 +82,9 @@ def compare(dirs: list[Path]) -> str:
     for col in columns:
         mine = [grid[(s, col)] for s in scenarios if (s, col) in grid]
         passed = sum(1 for c in mine if c["verdict"] == "pass")
-        totals.append(f"{passed}/{len(mine)}")
-    out.append("| **passes** | " + " | ".join(totals) + " |")
+        na = sum(1 for c in mine if c["verdict"] == "unsupported")
+        totals.append(f"{passed}/{len(mine) - na}" + (f" ({na} n/a)" if na else ""))
+    out.append("| **passes / applicable** | " + " | ".join(totals) + " |")
     for s in scenarios:
         out += ["", f"## {s}", ""]
         condition = next((grid[(s, col)].get("condition") for col in columns

@@ -27,6 +27,7 @@ SHARED_TTFT_RATIO_MAX = 0.5
 class Check:
     passed: bool
     why: str
+    inconclusive: bool = False  # the run could not show the property either way (not a pass, not a fail)
 
 
 def _fail(why: str) -> Check:
@@ -143,6 +144,9 @@ def tool_session(n: dict[str, Any]) -> Check:
         return _fail(f"{n.get('emitted')} tool calls emitted but {n.get('parsed')} parsed")
     if n.get("turns_done") != n.get("turns"):
         return _fail(f"only {n.get('turns_done')} of {n.get('turns')} turns done within the time budget")
+    if not n.get("parsed"):
+        return Check(False, f"{n.get('turns')} turns without a single tool call: nothing about tool calls was "
+                            f"shown", inconclusive=True)
     return Check(True, f"{n.get('turns')} turns, {n.get('parsed')} parsed calls, no leaks, no errors")
 
 
@@ -241,7 +245,8 @@ def judge(scenario: str, numbers: dict[str, Any]) -> Check:
 def result(scenario: str, numbers: dict[str, Any], headline: str) -> dict[str, Any]:
     """A scenario's result: the verdict comes from its check over ``numbers``."""
     check = judge(scenario, numbers)
-    return {"verdict": "pass" if check.passed else "fail", "headline": headline,
+    verdict = "pass" if check.passed else "inconclusive" if check.inconclusive else "fail"
+    return {"verdict": verdict, "headline": headline,
             "reason": "" if check.passed else check.why, "check": check.why,
             "condition": CONDITIONS[scenario], "numbers": numbers}
 
