@@ -38,6 +38,7 @@ from ._openai import (
     require_grammar, usage_of,
 )
 from ._params import sampling_from, stops_from
+from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -108,13 +109,13 @@ def conversation_log(app: App, cid: str) -> Any:
     """Raises ApiError 404 ``session_not_found`` unless ``cid`` is a conversation."""
     slog = app.conversations.get(cid)
     if slog is None:
-        raise ApiError(404, f"conversation '{cid}' not found", code="session_not_found")
+        raise ApiError(404, f"conversation '{public_id(cid)}' not found", code="session_not_found")
     return slog
 
 
 def busy_error(cid: str) -> ApiError:
-    return ApiError(409, f"conversation '{cid}' is generating; wait for its reply or stop it "
-                    f"(DELETE /v1/sessions/{cid}/generation)", code="session_busy")
+    return ApiError(409, f"conversation '{public_id(cid)}' is generating; wait for its reply or stop it "
+                    f"(DELETE /v1/sessions/{public_id(cid)}/generation)", code="session_busy")
 
 
 async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> Turn:
@@ -159,7 +160,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
             require_grammar(model, "tool_choice" if req.choice.forced else req.grammar_param)
             sampling = attrs.evolve(sampling, grammar=rendered.grammar)
         job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                            ignore_eos=req.ignore_eos)
+                            owner=Owner(tenant=state.header.get("tenant", "")), ignore_eos=req.ignore_eos)
         job.session = "s-" + uuid.uuid4().hex
         turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
                     parser=rendered.parser)
@@ -299,7 +300,7 @@ async def landed_summary(turn: Turn) -> dict[str, Any]:
     """What a reader reports when the turn's generation is done: the reply that joined the conversation."""
     with trio.move_on_after(LAND_WAIT_S):
         await turn.wait_landed()
-    return {"conversation": turn.conversation, "turn": turn.event_id, "event": turn.end_event if turn.landed else None,
+    return {"conversation": public_id(turn.conversation), "turn": turn.event_id, "event": turn.end_event if turn.landed else None,
             "message": turn.message}
 
 
