@@ -75,7 +75,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--max-conversation-bytes", type=_positive, default=16 << 20,
+                   help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
+    s.add_argument("--max-message-bytes", type=_positive, default=1 << 20,
+                   help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
+    s.add_argument("--max-conversation-events", type=_positive, default=10_000,
+                   help="events one conversation may hold; more is refused with 413 (default 10000)")
     return parser
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
         hang_timeout_s=args.hang_timeout,
+        max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
+        max_conversation_events=args.max_conversation_events,
     )
     try:
         trio.run(serve, config)

@@ -57,6 +57,9 @@ class ServeConfig:
     max_restarts: int = 3
     restart_window_s: float = 60.0
     api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
+    max_conversation_bytes: int = 16 << 20  # a conversation's logged events, in bytes (413 beyond)
+    max_message_bytes: int = 1 << 20        # one message of a conversation, in bytes (413 beyond)
+    max_conversation_events: int = 10_000   # events in one conversation (413 beyond)
 
 
 def default_sessions_dir() -> Path:

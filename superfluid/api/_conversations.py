@@ -12,6 +12,9 @@
   ``id:`` cursors, or one chat.completion once the reply has joined the
   conversation; ``x-superfluid-session`` names the generation session.
 * ``GET /v1/sessions/{id}/events?after=N&limit=L``: the events after ``N``.
+* Limits (``check_room``, before anything is logged): a message over
+  ``--max-message-bytes``, or a conversation that would pass
+  ``--max-conversation-bytes`` or ``--max-conversation-events``, is 413.
 * ``POST /v1/sessions/{id}/fork`` ``{at?, id?}``: 201, a new conversation
   holding the events up to ``at`` (default: all; a turn still running then
   is left out); ``id`` as for create.
@@ -40,7 +43,7 @@ from ._sessions import cancel_generation
 from ._principal import principal_of
 from ._tenancy import chosen_id, public_id, resolve
 from ._turns import (
-    SAMPLING_FIELDS, busy_error, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
+    SAMPLING_FIELDS, busy_error, check_room, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
 )
 
 if TYPE_CHECKING:
@@ -132,6 +135,7 @@ async def create_conversation(app: App, scope: dict[str, Any], body: dict[str, A
     messages = parse_messages(body) if body.get("messages") not in (None, []) else []
     head = body_conversation(model=model.name, system=system, tools=[t.to_openai() for t in tools] if tools else None,
                              sampling=sampling, template_kwargs=kwargs, tenant=principal_of(scope).tenant)
+    check_room(app, None, messages, header=head)
     try:
         await app.conversations.create(cid, head, messages)
     except SessionStateError:
@@ -156,6 +160,7 @@ async def append_messages(app: App, cid: str, body: dict[str, Any]) -> dict[str,
     async with store.ordered(cid):
         if store.busy(cid):
             raise busy_error(cid)
+        check_room(app, cid, messages)
         try:
             records = await store.append(cid, messages)
         except ValueError as exc:

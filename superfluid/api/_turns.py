@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._conversations import Turn
+from .._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, parse_qos
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .._model import ServedModel
     from ._app import App
 
-__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_sampling", "conversation_log", "landed_summary",
+__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
            "load_turn", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
 
 log = logging.getLogger("superfluid.conversations")
@@ -77,6 +77,32 @@ def check_sampling(model: ServedModel, fields: dict[str, Any], prefix: str = "")
             raise
         named = prefix + exc.param
         raise attrs.evolve(exc, message=exc.message.replace(exc.param, named, 1), param=named) from None
+
+
+def check_room(app: App, cid: str | None, messages: list[dict[str, Any]], *, header: dict[str, Any] | None = None,
+               events: int = 0) -> None:
+    """Refuse what would take conversation ``cid`` (None: a new one with
+    ``header``) past its limits: ``messages`` and ``events`` more events.
+
+    Raises:
+        ApiError: 413 ``message_too_large`` or ``conversation_too_large``, naming the limit.
+    """
+    cfg, store = app.config, app.conversations
+    sizes = [size_of(m) for m in messages]
+    head = size_of(header) if header is not None else 0
+    for param, n in ((("system", head),) if header is not None else ()) + tuple(
+            (f"messages[{i}]", n) for i, n in enumerate(sizes)):
+        if n > cfg.max_message_bytes:
+            raise ApiError(413, f"{param} takes {n} bytes; the limit is {cfg.max_message_bytes} "
+                           "(--max-message-bytes)", code="message_too_large", param=param)
+    held = store.size(cid) if cid is not None else head
+    count = (store.get(cid).event_count if cid is not None else 1) + len(messages) + events  # type: ignore[union-attr]
+    if count > cfg.max_conversation_events:
+        raise ApiError(413, f"the conversation would hold {count} events; the limit is "
+                       f"{cfg.max_conversation_events} (--max-conversation-events)", code="conversation_too_large")
+    if held + sum(sizes) > cfg.max_conversation_bytes:
+        raise ApiError(413, f"the conversation would hold {held + sum(sizes)} bytes; the limit is "
+                       f"{cfg.max_conversation_bytes} (--max-conversation-bytes)", code="conversation_too_large")
 
 
 def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str, Any]],
@@ -144,6 +170,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         raise busy_error(cid)
     async with store.preparing(cid):
         conversation_log(app, cid)  # (compaction may have dropped an idle one meanwhile)
+        check_room(app, cid, [], events=2)  # its ``turn`` and its end
         state = store.fold(cid)
         if not state.messages:
             raise ApiError(400, "invalid request: the conversation has no messages yet", param="messages")
