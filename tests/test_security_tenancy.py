@@ -9,6 +9,7 @@ key names them (then per tenant); conversations are bounded (413)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +19,15 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid._config import ApiKey, ServeConfig
+from superfluid._config import ApiKey, ModelSource, ServeConfig
 from superfluid.journal import SessionLog, open_journal
 from superfluid.proto import Admit, from_wire, to_wire
 from superfluid.proto._wal import MAGIC, WalRecord, body_conversation, body_created, encode_record, read_wal
+from superfluid.sched import PlannerConfig
 from superfluid.worker._executor import Executor
 from superfluid.worker._mock import MockEngine, WORD0
 
-from .conftest import Daemon, mock_config, start_daemon
+from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
 from .test_ws import expect, get, put, ws_url
 
 KEYS = (ApiKey.from_secret("a", "ka"), ApiKey.from_secret("b", "kb"), ApiKey.from_secret("c", "kc"))
@@ -328,4 +330,31 @@ async def test_conversation_limits_are_413_before_anything_is_logged(nursery: tr
                       "--max-conversation-events")
         page = (await c.get(f"/v1/sessions/{cid}/events")).json()
         assert page["last_event_id"] == 5 and not page["generating"]  # nothing refused reached the log
+    d.scope.cancel()
+
+
+# -- the real model ------------------------------------------------------------------------------------------------
+
+
+def _real_model() -> None:
+    if os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1":
+        pytest.importorskip("llama_cpp")
+        if not REAL_GGUF.exists():
+            pytest.skip(f"no model at {REAL_GGUF} (python -m superfluid._models fetches it)")
+
+
+@pytest.mark.real
+async def test_real_model_another_key_sees_no_cached_tokens(nursery: trio.Nursery) -> None:
+    """SmolLM2 on llama.cpp: the cross-key probe sees no cached tokens; the same key does."""
+    _real_model()
+    config = ServeConfig(models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),), port=0,
+                         max_batch=2, max_context=2048, planner=PlannerConfig(max_batch=2), hang_timeout_s=120.0,
+                         api_keys=KEYS)
+    d = await start_daemon(nursery, config)
+    with trio.fail_after(120):
+        async with client(d, A) as a, client(d, B) as b:
+            assert (await probe(a, model="smol"))[0] == 0
+            assert await probe(b, model="smol") == (0, "0")
+            cached, warm = await probe(a, model="smol")
+            assert cached > 0 and warm == str(cached)
     d.scope.cancel()
