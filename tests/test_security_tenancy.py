@@ -89,7 +89,9 @@ async def check_isolated(d: Daemon, sid: str, cid: str) -> None:
                                    ("POST", "/generate", {}), ("POST", "/fork", {})):
             same_404(await b.request(method, f"/v1/sessions/{cid}{tail}", json=body),
                      await b.request(method, f"/v1/sessions/c-none{tail}", json=body), cid, "c-none")
+        assert (await a.get(f"/v1/sessions/{sid}/stream")).status_code == 200  # (after a restart: rebuilt from the log)
         assert (await a.get(f"/v1/sessions/{sid}")).json()["text"]
+        same_404(await b.get(f"/v1/sessions/{sid}"), await b.get("/v1/sessions/s-none"), sid, "s-none")
         assert (await a.get(f"/v1/sessions/{cid}")).json()["messages"] == 1
         assert (await a.get(f"/v1/sessions/{cid}/events")).json()["last_event_id"] == 1  # b wrote nothing
 
