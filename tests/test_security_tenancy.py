@@ -22,10 +22,17 @@ from trio_websocket import open_websocket_url
 from superfluid._config import ApiKey, ModelSource, ServeConfig
 from superfluid.journal import SessionLog, open_journal
 from superfluid.proto import Admit, from_wire, to_wire
-from superfluid.proto._wal import MAGIC, WalRecord, body_conversation, body_created, encode_record, read_wal
+from superfluid.proto._wal import (
+    MAGIC,
+    WalRecord,
+    body_conversation,
+    body_created,
+    encode_record,
+    read_wal,
+)
 from superfluid.sched import PlannerConfig
 from superfluid.worker._executor import Executor
-from superfluid.worker._mock import MockEngine, WORD0
+from superfluid.worker._mock import WORD0, MockEngine
 
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
 from .test_ws import expect, get, put, ws_url

@@ -59,12 +59,11 @@ from ._wal_conversation import (
     body_turn_end,
     validate_conversation_body,
 )
-from ._wal_fields import MAX_TOKEN_ID
+from ._wal_fields import MAX_TOKEN_ID, tenant_field
 from ._wal_fields import int_field as _int_field
 from ._wal_fields import opt_str as _opt_str
 from ._wal_fields import plain as _plain
 from ._wal_fields import reason as _reason
-from ._wal_fields import tenant_field
 from ._wal_fields import tokens as _tokens
 
 __all__ = [
