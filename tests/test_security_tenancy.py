@@ -163,6 +163,24 @@ async def test_ownership_survives_a_restart(tmp_path: Path) -> None:
             d.scope.cancel()
 
 
+async def test_another_key_cannot_continue_a_response(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, keyed())
+    with trio.fail_after(30):
+        async with client(d, A) as a, client(d, B) as b:
+            r = await a.post("/v1/responses", json={"model": "mock", "input": "a secret", "max_output_tokens": 2})
+            rid = r.json()["id"]
+
+            async def follow(c: httpx.AsyncClient, prev: str) -> httpx.Response:
+                return await c.post("/v1/responses", json={"model": "mock", "input": "go on", "max_output_tokens": 2,
+                                                           "previous_response_id": prev})
+
+            theirs, unknown = await follow(b, rid), await follow(b, "resp_none")
+            assert theirs.status_code == unknown.status_code == 400
+            assert theirs.text.replace(rid, "?") == unknown.text.replace("resp_none", "?")
+            assert (await follow(a, rid)).status_code == 200
+    d.scope.cancel()
+
+
 def test_the_tenant_is_logged_and_an_old_record_belongs_to_tenant_none() -> None:
     bodies = [body_created(params={}, klass="agent", model="m", tenant="a"), body_conversation(model="m", tenant="b"),
               body_created(params={}, klass="agent", model="m")]
