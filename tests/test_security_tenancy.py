@@ -20,6 +20,7 @@ import trio
 from trio_websocket import open_websocket_url
 
 from superfluid._config import ApiKey, ModelSource, ServeConfig
+from superfluid._metrics import Metrics
 from superfluid.journal import SessionLog, open_journal
 from superfluid.proto import Admit, from_wire, to_wire
 from superfluid.proto._wal import (
@@ -30,11 +31,12 @@ from superfluid.proto._wal import (
     encode_record,
     read_wal,
 )
-from superfluid.sched import PlannerConfig
+from superfluid.sched import PlannerConfig, Scheduler, SchedulerConfig
 from superfluid.worker._executor import Executor
 from superfluid.worker._mock import WORD0, MockEngine
 
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
+from .test_scheduler import _burst, _Worker
 from .test_ws import expect, get, put, ws_url
 
 KEYS = (ApiKey.from_secret("a", "ka"), ApiKey.from_secret("b", "kb"), ApiKey.from_secret("c", "kc"))
@@ -385,3 +387,17 @@ async def test_real_model_another_key_sees_no_cached_tokens(nursery: trio.Nurser
             cached, warm = await probe(a, model="smol")
             assert cached > 0 and warm == str(cached)
     d.scope.cancel()
+
+
+async def test_the_shared_prefix_hold_is_per_partition() -> None:
+    """A job waits for a lane prefilling its long prefix only within its own
+    partition: another tenant's job is neither held (a timing probe) nor seeded."""
+    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    worker = _Worker()
+    jobs = _burst(1500, 3)
+    jobs[1].tenant = "b"
+    for job in jobs:
+        sched.submit(job)
+    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    admits = [e for e in worker.sent if isinstance(e, Admit)]
+    assert [a.cache_salt for a in admits] == ["", jobs[1].partition] and jobs[1].partition  # a's twin waits
