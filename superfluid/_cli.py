@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
+    s.add_argument("--max-conversation-bytes", type=_positive, default=16 << 20,
+                   help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
+    s.add_argument("--max-message-bytes", type=_positive, default=1 << 20,
+                   help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
+    s.add_argument("--max-conversation-events", type=_positive, default=10_000,
+                   help="events one conversation may hold; more is refused with 413 (default 10000)")
     return parser
 
 
@@ -113,6 +119,16 @@ def _security(args: argparse.Namespace) -> dict[str, object]:
     return {"api_keys": load_keys(api_key, args.key_policy, os.environ),
             "web_origins": tuple(parse_web_origin(o) for o in origins), "allowed_hosts": tuple(hosts),
             "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
         hang_timeout_s=args.hang_timeout, **security,  # type: ignore[arg-type]
+        max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
+        max_conversation_events=args.max_conversation_events,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

@@ -66,6 +66,9 @@ class ServeConfig:
     web_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's pages; "*": any
     rate_limit_rpm: int = 0               # requests a minute per TCP peer (0: no limit)
     insecure_no_auth: bool = False        # serve a non-loopback address with no key anyway
+    max_conversation_bytes: int = 16 << 20  # a conversation's logged events, in bytes (413 beyond)
+    max_message_bytes: int = 1 << 20        # one message of a conversation, in bytes (413 beyond)
+    max_conversation_events: int = 10_000   # events in one conversation (413 beyond)
 
 
 def default_sessions_dir() -> Path:

@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import msgpack
 import trio
 
 from .proto._wal import MESSAGE, TURN, TURN_END, body_fork, body_message, body_turn, body_turn_end
@@ -34,7 +35,12 @@ if TYPE_CHECKING:
     from .journal import Journal, SessionLog
     from .proto._wal import WalRecord
 
-__all__ = ["ConversationStore", "Folded", "Turn"]
+__all__ = ["ConversationStore", "Folded", "Turn", "size_of"]
+
+
+def size_of(value: Any) -> int:
+    """The bytes ``value`` (an event body, a message) takes in the log."""
+    return len(msgpack.packb(value, use_bin_type=True))
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -116,6 +122,7 @@ class ConversationStore:
         self._turns: dict[str, Turn] = {}       # by generation session id
         self._locks: dict[str, trio.Lock] = {}
         self._preparing: set[str] = set()       # conversations whose turn is being rendered and logged
+        self._sizes: dict[str, int] = {}        # bytes of each conversation's logged bodies, once asked
 
     @staticmethod
     def new_id() -> str:
@@ -132,6 +139,21 @@ class ConversationStore:
         """A turn is open in the log, or one is being started."""
         slog = self.get(cid)
         return cid in self._preparing or (slog is not None and slog.open_turn >= 0)
+
+    def size(self, cid: str) -> int:
+        """The bytes conversation ``cid``'s events take in the log (0 if it is none)."""
+        n = self._sizes.get(cid)
+        if n is None:
+            n = sum(size_of(rec.body) for rec in self.records(cid))
+            if self.get(cid) is not None:
+                self._sizes[cid] = n
+        return n
+
+    def _grew(self, records: list[WalRecord]) -> list[WalRecord]:
+        for rec in records:
+            if rec.session in self._sizes:
+                self._sizes[rec.session] += size_of(rec.body)
+        return records
 
     def records(self, cid: str, *, after: int = -1) -> list[WalRecord]:
         slog = self.get(cid)
@@ -196,7 +218,8 @@ class ConversationStore:
             SessionStateError: a session named ``cid`` exists.
         """
         items = [(cid, header), *((cid, body_message(message=m)) for m in messages)]
-        return await self.journal.append_many(items)
+        self._sizes.pop(cid, None)  # a name compaction freed and a client took again
+        return self._grew(await self.journal.append_many(items))
 
     async def append(self, cid: str, messages: list[dict[str, Any]]) -> list[WalRecord]:
         """Log messages (one durable write); the caller holds :meth:`ordered`.
@@ -204,11 +227,12 @@ class ConversationStore:
         Raises:
             SessionStateError: a turn is open.
         """
-        return await self.journal.append_many([(cid, body_message(message=m)) for m in messages])
+        return self._grew(await self.journal.append_many([(cid, body_message(message=m)) for m in messages]))
 
     async def begin(self, turn: Turn, params: Mapping[str, Any]) -> None:
         """Log the ``turn`` event and index the turn; sets ``turn.event_id``."""
         rec = await self.journal.append(turn.conversation, body_turn(generation=turn.generation, params=params))
+        self._grew([rec])
         turn.event_id = rec.event_id
         self.index(turn)
 
@@ -236,7 +260,7 @@ class ConversationStore:
             body = body_message(message=message, turn=turn_id, finish=finish)
         else:
             body = body_turn_end(turn=turn_id, finish=finish, error=error)
-        return await self.journal.append(cid, body)
+        return self._grew([await self.journal.append(cid, body)])[0]
 
     async def fork(self, cid: str, at: int, new: str) -> list[WalRecord]:
         """Log conversation ``new`` holding ``cid``'s events up to ``at`` and a ``fork`` marker.

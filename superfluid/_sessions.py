@@ -47,6 +47,10 @@ class LiveSession:
     attached: int = 0
     attach_changed: trio.Event = attrs.field(factory=trio.Event)
 
+    @property
+    def tenant(self) -> str:
+        return self.job.tenant
+
     def attach(self) -> None:
         self.attached += 1
         self._changed()
@@ -76,8 +80,10 @@ class SessionStore:
         job.session = job.session or "s-" + uuid.uuid4().hex
         params = {**job.sampling.to_dict(), "max_new": job.max_new, "ignore_eos": job.ignore_eos,
                   "stops": list(stops), "kind": kind, "resumable": resumable}
+        if job.cache_salt:
+            params["cache_salt"] = job.cache_salt
         await self.journal.append_many([
-            (job.session, body_created(params=params, klass=job.klass.name.lower(), model=model)),
+            (job.session, body_created(params=params, klass=job.klass.name.lower(), model=model, tenant=job.tenant)),
             (job.session, body_prompt(tokens=job.prompt)),
         ])
         session = LiveSession(id=job.session, job=job, model=model, kind=kind, stops=list(stops),
@@ -199,7 +205,7 @@ class SessionStore:
         job = Job(prompt=list(slog.prompt_tokens), sampling=sampling, max_new=int(params.get("max_new", 256)),
                   klass=QosClass[str(created.get("klass", "agent")).upper()],
                   ignore_eos=bool(params.get("ignore_eos", False)), session=slog.session,
-                  created=trio.current_time())
+                  tenant=slog.tenant, cache_salt=str(params.get("cache_salt", "")), created=trio.current_time())
         job.tokens = list(slog.generated_tokens)
         job.pieces = _pieces(slog)
         job.started = True

@@ -171,11 +171,10 @@ async def test_a_fork_at_an_event_generates_what_the_original_did_there(nursery:
         a2 = (await generate(c, cid))["choices"][0]["message"]["content"]
         source = await events(c, cid)
         for at, expected in ((4, a2), (1, a1)):
-            r = await c.post(f"/v1/sessions/{cid}/fork", json={"at": at, "id": f"fork-at-{at}"})
+            r = await c.post(f"/v1/sessions/{cid}/fork", json={"at": at})
             assert r.status_code == 201, r.text
             assert r.json()["forked_from"] == {"id": cid, "at": at}
             fork = r.json()["id"]
-            assert fork == f"fork-at-{at}"
             copied = await events(c, fork)
             assert [(e["id"], e["type"]) for e in copied[:-1]] == [(e["id"], e["type"]) for e in source[: at + 1]]
             assert copied[-1]["type"] == "fork" and copied[-1]["id"] == at + 1
@@ -218,15 +217,14 @@ async def test_conversation_errors_are_typed(nursery: trio.Nursery) -> None:
         await fails("POST", "/v1/sessions", 400, param="messages[0].role",
                     json={"model": "mock", "messages": [{"role": "wizard", "content": "x"}]})
         await fails("POST", "/v1/sessions", 400, param="tools", json={"model": "mock", "tools": {}})
-        cid = await create(c, id="named-1")
-        assert cid == "named-1"
-        await fails("POST", "/v1/sessions", 409, code="session_exists", json={"model": "mock", "id": "named-1"})
-        # a generation session's id is taken too, and it is no conversation
+        # ids are server-made (with no keys configured, a client cannot name one)
+        await fails("POST", "/v1/sessions", 400, param="id", json={"model": "mock", "id": "named-1"})
+        cid = await create(c)
+        # a generation session is no conversation
         async with c.stream("POST", "/v1/chat/completions", headers={"x-superfluid-resumable": "true"},
                             json={"model": "mock", "messages": [U1], "max_tokens": 2, "stream": True}) as r:
             gen = r.headers["x-superfluid-session"]
             await r.aread()
-        await fails("POST", "/v1/sessions", 409, code="session_exists", json={"model": "mock", "id": gen})
         await fails("POST", f"/v1/sessions/{gen}/messages", 404, code="session_not_found", json={"messages": [U1]})
         assert (await c.get(f"/v1/sessions/{gen}")).json()["completion_tokens"] == 2
         await fails("POST", f"/v1/sessions/{cid}/generate", 400, param="messages", json={})
@@ -321,14 +319,15 @@ async def test_ws_create_append_generate_events_fork(nursery: trio.Nursery) -> N
     d = await start_daemon(nursery, mock_config())
     with trio.fail_after(30):
         async with open_websocket_url(ws_url(d)) as ws:
-            await put(ws, op="create", id=1, body={"model": "mock", "sampling": SAMPLING, "id": "ws-conv"})
+            await put(ws, op="create", id=1, body={"model": "mock", "sampling": SAMPLING})
             created = await expect(ws, "created")
-            assert created["id"] == 1 and created["session"] == "ws-conv" and created["info"]["events"] == 1
-            await put(ws, op="append", id=2, session="ws-conv", body={"messages": [U1]})
-            assert await expect(ws, "appended") == {"op": "appended", "session": "ws-conv", "events": [1], "id": 2}
-            await put(ws, op="generate", id=3, session="ws-conv", body={"max_tokens": 10})
+            conv = created["session"]
+            assert created["id"] == 1 and created["info"]["events"] == 1
+            await put(ws, op="append", id=2, session=conv, body={"messages": [U1]})
+            assert await expect(ws, "appended") == {"op": "appended", "session": conv, "events": [1], "id": 2}
+            await put(ws, op="generate", id=3, session=conv, body={"max_tokens": 10})
             started = await expect(ws, "started")
-            assert started["id"] == 3 and started["conversation"] == "ws-conv" and started["turn"] == 2
+            assert started["id"] == 3 and started["conversation"] == conv and started["turn"] == 2
             gen, parts = started["session"], []
             while (msg := await get(ws))["op"] == "delta":
                 assert msg["session"] == gen
@@ -337,14 +336,14 @@ async def test_ws_create_append_generate_events_fork(nursery: trio.Nursery) -> N
             text = "".join(parts)
             assert text == await chat(d, [U1], max_tokens=10)
             assert msg["message"] == {"role": "assistant", "content": text}
-            await put(ws, op="generate", session="ws-conv", body={"temperature": "hot"})
+            await put(ws, op="generate", session=conv, body={"temperature": "hot"})
             assert (await expect(ws, "error"))["error"]["param"] == "temperature"
-            await put(ws, op="events", id=4, session="ws-conv", after=1)
+            await put(ws, op="events", id=4, session=conv, after=1)
             page = await expect(ws, "events")
             assert [e["type"] for e in page["events"]] == ["turn", "message"] and page["last_event_id"] == 3
-            await put(ws, op="fork", id=5, session="ws-conv", body={"at": 1})
+            await put(ws, op="fork", id=5, session=conv, body={"at": 1})
             forked = await expect(ws, "forked")
-            assert forked["source"] == "ws-conv" and forked["info"]["forked_from"] == {"id": "ws-conv", "at": 1}
+            assert forked["source"] == conv and forked["info"]["forked_from"] == {"id": conv, "at": 1}
             await put(ws, op="generate", session=forked["session"], body={"max_tokens": 10})
             await expect(ws, "started")
             parts = []
@@ -353,7 +352,7 @@ async def test_ws_create_append_generate_events_fork(nursery: trio.Nursery) -> N
             assert "".join(parts) == text and msg["op"] == "done"
             await put(ws, op="events", session="nope")
             assert (await expect(ws, "error"))["error"]["code"] == "session_not_found"
-            await put(ws, op="append", session="ws-conv", body=[1])
+            await put(ws, op="append", session=conv, body=[1])
             assert (await expect(ws, "error"))["error"]["param"] == "body"
     d.scope.cancel()
 

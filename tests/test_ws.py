@@ -11,6 +11,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
+from superfluid._config import ApiKey
 from superfluid.api import _ws
 
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text
@@ -156,28 +157,31 @@ async def test_ws_close_cancels_only_non_resumable(nursery: trio.Nursery) -> Non
     long = {**CHAT, "max_tokens": 100000}
     with trio.fail_after(20):
         async with open_websocket_url(ws_url(d)) as ws:
-            await put(ws, op="generate", body=long, resumable=True, session="keep-1")
-            await put(ws, op="generate", body=long, session="drop-1")
-            started = set()
+            await put(ws, op="generate", id="keep", body=long, resumable=True)
+            await put(ws, op="generate", id="drop", body=long)
+            started = {}
             while len(started) < 2:
                 msg = await get(ws)
                 if msg["op"] == "started":
-                    started.add(msg["session"])
-        assert started == {"keep-1", "drop-1"}
-        while (await d.client.get("/v1/sessions/drop-1")).json()["generating"]:
+                    started[msg["id"]] = msg["session"]
+        while (await d.client.get(f"/v1/sessions/{started['drop']}")).json()["generating"]:
             await trio.sleep(0.02)
-        assert (await d.client.get("/v1/sessions/drop-1")).json()["finish_reason"] == "cancelled"
-        keep = (await d.client.get("/v1/sessions/keep-1")).json()
+        assert (await d.client.get(f"/v1/sessions/{started['drop']}")).json()["finish_reason"] == "cancelled"
+        keep = (await d.client.get(f"/v1/sessions/{started['keep']}")).json()
         assert keep["generating"] and keep["followers"] == 0
-        assert (await d.client.delete("/v1/sessions/keep-1/generation")).status_code == 200
+        assert (await d.client.delete(f"/v1/sessions/{started['keep']}/generation")).status_code == 200
     d.scope.cancel()
 
 
 async def test_ws_second_generate_and_second_subscribe_are_refused(nursery: trio.Nursery) -> None:
-    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5"))
+    # a client names a session only when keys are configured (tests/test_security_tenancy.py)
+    keys = (ApiKey.from_secret("t", "kt"),)
+    d = await start_daemon(nursery, attrs.evolve(mock_config("mock?step_ms=5&prefill_us=5"), api_keys=keys))
     long = {**CHAT, "max_tokens": 100000}
+    auth = [("authorization", "Bearer kt")]
     with trio.fail_after(20):
-        async with open_websocket_url(ws_url(d)) as ws, open_websocket_url(ws_url(d)) as other:
+        async with open_websocket_url(ws_url(d), extra_headers=auth) as ws, \
+                open_websocket_url(ws_url(d), extra_headers=auth) as other:
             await put(ws, op="generate", body=long, resumable=True, session="story-1")
             assert (await expect(ws, "started"))["session"] == "story-1"
             # from another socket too
@@ -268,11 +272,11 @@ async def test_ws_a_client_that_does_not_read_is_closed_with_1008(nursery: trio.
         await r.aread()
     with trio.fail_after(60):
         async with open_websocket_url(ws_url(d), message_queue_size=1, max_message_size=1 << 22) as ws:
-            await put(ws, op="generate", body={**CHAT, "max_tokens": 100000}, resumable=True, session="live-1")
-            assert (await expect(ws, "started"))["session"] == "live-1"
+            await put(ws, op="generate", body={**CHAT, "max_tokens": 100000}, resumable=True)
+            live = (await expect(ws, "started"))["session"]
             for _ in range(600):  # each reply carries ~20 KB: more than the socket buffers hold
                 await put(ws, op="get", session=big_sid)
-            while (await d.client.get("/v1/sessions/live-1")).json()["followers"]:
+            while (await d.client.get(f"/v1/sessions/{live}")).json()["followers"]:
                 await trio.sleep(0.05)  # the server gave up on this client while it still reads nothing
             n = 0
             with pytest.raises(ConnectionClosed) as info:
@@ -281,6 +285,6 @@ async def test_ws_a_client_that_does_not_read_is_closed_with_1008(nursery: trio.
                     n += 1
             assert info.value.reason.code == 1008
             assert n < 600
-        assert (await d.client.get("/v1/sessions/live-1")).json()["generating"]
-        assert (await d.client.delete("/v1/sessions/live-1/generation")).status_code == 200
+        assert (await d.client.get(f"/v1/sessions/{live}")).json()["generating"]
+        assert (await d.client.delete(f"/v1/sessions/{live}/generation")).status_code == 200
     d.scope.cancel()

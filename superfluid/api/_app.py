@@ -221,13 +221,13 @@ class App:
         if m:
             sid, tail = m.group(1), m.group(2)
             if tail is None and method == "GET":
-                await get_session(self, send, sid)
+                await get_session(self, scope, send, sid)
                 return
             if tail == "/stream" and method == "GET":
                 await stream_session(self, scope, receive, send, sid)
                 return
             if tail == "/generation" and method == "DELETE":
-                await delete_generation(self, send, sid)
+                await delete_generation(self, scope, send, sid)
                 return
             raise ApiError(405, f"method {method} not allowed on {path}")
         if path == "/v1/tokenize" and method == "POST":

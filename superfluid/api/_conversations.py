@@ -1,8 +1,10 @@
 """The conversation routes: server-side chat histories (SPEC.md §7, "Conversations").
 
 * ``POST /v1/sessions`` ``{model, system?, tools?, sampling?, messages?,
-  chat_template_kwargs?, id?}``: 201, a new conversation (``c-<hex>`` unless
-  ``id`` names it; an id in use is 409 ``session_exists``).
+  chat_template_kwargs?, id?}``: 201, a new conversation ``c-<hex>``. ``id``
+  names it only when keys are configured (the name is the tenant's own:
+  ``api/_tenancy.py``; one it already uses is 409 ``session_exists``); with
+  no keys it is 400 (ids are server-made).
 * ``POST /v1/sessions/{id}/messages`` ``{messages}``: append (validated as
   chat messages); the new event ids. 409 ``session_busy`` while a turn runs.
 * ``POST /v1/sessions/{id}/generate`` ``{stream?, qos?, tool_choice?,
@@ -10,9 +12,15 @@
   ``id:`` cursors, or one chat.completion once the reply has joined the
   conversation; ``x-superfluid-session`` names the generation session.
 * ``GET /v1/sessions/{id}/events?after=N&limit=L``: the events after ``N``.
+* Limits (``check_room``, before anything is logged): a message over
+  ``--max-message-bytes``, or a conversation that would pass
+  ``--max-conversation-bytes`` or ``--max-conversation-events``, is 413.
 * ``POST /v1/sessions/{id}/fork`` ``{at?, id?}``: 201, a new conversation
   holding the events up to ``at`` (default: all; a turn still running then
-  is left out).
+  is left out); ``id`` as for create.
+
+Every conversation belongs to the tenant that created it; for any other
+tenant its id answers as an unknown one (:func:`own_conversation`).
 * For a conversation, ``GET /v1/sessions/{id}`` describes it, ``GET
   …/stream`` follows its current or last turn from a token cursor, and
   ``DELETE …/generation`` stops its running turn.
@@ -32,17 +40,17 @@ from ..proto._wal import body_conversation
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._openai import parse_messages, parse_tools
 from ._sessions import cancel_generation
+from ._principal import principal_of
+from ._tenancy import chosen_id, public_id, resolve
 from ._turns import (
-    SAMPLING_FIELDS, busy_error, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
+    SAMPLING_FIELDS, busy_error, check_room, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
 )
 
 if TYPE_CHECKING:
     from ._app import App
 
-__all__ = ["SESSION_ID", "append_messages", "conversation_info", "create_conversation", "events_page",
-           "fork_conversation", "route_conversations"]
-
-SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+__all__ = ["append_messages", "conversation_info", "create_conversation", "events_page", "fork_conversation",
+           "own_conversation", "route_conversations"]
 CREATE_FIELDS = frozenset({"model", "system", "tools", "sampling", "messages", "chat_template_kwargs", "id"})
 MAX_EVENTS_PAGE = 10_000
 _ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z]+)?)?")
@@ -54,23 +62,35 @@ def _only(body: dict[str, Any], allowed: frozenset[str]) -> None:
             raise ApiError(400, f"invalid request: unknown field {key!r}", param=key)
 
 
-def _new_id(app: App, name: Any) -> str:
-    """A fresh ``c-<hex>`` id, or the client's name if it is free.
+def _new_id(app: App, scope: dict[str, Any], name: Any) -> str:
+    """A fresh ``c-<hex>`` id, or the stored id of the client's name if its tenant does not use it yet.
 
     Raises:
-        ApiError: 400 a bad name; 409 ``session_exists``.
+        ApiError: 400 a name with no keys configured, or a bad name; 409 ``session_exists``.
     """
     if name is None:
         return app.conversations.new_id()
-    if not isinstance(name, str) or not SESSION_ID.fullmatch(name):
-        raise ApiError(400, "invalid request: id must match [A-Za-z0-9_.-]{1,128}", param="id")
-    if name in app.sessions.journal.sessions or name in app.sessions.live:
-        raise _exists(name)
-    return name
+    sid = chosen_id(app, scope, name, "id")
+    if sid in app.sessions.journal.sessions or sid in app.sessions.live:
+        raise _exists(sid)
+    return sid
 
 
-def _exists(name: str) -> ApiError:
-    return ApiError(409, f"session '{name}' already exists; name a new one", code="session_exists", param="id")
+def _exists(sid: str) -> ApiError:
+    return ApiError(409, f"session '{public_id(sid)}' already exists; name a new one", code="session_exists",
+                    param="id")
+
+
+def own_conversation(app: App, scope: dict[str, Any], cid: str) -> str:
+    """The stored id of the conversation the scope's tenant calls ``cid``.
+
+    Raises:
+        ApiError: 404 ``session_not_found``, the same for another tenant's as for none.
+    """
+    own = resolve(app, scope, cid)
+    if own is None or app.conversations.get(own) is None:
+        raise ApiError(404, f"conversation '{cid}' not found", code="session_not_found")
+    return own
 
 
 def conversation_info(app: App, cid: str) -> dict[str, Any]:
@@ -83,21 +103,21 @@ def conversation_info(app: App, cid: str) -> dict[str, Any]:
     state = app.conversations.fold(cid)
     last = state.turns.get(state.last_turn)
     header_ = state.header
-    return {"id": cid, "object": "session", "kind": "conversation", "model": header_["model"],
+    return {"id": public_id(cid), "object": "session", "kind": "conversation", "model": header_["model"],
             "system": header_["system"], "tools": header_["tools"], "sampling": header_["sampling"],
             "events": slog.event_count, "last_event_id": slog.last_event_id, "messages": len(state.messages),
             "generating": app.conversations.busy(cid), "generation": last["generation"] if last else None}
 
 
-async def create_conversation(app: App, body: dict[str, Any]) -> dict[str, Any]:
-    """Create a conversation; its info.
+async def create_conversation(app: App, scope: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+    """Create a conversation owned by the scope's tenant; its info.
 
     Raises:
         ApiError: 400 naming ``param``; 404 unknown model; 409 ``session_exists``.
     """
     _only(body, CREATE_FIELDS)
     model = await app.resolve_model(body.get("model"))
-    cid = _new_id(app, body.get("id"))
+    cid = _new_id(app, scope, body.get("id"))
     system = body.get("system")
     if system is not None and not isinstance(system, str):
         raise ApiError(400, "invalid request: system must be a string", param="system")
@@ -114,7 +134,8 @@ async def create_conversation(app: App, body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
     messages = parse_messages(body) if body.get("messages") not in (None, []) else []
     head = body_conversation(model=model.name, system=system, tools=[t.to_openai() for t in tools] if tools else None,
-                             sampling=sampling, template_kwargs=kwargs)
+                             sampling=sampling, template_kwargs=kwargs, tenant=principal_of(scope).tenant)
+    check_room(app, None, messages, header=head)
     try:
         await app.conversations.create(cid, head, messages)
     except SessionStateError:
@@ -139,11 +160,12 @@ async def append_messages(app: App, cid: str, body: dict[str, Any]) -> dict[str,
     async with store.ordered(cid):
         if store.busy(cid):
             raise busy_error(cid)
+        check_room(app, cid, messages)
         try:
             records = await store.append(cid, messages)
         except ValueError as exc:
             raise ApiError(400, f"invalid request: {exc}", param="messages") from None
-    return {"id": cid, "object": "session.messages", "events": [r.event_id for r in records]}
+    return {"id": public_id(cid), "object": "session.messages", "events": [r.event_id for r in records]}
 
 
 def events_page(app: App, cid: str, *, after: int = -1, limit: int = 1000) -> dict[str, Any]:
@@ -155,11 +177,11 @@ def events_page(app: App, cid: str, *, after: int = -1, limit: int = 1000) -> di
     slog = conversation_log(app, cid)
     records = slog.records(after)
     events = [{"id": r.event_id, "type": r.body["type"], "ts": r.ts, **r.body} for r in records[:limit]]
-    return {"object": "session.events", "id": cid, "events": events, "has_more": len(records) > limit,
+    return {"object": "session.events", "id": public_id(cid), "events": events, "has_more": len(records) > limit,
             "last_event_id": slog.last_event_id, "generating": app.conversations.busy(cid)}
 
 
-async def fork_conversation(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+async def fork_conversation(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> dict[str, Any]:
     """Fork ``cid`` at event ``body["at"]`` (default: its last); the new conversation's info.
 
     Raises:
@@ -170,12 +192,12 @@ async def fork_conversation(app: App, cid: str, body: dict[str, Any]) -> dict[st
     at = body.get("at", slog.last_event_id)
     if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= slog.last_event_id:
         raise ApiError(400, f"invalid request: at must be an event id in 0..{slog.last_event_id}", param="at")
-    new = _new_id(app, body.get("id"))
+    new = _new_id(app, scope, body.get("id"))
     try:
         await app.conversations.fork(cid, at, new)
     except SessionStateError:
         raise _exists(new) from None
-    return {**conversation_info(app, new), "forked_from": {"id": cid, "at": at}}
+    return {**conversation_info(app, new), "forked_from": {"id": public_id(cid), "at": at}}
 
 
 def _query_int(scope: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
@@ -205,11 +227,18 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     if cid is None:
         if method != "POST":
             raise ApiError(405, f"method {method} not allowed on /v1/sessions")
-        await send_json(send, 201, await create_conversation(app, decode_json(await read_body(scope, receive))))
+        await send_json(send, 201, await create_conversation(app, scope, decode_json(await read_body(scope, receive))))
         return True
     wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET"}.get(tail or "")
     if wanted is not None and method != wanted:
         raise ApiError(405, f"method {method} not allowed on {scope['path']}")
+    if wanted is not None:
+        cid = own_conversation(app, scope, cid)
+    else:
+        own = resolve(app, scope, cid)
+        if own is None or app.conversations.get(own) is None:
+            return False  # a generation session (or none the caller owns): GET /v1/sessions/{id}, …/stream, …
+        cid = own
     if tail == "/messages":
         await send_json(send, 200, await append_messages(app, cid, decode_json(await read_body(scope, receive))))
     elif tail == "/generate":
@@ -220,13 +249,11 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         turn = await start_turn(app, scope, cid, body)
         await (stream_turn(send, receive, turn, 0) if stream else send_turn(send, receive, turn))
     elif tail == "/fork":
-        await send_json(send, 201, await fork_conversation(app, cid, await _optional_json(scope, receive)))
+        await send_json(send, 201, await fork_conversation(app, scope, cid, await _optional_json(scope, receive)))
     elif tail == "/events":
         page = events_page(app, cid, after=_query_int(scope, "after", -1, -1, 2**62),
                            limit=_query_int(scope, "limit", 1000, 1, MAX_EVENTS_PAGE))
         await send_json(send, 200, page)
-    elif app.conversations.get(cid) is None:
-        return False  # a generation session: GET /v1/sessions/{id}, …/stream, …/generation
     elif tail is None and method == "GET":
         await send_json(send, 200, conversation_info(app, cid))
     elif tail == "/stream" and method == "GET":
@@ -234,10 +261,10 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     elif tail == "/generation" and method == "DELETE":
         slog = conversation_log(app, cid)
         if slog.open_turn < 0:
-            raise ApiError(409, f"conversation '{cid}' has no turn running", code="no_generation")
+            raise ApiError(409, f"conversation '{public_id(cid)}' has no turn running", code="no_generation")
         generation = app.conversations.fold(cid).turns[slog.open_turn]["generation"]
-        cancel_generation(app, generation)
-        await send_json(send, 200, {"id": cid, "object": "session.generation", "generation": generation,
+        cancel_generation(app, scope, generation)
+        await send_json(send, 200, {"id": public_id(cid), "object": "session.generation", "generation": generation,
                                     "cancelled": True})
     else:
         return False

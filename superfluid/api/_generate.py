@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .._model import ServedModel
     from .._sessions import LiveSession
     from ._app import App
+    from ._tenancy import Owner
 
 __all__ = ["Follower", "access_log", "prepare", "watch_disconnect"]
 
@@ -45,10 +46,12 @@ async def prepare(
     sampling: Sampling,
     max_tokens: int | None,
     klass: QosClass,
+    owner: Owner,
     ignore_eos: bool = False,
     add_special: bool = False,
 ) -> Job:
-    """Tokenize, check the window, and build (not yet submit) the job.
+    """Tokenize, check the window, and build (not yet submit) the job, owned
+    by ``owner`` (its tenant and prefix-cache partition).
 
     Raises:
         ApiError: 400 ``context_length_exceeded``; 503 if no worker can serve.
@@ -65,7 +68,7 @@ async def prepare(
         )
     max_new = room if max_tokens is None else min(max_tokens, room)
     return Job(prompt=prompt, sampling=sampling, max_new=max(1, max_new), klass=klass, ignore_eos=ignore_eos,
-               created=trio.current_time())
+               tenant=owner.tenant, cache_salt=owner.cache_salt, created=trio.current_time())
 
 
 async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str],

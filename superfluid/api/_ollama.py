@@ -26,6 +26,7 @@ from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
 from ._openai import (
     ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
 )
+from ._tenancy import Owner, owner_of
 from ._params import number, sampling_from
 
 if TYPE_CHECKING:
@@ -37,9 +38,9 @@ __all__ = ["api_chat", "api_embed", "api_generate", "api_ps", "api_show", "api_t
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
 _CHAT_FIELDS = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think", "logprobs",
-                "top_logprobs", "truncate", "shift"}
+                "top_logprobs", "truncate", "shift", "cache_salt"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
-                    "options", "keep_alive", "think", "logprobs", "top_logprobs", "truncate", "shift"}
+                    "options", "keep_alive", "think", "logprobs", "top_logprobs", "truncate", "shift", "cache_salt"}
 _OPTIONS = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", "seed", "repeat_penalty",
             "presence_penalty", "frequency_penalty", "stop"}
 
@@ -228,6 +229,7 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
         _check_fields(body, _CHAT_FIELDS)
+        owner = owner_of(scope, body)
         model = await app.resolve_model(_name(app, body.get("model")))
         messages = _messages(body.get("messages") or [])
         if not messages:
@@ -239,7 +241,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
             messages=messages, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
             max_tokens=budget, tools=tools, choice=parse_tool_choice(None, tools), grammar=_grammar(body.get("format")),
             grammar_param="format", template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [])
-        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True))
+        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), owner)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -247,6 +249,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
 async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
         _check_fields(body, _GENERATE_FIELDS)
+        owner = owner_of(scope, body)
         model = await app.resolve_model(_name(app, body.get("model")))
         if body.get("suffix"):
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this model",
@@ -271,7 +274,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
             max_tokens=budget, grammar=_grammar(body.get("format")), grammar_param="format",
             template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [],
             raw_prompt=prompt if raw else "")
-        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True))
+        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), owner)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -320,10 +323,10 @@ def _record(model: str, kind: str, text: str, thinking: str, calls: list[ToolCal
 
 
 async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, model: ServedModel, req: ChatRequest,
-               kind: str, stream: Any) -> None:
+               kind: str, stream: Any, owner: Owner) -> None:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
-    async with open_reply(app, model, req, receive, klass=qos_of(app, scope)) as reply:
+    async with open_reply(app, model, req, receive, klass=qos_of(app, scope), owner=owner) as reply:
         if not stream:
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)

@@ -32,6 +32,7 @@ from ._generate import Follower, access_log, end, prepare, resumable_requested, 
 from ._http import ApiError, Receive, Send, header, send_json
 from ._params import integer, sampling_from, stops_from
 from ._principal import principal_of
+from ._tenancy import Owner, owner_of
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -230,7 +231,7 @@ class Reply:
 
 @asynccontextmanager
 async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Receive, *,
-                     klass: QosClass) -> AsyncIterator[Reply]:
+                     klass: QosClass, owner: Owner) -> AsyncIterator[Reply]:
     """Render, submit and follow one chat turn.
 
     Raises:
@@ -247,7 +248,7 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
         sampling = attrs.evolve(sampling, grammar=rendered.grammar)
     add_special = bool(req.raw_prompt) and bool(model.info.get("add_bos", False))
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                        ignore_eos=req.ignore_eos, add_special=add_special)
+                        owner=owner, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
     await start(app, model, job, kind="chat", stops=stops)
     try:
@@ -521,6 +522,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
                     chat: bool) -> None:
     model = await app.resolve_model(body.get("model"))
     klass = qos_of(app, scope)
+    owner = owner_of(scope, body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
@@ -550,7 +552,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             require_grammar(model, "response_format")
             sampling = attrs.evolve(sampling, grammar=grammar)
         job = await prepare(model, [(prompt, True)], sampling=sampling, max_tokens=_max_tokens(body), klass=klass,
-                            ignore_eos=bool(body.get("ignore_eos", False)),
+                            owner=owner, ignore_eos=bool(body.get("ignore_eos", False)),
                             add_special=bool(model.info.get("add_bos", False)))
         if stream and resumable_requested(scope):
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
@@ -572,11 +574,11 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             require_grammar(model, req.grammar_param)
             sampling = attrs.evolve(sampling, grammar=rendered.grammar)
         job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                            ignore_eos=req.ignore_eos)
+                            owner=owner, ignore_eos=req.ignore_eos)
         await run_resumable(app, model, job, kind="chat", stops=[*req.stops, *rendered.stops], receive=receive,
                             send=send)
         return
-    async with open_reply(app, model, req, receive, klass=klass) as reply:
+    async with open_reply(app, model, req, receive, klass=klass, owner=owner) as reply:
         if stream:
             await _stream_chat(send, reply, rid=rid, created=created)
         else:

@@ -28,6 +28,7 @@ from ._openai import (
     SSE_HEADERS, ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of,
     thinking_kwargs, tool_from,
 )
+from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ _UNSUPPORTED = ("background", "conversation", "prompt")
 class _Stored:
     model: str
     messages: list[dict[str, Any]]  # the conversation after this response, without instructions
+    tenant: str = ""                # only its tenant may continue it
 
 
 class ResponseStore:
@@ -173,12 +175,13 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         if body.get(key):
             raise ApiError(400, f"{key} is not supported", code="unsupported_parameter", param=key)
     store = _store(app)
+    owner = owner_of(scope, body)
     prev_id = body.get("previous_response_id")
     history: list[dict[str, Any]] = []
     model_name = body.get("model")
     if prev_id is not None:
         prev = store.get(prev_id) if isinstance(prev_id, str) else None
-        if prev is None:
+        if prev is None or prev.tenant != owner.tenant:  # another tenant's answers as a missing one
             raise ApiError(400, f"previous response '{prev_id}' not found", code="previous_response_not_found",
                            param="previous_response_id")
         history = list(prev.messages)
@@ -215,13 +218,13 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         "truncation": body.get("truncation") or "disabled", "error": None, "incomplete_details": None,
         "output": [], "status": "in_progress", "usage": None,
     }
-    async with open_reply(app, model, req, receive, klass=qos_of(app, scope)) as reply:
+    async with open_reply(app, model, req, receive, klass=qos_of(app, scope), owner=owner) as reply:
         if stream:
             final = await _stream(send, reply, base)
         else:
             final = await _whole(reply, base)
         if final["store"] and final["status"] in ("completed", "incomplete"):
-            store.put(final["id"], _Stored(model.name, conversation + _as_messages(final["output"])))
+            store.put(final["id"], _Stored(model.name, conversation + _as_messages(final["output"]), owner.tenant))
         if not stream:
             await send_json(send, 200, final)
 

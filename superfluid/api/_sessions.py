@@ -25,6 +25,7 @@ from urllib.parse import parse_qs
 from ..proto import SSE_DONE, encode_sse_json
 from ._generate import Follower, end, start, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
+from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -76,7 +77,7 @@ async def stream_live(send: Send, session: LiveSession, follower: Follower, *, m
         return obj
 
     await send({"type": "http.response.start", "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-superfluid-session", session.id.encode())]})
+                "headers": [*SSE_HEADERS, (b"x-superfluid-session", public_id(session.id).encode())]})
     session.attach()
     try:
         if first and chat:
@@ -116,16 +117,22 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
         await end(app, job, resumable=True)
 
 
-def live_session(app: App, sid: str) -> LiveSession:
-    """The live session ``sid``. Raises ApiError 404 ``session_not_found``."""
-    session = app.sessions.lookup(sid)
+def not_found(sid: str) -> ApiError:
+    """What every route answers for a session the caller's tenant does not own (or nobody does)."""
+    return ApiError(404, f"session '{sid}' not found", code="session_not_found")
+
+
+def live_session(app: App, scope: dict[str, Any], sid: str) -> LiveSession:
+    """The live session the scope's tenant calls ``sid``. Raises ApiError 404 ``session_not_found``."""
+    own = resolve(app, scope, sid)
+    session = app.sessions.lookup(own) if own is not None else None
     if session is None:
-        raise ApiError(404, f"session '{sid}' not found", code="session_not_found")
+        raise not_found(sid)
     return session
 
 
 async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send: Send, sid: str) -> None:
-    session = live_session(app, sid)
+    session = live_session(app, scope, sid)
     raw = header(scope, "last-event-id")
     if raw is None:
         raw = (parse_qs(scope.get("query_string", b"").decode()).get("after") or ["0"])[0]
@@ -141,16 +148,17 @@ async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send
         await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
 
 
-def session_info(app: App, sid: str) -> dict[str, Any]:
+def session_info(app: App, scope: dict[str, Any], sid: str) -> dict[str, Any]:
     """What ``GET /v1/sessions/{id}`` (and the WebSocket ``get``) reports.
 
     Raises:
         ApiError: 404 ``session_not_found``.
     """
-    live = app.sessions.live.get(sid)
-    slog = app.sessions.journal.sessions.get(sid)
-    if live is None and slog is None:
-        raise ApiError(404, f"session '{sid}' not found", code="session_not_found")
+    own = resolve(app, scope, sid)
+    if own is None:
+        raise not_found(sid)
+    live = app.sessions.live.get(own)
+    slog = app.sessions.journal.sessions.get(own)
     if live is not None:
         job = live.job
         text = b"".join(job.pieces).decode("utf-8", "replace")
@@ -163,23 +171,23 @@ def session_info(app: App, sid: str) -> dict[str, Any]:
             "text": slog.text, "finish_reason": slog.finish, "followers": 0}
 
 
-async def get_session(app: App, send: Send, sid: str) -> None:
-    await send_json(send, 200, session_info(app, sid))
+async def get_session(app: App, scope: dict[str, Any], send: Send, sid: str) -> None:
+    await send_json(send, 200, session_info(app, scope, sid))
 
 
-def cancel_generation(app: App, sid: str) -> None:
+def cancel_generation(app: App, scope: dict[str, Any], sid: str) -> None:
     """Stop a live session's generation (``DELETE …/generation``, WebSocket ``cancel``).
 
     Raises:
         ApiError: 404 ``session_not_found``; 409 ``no_generation`` if it is not generating.
     """
-    job = live_session(app, sid).job
+    job = live_session(app, scope, sid).job
     if job.done:
         raise ApiError(409, f"session '{sid}' has no generation in flight", code="no_generation")
     if job.scheduler is not None:
         job.scheduler.cancel(job)
 
 
-async def delete_generation(app: App, send: Send, sid: str) -> None:
-    cancel_generation(app, sid)
+async def delete_generation(app: App, scope: dict[str, Any], send: Send, sid: str) -> None:
+    cancel_generation(app, scope, sid)
     await send_json(send, 200, {"id": sid, "object": "session.generation", "cancelled": True})

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._conversations import Turn
+from .._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, parse_qos
@@ -39,12 +39,13 @@ from ._openai import (
 )
 from ._params import sampling_from, stops_from
 from ._principal import principal_of
+from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
     from .._model import ServedModel
     from ._app import App
 
-__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_sampling", "conversation_log", "landed_summary",
+__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
            "load_turn", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
 
 log = logging.getLogger("superfluid.conversations")
@@ -79,6 +80,32 @@ def check_sampling(model: ServedModel, fields: dict[str, Any], prefix: str = "")
         raise attrs.evolve(exc, message=exc.message.replace(exc.param, named, 1), param=named) from None
 
 
+def check_room(app: App, cid: str | None, messages: list[dict[str, Any]], *, header: dict[str, Any] | None = None,
+               events: int = 0) -> None:
+    """Refuse what would take conversation ``cid`` (None: a new one with
+    ``header``) past its limits: ``messages`` and ``events`` more events.
+
+    Raises:
+        ApiError: 413 ``message_too_large`` or ``conversation_too_large``, naming the limit.
+    """
+    cfg, store = app.config, app.conversations
+    sizes = [size_of(m) for m in messages]
+    head = size_of(header) if header is not None else 0
+    for param, n in ((("system", head),) if header is not None else ()) + tuple(
+            (f"messages[{i}]", n) for i, n in enumerate(sizes)):
+        if n > cfg.max_message_bytes:
+            raise ApiError(413, f"{param} takes {n} bytes; the limit is {cfg.max_message_bytes} "
+                           "(--max-message-bytes)", code="message_too_large", param=param)
+    held = store.size(cid) if cid is not None else head
+    count = (store.get(cid).event_count if cid is not None else 1) + len(messages) + events  # type: ignore[union-attr]
+    if count > cfg.max_conversation_events:
+        raise ApiError(413, f"the conversation would hold {count} events; the limit is "
+                       f"{cfg.max_conversation_events} (--max-conversation-events)", code="conversation_too_large")
+    if held + sum(sizes) > cfg.max_conversation_bytes:
+        raise ApiError(413, f"the conversation would hold {held + sum(sizes)} bytes; the limit is "
+                       f"{cfg.max_conversation_bytes} (--max-conversation-bytes)", code="conversation_too_large")
+
+
 def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str, Any]],
              params: dict[str, Any]) -> ChatRequest:
     """The chat request of a turn: the conversation so far and the turn's fields."""
@@ -110,13 +137,13 @@ def conversation_log(app: App, cid: str) -> Any:
     """Raises ApiError 404 ``session_not_found`` unless ``cid`` is a conversation."""
     slog = app.conversations.get(cid)
     if slog is None:
-        raise ApiError(404, f"conversation '{cid}' not found", code="session_not_found")
+        raise ApiError(404, f"conversation '{public_id(cid)}' not found", code="session_not_found")
     return slog
 
 
 def busy_error(cid: str) -> ApiError:
-    return ApiError(409, f"conversation '{cid}' is generating; wait for its reply or stop it "
-                    f"(DELETE /v1/sessions/{cid}/generation)", code="session_busy")
+    return ApiError(409, f"conversation '{public_id(cid)}' is generating; wait for its reply or stop it "
+                    f"(DELETE /v1/sessions/{public_id(cid)}/generation)", code="session_busy")
 
 
 async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> Turn:
@@ -145,6 +172,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         raise busy_error(cid)
     async with store.preparing(cid):
         conversation_log(app, cid)  # (compaction may have dropped an idle one meanwhile)
+        check_room(app, cid, [], events=2)  # its ``turn`` and its end
         state = store.fold(cid)
         if not state.messages:
             raise ApiError(400, "invalid request: the conversation has no messages yet", param="messages")
@@ -161,7 +189,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
             require_grammar(model, "tool_choice" if req.choice.forced else req.grammar_param)
             sampling = attrs.evolve(sampling, grammar=rendered.grammar)
         job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                            ignore_eos=req.ignore_eos)
+                            owner=Owner(tenant=state.header.get("tenant", "")), ignore_eos=req.ignore_eos)
         job.session = "s-" + uuid.uuid4().hex
         turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
                     parser=rendered.parser)
@@ -301,7 +329,7 @@ async def landed_summary(turn: Turn) -> dict[str, Any]:
     """What a reader reports when the turn's generation is done: the reply that joined the conversation."""
     with trio.move_on_after(LAND_WAIT_S):
         await turn.wait_landed()
-    return {"conversation": turn.conversation, "turn": turn.event_id, "event": turn.end_event if turn.landed else None,
+    return {"conversation": public_id(turn.conversation), "turn": turn.event_id, "event": turn.end_event if turn.landed else None,
             "message": turn.message}
 
 

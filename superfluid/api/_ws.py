@@ -4,9 +4,11 @@ Client to server (``id`` is an optional client reference echoed in replies):
 
 * ``{"op":"generate","id":R,"body":{chat completion body},"resumable":false,"session":S?}``
   starts a generation as a streamed chat request does and follows it from
-  cursor 0: ``started``, then ``delta``… and ``done``. ``session`` optionally
-  names the new session (``[A-Za-z0-9_.-]{1,128}``); naming one that is
-  generating is refused (``session_busy``), one that exists (``session_exists``).
+  cursor 0: ``started``, then ``delta``… and ``done``. With keys configured,
+  ``session`` optionally names the new session (``[A-Za-z0-9_.-]{1,128}``, a
+  name of the key's tenant); naming one that is generating is refused
+  (``session_busy``), one that exists (``session_exists``). With no keys ids
+  are server-made and ``session`` naming a new one is 400.
 * ``{"op":"subscribe","session":S,"after":N}``: ``subscribed``, then replay
   after token cursor ``N`` (default 0) and follow live.
 * ``{"op":"unsubscribe","session":S}``: ``unsubscribed``; no ``delta`` for S after it.
@@ -53,6 +55,9 @@ Lifetimes, one nursery per socket::
         ├── follower  one per subscription, in its own cancel scope
         └── owner     one per generation started here: ``end()`` in ``finally``
 
+Every op on an existing session or conversation answers one of another
+tenant exactly as an unknown id (``api/_tenancy.py``).
+
 Closing the socket stops only its followers: resumable generations run on into
 the log (``--resume-ttl``); non-resumable ones started on this socket are
 cancelled, as an HTTP disconnect cancels its request.
@@ -62,7 +67,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import weakref
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
@@ -79,8 +83,9 @@ from ._openai import (
 )
 from ._params import integer, sampling_from, stops_from
 from ._principal import principal_of
-from ._conversations import append_messages, create_conversation, events_page, fork_conversation
+from ._conversations import append_messages, create_conversation, events_page, fork_conversation, own_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
+from ._tenancy import chosen_id, owner_of, public_id, resolve
 from ._turns import landed_summary, start_turn
 
 if TYPE_CHECKING:
@@ -96,7 +101,6 @@ log = logging.getLogger("superfluid.ws")
 WS_PATH = "/v1/ws"
 CLOSE_POLICY = 1008     # RFC 6455 7.4.1: policy violation (here: the client does not read)
 CLOSE_TOO_BIG = 1009    # message too big
-SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @attrs.frozen(kw_only=True)
@@ -256,8 +260,10 @@ class _Socket:
     # -- ops -------------------------------------------------------------------------------------------------------
 
     async def _op_generate(self, msg: dict[str, Any], ref: Any) -> None:
-        if isinstance(msg.get("session"), str) and self.app.conversations.get(msg["session"]) is not None:
-            await self._generate_turn(msg["session"], _body_of(msg), ref)
+        named = msg.get("session")
+        own = resolve(self.app, self.scope, named) if isinstance(named, str) else None
+        if own is not None and self.app.conversations.get(own) is not None:
+            await self._generate_turn(named, own, _body_of(msg), ref)
             return
         body = msg.get("body")
         if not isinstance(body, dict):
@@ -270,12 +276,9 @@ class _Socket:
         if not self.app.accepting:
             raise ApiError(503, "the server is draining and accepts no new requests", code="draining")
         self._check_room()
-        sid = msg.get("session")
+        sid = None if named is None else chosen_id(self.app, self.scope, named, "session")
         claims = _claims.setdefault(self.app.sessions, set())
         if sid is not None:
-            if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
-                raise ApiError(400, "invalid message: session must match [A-Za-z0-9_.-]{1,128}",
-                               code="invalid_message", param="session")
             self._check_unused(sid, claims)
             claims.add(sid)
         slot = ExitStack()  # the key's max_concurrent slot, held until the generation ends (``_own``)
@@ -292,25 +295,25 @@ class _Socket:
             if sid is not None:
                 claims.discard(sid)
         self.work.start_soon(self._own, job, resumable, slot)
-        await self._emit(_with_ref({"op": "started", "session": session.id, "model": model.name,
+        await self._emit(_with_ref({"op": "started", "session": public_id(session.id), "model": model.name,
                                     "resumable": resumable}, ref))
         self._follow(session, 0, ack=None)
 
-    async def _generate_turn(self, cid: str, body: dict[str, Any], ref: Any) -> None:
+    async def _generate_turn(self, cid: str, own: str, body: dict[str, Any], ref: Any) -> None:
         self._check_room()
-        turn = await start_turn(self.app, self.scope, cid, body)
+        turn = await start_turn(self.app, self.scope, own, body)
         assert turn.session is not None
         await self._emit(_with_ref({"op": "started", "session": turn.generation, "conversation": cid,
                                     "turn": turn.event_id, "model": turn.session.model, "resumable": True}, ref))
         self._follow(turn.session, 0, ack=None)
 
     async def _op_create(self, msg: dict[str, Any], ref: Any) -> None:
-        info = await create_conversation(self.app, _body_of(msg))
+        info = await create_conversation(self.app, self.scope, _body_of(msg))
         await self._emit(_with_ref({"op": "created", "session": info["id"], "info": info}, ref))
 
     async def _op_append(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
-        done = await append_messages(self.app, sid, _body_of(msg))
+        done = await append_messages(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
         await self._emit(_with_ref({"op": "appended", "session": sid, "events": done["events"]}, ref))
 
     async def _op_events(self, msg: dict[str, Any], ref: Any) -> None:
@@ -320,22 +323,25 @@ class _Socket:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ApiError(400, f"invalid message: {name} must be an integer >= {lo}", code="invalid_message",
                                param=name)
-        page = events_page(self.app, sid, after=after, limit=min(limit, 10_000))
+        page = events_page(self.app, own_conversation(self.app, self.scope, sid), after=after,
+                           limit=min(limit, 10_000))
         await self._emit(_with_ref({"op": "events", "session": sid, "events": page["events"],
                                     "has_more": page["has_more"], "last_event_id": page["last_event_id"]}, ref))
 
     async def _op_fork(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
-        info = await fork_conversation(self.app, sid, _body_of(msg))
+        info = await fork_conversation(self.app, self.scope, own_conversation(self.app, self.scope, sid),
+                                       _body_of(msg))
         await self._emit(_with_ref({"op": "forked", "session": info["id"], "source": sid, "info": info}, ref))
 
     def _check_unused(self, sid: str, claims: set[str]) -> None:
         live = self.app.sessions.live.get(sid)
+        name = public_id(sid)
         if sid in claims or (live is not None and not live.job.done):
-            raise ApiError(409, f"session '{sid}' is generating; cancel it or wait for its done before "
+            raise ApiError(409, f"session '{name}' is generating; cancel it or wait for its done before "
                            "generating on it again", code="session_busy", param="session")
         if live is not None or sid in self.app.sessions.journal.sessions:
-            raise ApiError(409, f"session '{sid}' already exists; name a new session", code="session_exists",
+            raise ApiError(409, f"session '{name}' already exists; name a new session", code="session_exists",
                            param="session")
 
     def _check_room(self) -> None:
@@ -344,14 +350,14 @@ class _Socket:
                            code="too_many_subscriptions")
 
     async def _op_subscribe(self, msg: dict[str, Any], ref: Any) -> None:
-        session = live_session(self.app, _session_of(msg))
+        session = live_session(self.app, self.scope, _session_of(msg))
         after = msg.get("after", 0)
         n = len(session.job.tokens)
         if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= n:
             raise ApiError(400, f"invalid message: after must be a token cursor in 0..{n}", code="invalid_message",
                            param="after")
-        self._follow(session, after, ack=_with_ref({"op": "subscribed", "session": session.id, "cursor": after},
-                                                   ref))
+        self._follow(session, after, ack=_with_ref({"op": "subscribed", "session": public_id(session.id),
+                                                    "cursor": after}, ref))
 
     async def _op_unsubscribe(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
@@ -363,11 +369,11 @@ class _Socket:
 
     async def _op_cancel(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
-        cancel_generation(self.app, sid)
+        cancel_generation(self.app, self.scope, sid)
         await self._emit(_with_ref({"op": "cancelled", "session": sid}, ref))
 
     async def _op_get(self, msg: dict[str, Any], ref: Any) -> None:
-        info = session_info(self.app, _session_of(msg))
+        info = session_info(self.app, self.scope, _session_of(msg))
         await self._emit(_with_ref({"op": "session", "session": info}, ref))
 
     # -- tasks -----------------------------------------------------------------------------------------------------
@@ -378,17 +384,18 @@ class _Socket:
         Raises:
             ApiError: 409 ``already_subscribed``; 429 ``too_many_subscriptions``.
         """
-        if session.id in self.subs:
-            raise ApiError(409, f"this socket already follows session '{session.id}'; unsubscribe first",
+        sid = public_id(session.id)  # a socket is one tenant's: its names do not collide
+        if sid in self.subs:
+            raise ApiError(409, f"this socket already follows session '{sid}'; unsubscribe first",
                            code="already_subscribed")
         self._check_room()
         scope = trio.CancelScope()
-        self.subs[session.id] = scope
+        self.subs[sid] = scope
         self.work.start_soon(self._run_follower, session, cursor, scope, ack)
 
     async def _run_follower(self, session: LiveSession, cursor: int, scope: trio.CancelScope,
                             ack: dict[str, Any] | None) -> None:
-        sid = session.id
+        sid = public_id(session.id)
         follower = follower_at(session, cursor)
         session.attach()
         try:
@@ -406,7 +413,7 @@ class _Socket:
                     if done:
                         last = {"op": "done", "session": sid, "cursor": follower.cursor,
                                 "finish_reason": follower.finish, "usage": usage_of(session.job)}
-                        turn = self.app.conversations.turn(sid)
+                        turn = self.app.conversations.turn(session.id)
                         if turn is not None:  # a conversation's turn: done once its reply joined it
                             last.update(await landed_summary(turn), finish_reason=turn.finish or follower.finish)
                         await self._emit(last)
@@ -464,6 +471,7 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
     Raises:
         ApiError: whatever the HTTP route would answer with a 4xx/5xx.
     """
+    owner = owner_of(scope, body)
     model = await app.resolve_model(body.get("model"))
     klass = qos_of(app, scope)
     if integer(body, "n", lo=1, hi=128, default=1) != 1:
@@ -489,5 +497,5 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
         require_grammar(model, req.grammar_param)
         sampling = attrs.evolve(sampling, grammar=rendered.grammar)
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                        ignore_eos=req.ignore_eos)
+                        owner=owner, ignore_eos=req.ignore_eos)
     return model, job, [*req.stops, *rendered.stops]

@@ -93,6 +93,11 @@ class SessionLog:
     # -- reading ----------------------------------------------------------------
 
     @property
+    def tenant(self) -> str:
+        """The tenant that owns the session or conversation ("" when its header says none)."""
+        return str((self.created or self.conversation or {}).get("tenant", ""))
+
+    @property
     def done(self) -> bool:
         """True once the session has ended (a finish, ``Finished`` or ``Cancelled``)."""
         return self.finish is not None

@@ -6,7 +6,10 @@ Codes ``>= 0x80`` are *droppable* (telemetry): a peer that does not know one
 skips it. An unknown *required* code is a :class:`RemoteProtocolError`.
 
 Fields hold only msgpack-native values (ints, floats, str, bytes, lists,
-dicts), so ``from_wire(to_wire(m)) == m`` for every message ``m``.
+dicts), so ``from_wire(to_wire(m)) == m`` for every message ``m``. A field
+added after version 1 is marked ``metadata={"since": 1}``: it goes on the wire
+only when it differs from its default, so a peer that predates it reads
+every message that does not use it exactly as before.
 """
 
 from __future__ import annotations
@@ -148,6 +151,8 @@ class Admit(Event):
     sampling: Sampling = attrs.field(factory=Sampling)
     ignore_eos: bool = False
     priority: int = attrs.field(default=2, validator=_nonneg)   # QoS class: 0 most urgent; orders prefill
+    # prefix-cache partition: KV computed under one salt is reused only under the same salt
+    cache_salt: str = attrs.field(default="", metadata={"since": 1})
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:
@@ -302,6 +307,9 @@ _HINTS: dict[type[Any], dict[str, Any]] = {
 _FIELDS: dict[type[Event], tuple[str, ...]] = {
     cls: tuple(f.name for f in attrs.fields(cls)) for cls in _REGISTRY.values()
 }
+_LATER: dict[type[Event], dict[str, Any]] = {  # fields sent only when not their default
+    cls: {f.name: f.default for f in attrs.fields(cls) if "since" in f.metadata} for cls in _REGISTRY.values()
+}
 
 
 def _type_ok(value: Any, ann: Any) -> bool:
@@ -345,8 +353,11 @@ def _check_types(cls: type[Event], payload: dict[str, Any]) -> None:
 
 def to_wire(event: Event) -> bytes:
     payload: dict[str, Any] = {}
+    later = _LATER[type(event)]
     for name in _FIELDS[type(event)]:
         value = getattr(event, name)
+        if name in later and value == later[name]:
+            continue
         payload[name] = value.to_dict() if isinstance(value, Sampling) else value
     return msgpack.packb([event.code, payload], use_bin_type=True)
 

@@ -59,7 +59,7 @@ from ._wal_conversation import (
     body_turn_end,
     validate_conversation_body,
 )
-from ._wal_fields import MAX_TOKEN_ID
+from ._wal_fields import MAX_TOKEN_ID, tenant_field
 from ._wal_fields import int_field as _int_field
 from ._wal_fields import opt_str as _opt_str
 from ._wal_fields import plain as _plain
@@ -137,9 +137,10 @@ BODY_TYPES: Final = frozenset({CREATED, PROMPT, GENERATED, FINISHED, EPOCH_BUMP,
 DAEMON_SESSION: Final = ""
 
 
-def body_created(*, params: Mapping[str, Any], klass: str, model: str) -> dict[str, Any]:
-    """A session starts: sampling ``params``, QoS ``klass``, ``model`` name."""
-    return validate_body({"type": CREATED, "params": params, "klass": klass, "model": model})
+def body_created(*, params: Mapping[str, Any], klass: str, model: str, tenant: str = "") -> dict[str, Any]:
+    """A session starts: sampling ``params``, QoS ``klass``, ``model`` name, and
+    the ``tenant`` that owns it (absent when "": a keyless daemon's only tenant)."""
+    return validate_body({"type": CREATED, "params": params, "klass": klass, "model": model, "tenant": tenant})
 
 
 def body_prompt(*, tokens: Sequence[int], text: str | None = None) -> dict[str, Any]:
@@ -171,7 +172,9 @@ def validate_body(body: Mapping[str, Any]) -> dict[str, Any]:
     The canonical form is a fresh dict with ``type`` first, every field of the
     type present (optional ones as ``None``), token spans as lists of ints and
     nested values msgpack-native. Decoding an encoded canonical body gives an
-    equal dict.
+    equal dict. The one exception is ``tenant`` (``created``, ``conversation``):
+    it is present only when not "", so a keyless daemon writes the records it
+    always wrote and a record without it belongs to tenant "".
 
     Raises:
         ValueError: unknown type, missing or extra fields, or a bad value.
@@ -190,14 +193,15 @@ def validate_body(body: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{kind} is missing {sorted(required - fields)}")
 
     if kind == CREATED:
-        _only({"params", "klass", "model"}, {"params", "klass", "model"})
+        _only({"params", "klass", "model", "tenant"}, {"params", "klass", "model"})
         params = body["params"]
         if not isinstance(params, Mapping):
             raise ValueError("created.params must be a map")
         klass, model = body["klass"], body["model"]
         if type(klass) is not str or type(model) is not str:
             raise ValueError("created.klass and created.model must be strings")
-        return {"type": CREATED, "params": _plain(params), "klass": klass, "model": model}
+        return {"type": CREATED, "params": _plain(params), "klass": klass, "model": model,
+                **tenant_field("created.tenant", body.get("tenant"))}
     if kind == PROMPT:
         _only({"tokens", "text"}, {"tokens"})
         return {"type": PROMPT, "tokens": _tokens(body["tokens"]), "text": _opt_str("prompt.text", body.get("text"))}
@@ -230,7 +234,7 @@ def validate_body(body: Mapping[str, Any]) -> dict[str, Any]:
 
 # per conversation body type: (allowed fields, required fields)
 _CONVERSATION_FIELDS: Final = {
-    CONVERSATION: ({"model", "system", "tools", "sampling", "template_kwargs"}, {"model", "sampling"}),
+    CONVERSATION: ({"model", "system", "tools", "sampling", "template_kwargs", "tenant"}, {"model", "sampling"}),
     MESSAGE: ({"message", "turn", "finish"}, {"message"}),
     TURN: ({"generation", "params"}, {"generation", "params"}),
     TURN_END: ({"turn", "finish", "error"}, {"turn", "finish"}),

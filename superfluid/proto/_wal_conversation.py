@@ -4,10 +4,11 @@ A conversation is a session of its own kind in ``wal.log``. Its first event
 is ``conversation`` and every later one is in :data:`CONVERSATION_EVENTS`;
 it never ends (compaction bounds how many are kept). Bodies:
 
-* ``conversation{model, system, tools, sampling, template_kwargs}``: the
-  model, an optional system prompt, OpenAI ``tools`` (or None), the default
-  request fields of each turn (``temperature``, ``max_tokens``, ``stop``...)
-  and chat-template arguments.
+* ``conversation{model, system, tools, sampling, template_kwargs, tenant}``:
+  the model, an optional system prompt, OpenAI ``tools`` (or None), the
+  default request fields of each turn (``temperature``, ``max_tokens``,
+  ``stop``...), chat-template arguments and the tenant that owns it (absent
+  for the tenant "").
 * ``message{message, turn, finish}``: one OpenAI chat message joins the
   conversation. ``turn`` (the id of a ``turn`` event) and ``finish`` are set
   exactly on the assistant reply that ends that turn.
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, plain, reason
+from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, plain, reason, tenant_field
 
 __all__ = [
     "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "TURN", "TURN_END", "body_conversation",
@@ -46,10 +47,11 @@ _MAX_ID: Final = 256  # as MAX_SESSION_ID in _wal.py
 
 def body_conversation(*, model: str, system: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                       sampling: Mapping[str, Any] | None = None,
-                      template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A conversation starts."""
+                      template_kwargs: Mapping[str, Any] | None = None, tenant: str = "") -> dict[str, Any]:
+    """A conversation starts, owned by ``tenant``."""
     return validate_conversation_body({"type": CONVERSATION, "model": model, "system": system, "tools": tools,
-                                       "sampling": sampling or {}, "template_kwargs": template_kwargs or {}})
+                                       "sampling": sampling or {}, "template_kwargs": template_kwargs or {},
+                                       "tenant": tenant})
 
 
 def body_message(*, message: Mapping[str, Any], turn: int | None = None, finish: str | None = None) -> dict[str, Any]:
@@ -95,7 +97,8 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": CONVERSATION, "model": model, "system": opt_str("conversation.system", body.get("system")),
                 "tools": None if tools is None else plain(tools),
                 "sampling": map_field("conversation.sampling", body["sampling"]),
-                "template_kwargs": map_field("conversation.template_kwargs", body.get("template_kwargs") or {})}
+                "template_kwargs": map_field("conversation.template_kwargs", body.get("template_kwargs") or {}),
+                **tenant_field("conversation.tenant", body.get("tenant"))}
     if kind == MESSAGE:
         message = map_field("message.message", body["message"])
         if message.get("role") not in MESSAGE_ROLES:

@@ -8,7 +8,8 @@ import array
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["MAX_INT", "MAX_TOKEN_ID", "error_field", "int_field", "map_field", "opt_str", "plain", "reason", "tokens"]
+__all__ = ["MAX_INT", "MAX_TOKEN_ID", "error_field", "int_field", "map_field", "opt_str", "plain", "reason", "tenant_field",
+           "tokens"]
 
 MAX_INT: Final = 2**63 - 1
 MAX_TOKEN_ID: Final = 2**32 - 1  # token arrays are stored as u32 in memory
@@ -76,3 +77,12 @@ def error_field(name: str, value: object) -> object:
     if not isinstance(value, Mapping):
         raise ValueError(f"{name} must be a string, a map or None")
     return plain(value)
+
+
+def tenant_field(name: str, value: object) -> dict[str, str]:
+    """``{"tenant": value}``, or ``{}`` for the tenant "" (absent in the log)."""
+    if value is None or value == "":
+        return {}
+    if type(value) is not str or len(value) > 256:
+        raise ValueError(f"{name} must be a string of at most 256 characters")
+    return {"tenant": value}

@@ -11,7 +11,9 @@ cursor, never stall a lane.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from enum import Enum
 from typing import Any
 
@@ -21,7 +23,7 @@ import trio
 from ..proto import Sampling
 from ._qos import QosClass
 
-__all__ = ["Job", "JobError", "JobState"]
+__all__ = ["Job", "JobError", "JobState", "cache_partition"]
 
 _ids = itertools.count(1)
 
@@ -30,6 +32,16 @@ class JobState(Enum):
     QUEUED = "queued"
     RUNNING = "running"
     DONE = "done"
+
+
+def cache_partition(tenant: str, cache_salt: str) -> str:
+    """The prefix-cache partition of a job: KV computed under one partition is
+    never reused under another. "" (no keys, no ``cache_salt``) is the one
+    partition of a keyless daemon; otherwise a digest, so the worker never
+    sees tenant names or salts."""
+    if not tenant and not cache_salt:
+        return ""
+    return hashlib.sha256(json.dumps([tenant, cache_salt]).encode()).hexdigest()[:32]
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +63,8 @@ class Job:
     ignore_eos: bool = False
     id: int = attrs.field(factory=lambda: next(_ids))
     session: str = ""
+    tenant: str = ""                # who made it (principal_of(scope).tenant); "" with no keys
+    cache_salt: str = ""            # the request's ``cache_salt``; with ``tenant``, its prefix-cache partition
     tokens: list[int] = attrs.field(factory=list)        # committed: durable, what readers see
     pieces: list[bytes] = attrs.field(factory=list)
     logprobs: list[Any] = attrs.field(factory=list)
@@ -77,6 +91,10 @@ class Job:
     admitted_at: float | None = None
     done_at: float | None = None
     _changed: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def partition(self) -> str:
+        return cache_partition(self.tenant, self.cache_salt)
 
     @property
     def done(self) -> bool:

@@ -128,7 +128,7 @@ class Scheduler:
         job.seq = next(self._seq)
         job.created = job.created or trio.current_time()
         if len(job.prompt) > HOLD_MIN_SHARED and job.prefix_key is None:
-            job.prefix_key = hash(tuple(job.prompt[:HOLD_MIN_SHARED]))
+            job.prefix_key = hash((job.partition, tuple(job.prompt[:HOLD_MIN_SHARED])))
         self.queues[job.klass].append(job)
         self._gauges()
         self._poke()
@@ -424,6 +424,7 @@ class Scheduler:
         return Admit(
             lane=lane, tokens=job.prompt + generated, n_prompt=len(job.prompt),
             max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
+            cache_salt=job.partition,
         )
 
     def _dequeue(self, job_id: int) -> Job | None:

@@ -16,6 +16,9 @@ whose positions do not continue its sequence):
 * A cached sequence about to be overwritten is exported to the host cache
   (:mod:`._hostcache`) when it is long and held nowhere else; an admission
   imports a host entry when it covers more of the prompt than any sequence.
+* Every sequence and host entry carries the cache salt (``Admit.cache_salt``)
+  it was computed under; a lane reuses, copies or imports KV only of its own
+  salt, so one tenant's prompt is never a prefix hit for another.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class _Slot:
     tokens: list[int] = attrs.field(factory=list)   # what the sequence's KV holds
     owner: int | None = None                         # lane tag, or None if cached/free
     last_use: int = 0
+    salt: str = ""                                   # the cache partition its KV was computed under
 
 
 def counter_seed(seed: int, k: int) -> int:
@@ -122,11 +126,11 @@ class Executor:
         tokens = list(msg.tokens)
         if len(tokens) >= self.info.n_ctx_seq:
             raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
-        seq, matched, src = self._pick_slot(tokens)
+        seq, matched, src = self._pick_slot(tokens, msg.cache_salt)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
         self._preserve(seq, keep=0 if src is not None else matched, src=src)
-        imported = self._import(seq, tokens, better_than=matched)
+        imported = self._import(seq, tokens, msg.cache_salt, better_than=matched)
         if imported is not None:
             matched = imported
         elif src is not None and src != seq:
@@ -136,6 +140,7 @@ class Executor:
                 self.engine.seq_rm(seq, 0, -1)
                 matched = 0
         slot.tokens = tokens[:matched]
+        slot.salt = msg.cache_salt
         slot.owner = msg.lane
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
@@ -146,8 +151,9 @@ class Executor:
         self.stats["cached_tokens"] += lane.cached
         return lane
 
-    def _pick_slot(self, tokens: list[int]) -> tuple[int, int, int | None]:
+    def _pick_slot(self, tokens: list[int], salt: str = "") -> tuple[int, int, int | None]:
         """Choose a free sequence for ``tokens``: (seq, tokens reusable, source seq).
+        Only sequences computed under ``salt`` count as matches.
 
         Per-sequence layout: llama.cpp's per-sequence KV costs grow with the
         span of sequence ids in a batch (lanes on 0,5,7,9 decode about 1.5x
@@ -168,7 +174,7 @@ class Executor:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
             self._recent_live.append(len(live))
-            matches = [common_prefix(slot.tokens, tokens, limit) for slot in self.slots]
+            matches = [common_prefix(slot.tokens, tokens, limit) if slot.salt == salt else 0 for slot in self.slots]
             # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
             # copy of a better match once (0.4-10 ms, by its length and the machine's load)
             spans = {i: _span([*live, i]) for i in free}
@@ -183,7 +189,7 @@ class Executor:
         free_seq = -1
         for i, slot in enumerate(self.slots):
             if slot.owner is None:
-                n = common_prefix(slot.tokens, tokens, limit)
+                n = common_prefix(slot.tokens, tokens, limit) if slot.salt == salt else 0
                 if n < len(slot.tokens):
                     n = 0  # a shared pool reuses a cached sequence only whole
                 key = (n, -slot.last_use)
@@ -217,6 +223,7 @@ class Executor:
                 self.engine.seq_rm(spare, 0, -1)
                 self.engine.seq_cp(seq, spare, 0, -1)
                 self.slots[spare].tokens, self.slots[spare].last_use = list(slot.tokens), slot.last_use
+                self.slots[spare].salt = slot.salt
                 self.stats["demoted"] += 1
                 return
         self._spill(seq, keep=keep)
@@ -236,29 +243,30 @@ class Executor:
         self.engine.seq_cp(src, dst, 0, n)
 
     def _held_elsewhere(self, seq: int) -> bool:
-        tokens = self.slots[seq].tokens
+        tokens, salt = self.slots[seq].tokens, self.slots[seq].salt
         n = len(tokens)
-        return any(i != seq and common_prefix(other.tokens, tokens, n) == n for i, other in enumerate(self.slots))
+        return any(i != seq and other.salt == salt and common_prefix(other.tokens, tokens, n) == n
+                   for i, other in enumerate(self.slots))
 
     def _spill(self, seq: int, *, keep: int) -> None:
         """``seq``'s cached tokens past ``keep`` are about to be overwritten:
         export the sequence first if that prefix is worth keeping and no other
         sequence holds it."""
         slot = self.slots[seq]
-        if len(slot.tokens) - keep < HOST_MIN_TOKENS or not self.host.wants(slot.tokens):
+        if len(slot.tokens) - keep < HOST_MIN_TOKENS or not self.host.wants(slot.tokens, slot.salt):
             return
         if self._held_elsewhere(seq):
             return
         data = self.engine.seq_export(seq)
         if data:
-            self.host.put(slot.tokens, data)
+            self.host.put(slot.tokens, data, slot.salt)
 
-    def _import(self, seq: int, tokens: list[int], *, better_than: int) -> int | None:
-        """Seed ``seq`` from the host cache if an entry covers at least
+    def _import(self, seq: int, tokens: list[int], salt: str, *, better_than: int) -> int | None:
+        """Seed ``seq`` from the host cache if an entry of ``salt`` covers at least
         ``HOST_MIN_TOKENS`` more of ``tokens`` than ``better_than``. Returns
         the tokens now in ``seq`` (0 if the import failed and left it empty),
         or None if nothing was tried (``seq`` untouched)."""
-        found = self.host.best(tokens, len(tokens) - 1, whole=self.shared)
+        found = self.host.best(tokens, len(tokens) - 1, salt, whole=self.shared)
         if found is None or found[1] < better_than + HOST_MIN_TOKENS:
             return None
         key, n = found

@@ -7,7 +7,8 @@ long enough to be worth it. A later admission whose prompt starts with a
 stored prefix imports it (``Engine.seq_import``) instead of prefilling it.
 
 The store is bounded in bytes and evicts the least recently used entry. It
-is plain data: the executor does every engine call.
+is plain data: the executor does every engine call. Each entry keeps the
+cache salt it was computed under and matches only prompts of that salt.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MAX_ENTRIES = 512   # every admission looks through the entries
 class HostEntry:
     tokens: list[int]
     data: bytes
+    salt: str = ""
 
 
 class HostCache:
@@ -42,36 +44,38 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def wants(self, tokens: list[int]) -> bool:
+    def wants(self, tokens: list[int], salt: str = "") -> bool:
         """Whether a prefix of ``tokens`` is worth exporting: long enough and
-        not already covered by a stored entry."""
+        not already covered by a stored entry of ``salt``."""
         if self.budget_bytes <= 0 or len(tokens) < HOST_MIN_TOKENS:
             return False
-        return not any(_covers(entry.tokens, tokens) for entry in self._entries.values())
+        return not any(e.salt == salt and _covers(e.tokens, tokens) for e in self._entries.values())
 
-    def put(self, tokens: list[int], data: bytes) -> None:
+    def put(self, tokens: list[int], data: bytes, salt: str = "") -> None:
         """Store ``data`` (the exported KV of ``tokens``), evicting the least
         recently used entries to stay within the byte budget. Entries that
         the new one covers are dropped."""
         if len(data) > self.budget_bytes:
             return
-        for key in [k for k, e in self._entries.items() if _covers(tokens, e.tokens)]:
+        for key in [k for k, e in self._entries.items() if e.salt == salt and _covers(tokens, e.tokens)]:
             self._drop(key)
         while self._entries and (self.bytes + len(data) > self.budget_bytes or len(self._entries) >= MAX_ENTRIES):
             self._drop(next(iter(self._entries)))
             self.stats["evicted"] += 1
         self._next += 1
-        self._entries[self._next] = HostEntry(tokens=list(tokens), data=data)
+        self._entries[self._next] = HostEntry(tokens=list(tokens), data=data, salt=salt)
         self.bytes += len(data)
         self.stats["stored"] += 1
 
-    def best(self, tokens: list[int], limit: int, *, whole: bool) -> tuple[int, int] | None:
-        """The entry sharing the longest prefix with ``tokens`` (at most
+    def best(self, tokens: list[int], limit: int, salt: str = "", *, whole: bool) -> tuple[int, int] | None:
+        """The entry of ``salt`` sharing the longest prefix with ``tokens`` (at most
         ``limit`` tokens): ``(key, shared)``, or None. ``whole``: only entries
         that are entirely a prefix of ``tokens`` count (a shared pool cannot
         trim an imported sequence)."""
         found: tuple[int, int] | None = None
         for key, entry in self._entries.items():
+            if entry.salt != salt:
+                continue
             n = common_prefix(entry.tokens, tokens, limit)
             if whole and n < len(entry.tokens):
                 continue
