@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from ._config import ModelSource, ServeConfig
+from .api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ._models import default_model_path, model_name, resolve_runtime
 from .journal import JournalLocked, WalCorrupt
 from .nursery import WorkerLoadFailed
@@ -75,7 +78,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
+                   help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
+                        f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
+                        f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    s.add_argument("--body-timeout", type=_positive(float), default=30.0,
+                   help="seconds a request body may take to arrive; then 408 and the connection closes (default 30)")
+    s.add_argument("--ws-idle-timeout", type=_positive(float), default=300.0,
+                   help="seconds a WebSocket may stay with no message from the client and no session to follow; "
+                        "then it is closed with 1001 (default 300)")
+    s.add_argument("--max-queue", type=_positive(int), default=256,
+                   help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
+                        "(default 256)")
     return parser
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {value!r}") from None
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+        return number
+
+    return parse
+
+
+def _prompt_bytes(value: str) -> int:
+    if not value.isdigit() or int(value) > MAX_PROMPT_BYTES:
+        raise argparse.ArgumentTypeError(f"expected 0 (from the context) to {MAX_PROMPT_BYTES}, got {value!r}")
+    return int(value)
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -129,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
         hang_timeout_s=args.hang_timeout,
+        max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue,
     )
     try:
         trio.run(serve, config)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
-from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
+from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._principal import ANONYMOUS, PRINCIPAL, authenticate, presented_key
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
@@ -137,6 +137,7 @@ class App:
             return
         if scope["type"] != "http":
             return
+        scope[BODY_TIMEOUT] = self.config.body_timeout_s  # read_body's deadline
         started = False
 
         async def tracked_send(message: dict[str, Any]) -> None:
@@ -151,7 +152,7 @@ class App:
             return
         except ApiError as exc:
             if not started:
-                await send_json(send, exc.status, _error_body(scope["path"], exc))
+                await send_json(send, exc.status, _error_body(scope["path"], exc), list(exc.headers))
         except trio.Cancelled:
             raise
         except Exception as exc:  # boundary: one request; the daemon goes on
