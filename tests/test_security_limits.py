@@ -132,7 +132,8 @@ async def test_a_long_prompt_does_not_freeze_other_streams(nursery: trio.Nursery
     """A 4 MB prompt (4 M mock tokens: a tokenize answer of ~8 MB, one frame before the
     fix) is tokenized, checked and refused while another stream keeps its chunks flowing."""
     d = await start_daemon(nursery, mock_config("mock?step_ms=2&prefill_us=5", hang_timeout_s=60.0,
-                                                stream_interval_ms=20, agent_stream_interval_ms=20))
+                                                max_prompt_bytes=8 << 20, stream_interval_ms=20,
+                                                agent_stream_interval_ms=20))
     big = httpx.Request("POST", "/", json={**CHAT, "messages": messages("\u00ff" * 2_000_000)}).content
     started, stop = trio.Event(), trio.Event()
     gaps: list[float] = []
