@@ -57,7 +57,7 @@ class ServeConfig:
     max_restarts: int = 3
     restart_window_s: float = 60.0
     api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
-    max_prompt_bytes: int = 0             # rendered prompt bytes before tokenizing (0: from the context, api/_generate.py)
+    max_prompt_bytes: int = 0             # prompt bytes before tokenizing; 0: from the context (api/_generate.py)
     body_timeout_s: float = 30.0          # a request body not complete within this is answered 408
     ws_idle_timeout_s: float = 300.0      # a WebSocket with no message and nothing to follow for this is closed
     max_queue: int = 256                  # queued jobs per QoS class per model; more is answered 429

@@ -215,7 +215,7 @@ async def test_a_stalled_request_body_is_408_and_the_connection_closes(nursery: 
     d.scope.cancel()
 
 
-# -- 5. WebSocket limits ------------------------------------------------------------------------------------------------
+# -- 5. WebSocket limits -------------------------------------------------------------------------------------------
 
 
 async def test_ws_oversized_message_is_refused_while_read_by_the_server(nursery: trio.Nursery) -> None:
