@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from ._config import ModelSource, ServeConfig
+from .api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ._models import default_model_path, model_name, resolve_runtime
 from .journal import JournalLocked, WalCorrupt
 from .nursery import WorkerLoadFailed
@@ -92,12 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
-    s.add_argument("--max-conversation-bytes", type=_positive, default=16 << 20,
+    s.add_argument("--max-conversation-bytes", type=_positive(int), default=16 << 20,
                    help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
-    s.add_argument("--max-message-bytes", type=_positive, default=1 << 20,
+    s.add_argument("--max-message-bytes", type=_positive(int), default=1 << 20,
                    help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
-    s.add_argument("--max-conversation-events", type=_positive, default=10_000,
+    s.add_argument("--max-conversation-events", type=_positive(int), default=10_000,
                    help="events one conversation may hold; more is refused with 413 (default 10000)")
+    s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
+                   help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
+                        f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
+                        f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    s.add_argument("--body-timeout", type=_positive(float), default=30.0,
+                   help="seconds a request body may take to arrive; then 408 and the connection closes (default 30)")
+    s.add_argument("--ws-idle-timeout", type=_positive(float), default=300.0,
+                   help="seconds a WebSocket may stay with no message from the client and no session to follow; "
+                        "then it is closed with 1001 (default 300)")
+    s.add_argument("--max-queue", type=_positive(int), default=256,
+                   help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
+                        "(default 256)")
     return parser
 
 
@@ -121,14 +136,24 @@ def _security(args: argparse.Namespace) -> dict[str, object]:
             "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {value!r}") from None
+        if not number > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
+        return number
+
+    return parse
+
+
+def _prompt_bytes(value: str) -> int:
+    if not value.isdigit() or int(value) > MAX_PROMPT_BYTES:
+        raise argparse.ArgumentTypeError(f"expected 0 (from the context) to {MAX_PROMPT_BYTES}, got {value!r}")
+    return int(value)
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -191,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         hang_timeout_s=args.hang_timeout, **security,  # type: ignore[arg-type]
         max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
         max_conversation_events=args.max_conversation_events,
+        max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

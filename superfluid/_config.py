@@ -69,6 +69,10 @@ class ServeConfig:
     max_conversation_bytes: int = 16 << 20  # a conversation's logged events, in bytes (413 beyond)
     max_message_bytes: int = 1 << 20        # one message of a conversation, in bytes (413 beyond)
     max_conversation_events: int = 10_000   # events in one conversation (413 beyond)
+    max_prompt_bytes: int = 0             # prompt bytes before tokenizing; 0: from the context (api/_generate.py)
+    body_timeout_s: float = 30.0          # a request body not complete within this is answered 408
+    ws_idle_timeout_s: float = 300.0      # a WebSocket with no message and nothing to follow for this is closed
+    max_queue: int = 256                  # queued jobs per QoS class per model; more is answered 429
 
 
 def default_sessions_dir() -> Path:

@@ -29,6 +29,7 @@ _HELP = {
     "superfluid_kv_used_tokens": ("gauge", "KV cells held by live lanes."),
     "superfluid_kv_total_tokens": ("gauge", "KV cells in the worker's pool."),
     "superfluid_ttft_seconds": ("histogram", "Time from request to first token."),
+    "superfluid_queue_full_total": ("counter", "Requests refused with 429 because their class's queue was full."),
 }
 
 
@@ -86,7 +87,7 @@ class Metrics:
 
 
 def _labelled(name: str) -> bool:
-    return name in ("superfluid_queue_depth", "superfluid_requests_total")
+    return name in ("superfluid_queue_depth", "superfluid_requests_total", "superfluid_queue_full_total")
 
 
 def _labels(key: tuple[tuple[str, str], ...], **extra: str) -> str:

@@ -62,7 +62,9 @@ class ModelRegistry:
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms,
                               start_timeout_s=cfg.worker_start_timeout_s)
-            sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s),
+            sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
+                                                               max_queue=cfg.max_queue,
+                                                               max_prompt_bytes=cfg.max_prompt_bytes),
                               self.metrics, self.committer, cpu=self.cpu)
             owner = ModelOwner(source.name, spec, sched,
                                policy=RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s))

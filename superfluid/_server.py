@@ -26,6 +26,7 @@ from ._registry import ModelRegistry
 from ._sessions import SessionStore, serve_resume_ttl
 from .journal import JournalConfig, open_journal
 from .api import App
+from .api._ws import LIMITS as WS_LIMITS
 
 __all__ = ["serve"]
 
@@ -91,6 +92,14 @@ async def serve(
             hconfig.graceful_timeout = config.drain_timeout_s
             hconfig.accesslog = None
             hconfig.keep_alive_timeout = 75
+            # a request head (line and headers) over 16 KiB is refused by h11 as it arrives
+            hconfig.h11_max_incomplete_size = 16 * 1024
+            # the WebSocket limit, enforced while a message is read (1009), not after 16 MiB are buffered
+            hconfig.websocket_max_message_size = WS_LIMITS.max_message
+            # hypercorn's read_timeout would bound every read of a connection, and a client that
+            # streams a long reply or follows a WebSocket legitimately sends nothing for minutes:
+            # the body deadline (--body-timeout, api/_http.py) and --ws-idle-timeout bound those
+            hconfig.read_timeout = None
 
             async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
                 # On drain, hypercorn stops accepting and waits up to graceful_timeout

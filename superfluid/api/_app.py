@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
 
-from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
+from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
@@ -148,6 +148,7 @@ class App:
             return
         if scope["type"] != "http":
             return
+        scope[BODY_TIMEOUT] = self.config.body_timeout_s  # read_body's deadline
         started = False
 
         async def tracked_send(message: dict[str, Any]) -> None:
@@ -163,7 +164,7 @@ class App:
             return
         except ApiError as exc:
             if not started:
-                await send_json(send, exc.status, _error_body(scope["path"], exc))
+                await send_json(send, exc.status, _error_body(scope["path"], exc), list(exc.headers))
         except trio.Cancelled:
             raise
         except Exception as exc:  # boundary: one request; the daemon goes on

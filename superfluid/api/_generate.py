@@ -9,8 +9,8 @@ when the client goes away.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -18,7 +18,7 @@ import trio
 from .._sessions import serve_resume_ttl
 from ..chat import TextStream
 from ..proto import Sampling
-from ..sched import Job, QosClass, Unavailable
+from ..sched import Job, QosClass, QueueFull, Unavailable
 from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
@@ -27,12 +27,48 @@ if TYPE_CHECKING:
     from ._app import App
     from ._tenancy import Owner
 
-__all__ = ["Follower", "access_log", "prepare", "watch_disconnect"]
+__all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "access_log",
+           "prepare", "prompt_limit", "watch_disconnect"]
 
 log = logging.getLogger("superfluid.access")
 
+# The prompt-size limit checked before tokenizing (--max-prompt-bytes 0): no tokenizer we serve
+# makes a token of more than a few dozen bytes of text, so a prompt over this many bytes per token
+# of the context cannot fit it, and the floor keeps small-context models generous.
+PROMPT_BYTES_PER_TOKEN = 64
+PROMPT_BYTES_FLOOR = 1 << 20
+# The most any setting allows: a Tokenize frame carries the prompt (16 MiB link frames).
+MAX_PROMPT_BYTES = 12 << 20
+
+
+def prompt_limit(model: ServedModel) -> int:
+    """Bytes of rendered prompt ``model`` takes: ``--max-prompt-bytes``, or from its context."""
+    configured = model.scheduler.config.max_prompt_bytes
+    auto = max(PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN * model.n_ctx)
+    return min(configured or auto, MAX_PROMPT_BYTES)
+
+
+def _check_size(model: ServedModel, segments: list[tuple[str, bool]]) -> None:
+    """Refuse a prompt too long to tokenize (413), by its UTF-8 length: cheap
+    next to the tokenizer, whose answer for it could take seconds."""
+    limit = prompt_limit(model)
+    chars = sum(len(text) for text, _special in segments)
+    if chars <= limit // 4:  # a character is at most 4 bytes: no need to encode
+        return
+    size = chars if chars > limit else sum(len(text.encode("utf-8", "surrogatepass")) for text, _ in segments)
+    if size > limit:
+        raise ApiError(413, f"the prompt is {'at least ' if chars > limit else ''}{size} bytes, over the "
+                            f"{limit}-byte limit for model '{model.name}' (--max-prompt-bytes)",
+                       code="prompt_too_large", param="messages")
+
 
 async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_special: bool) -> list[int]:
+    """The prompt's token ids.
+
+    Raises:
+        ApiError: 413 ``prompt_too_large`` (see :func:`prompt_limit`); 503 if no worker can serve.
+    """
+    _check_size(model, segments)
     try:
         return await model.scheduler.tokenize(segments, add_special=add_special)
     except Unavailable as exc:
@@ -77,12 +113,28 @@ async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: lis
 
     A resumable session's generation outlives its request: a watcher in the
     daemon's session nursery cancels it after ``--resume-ttl`` with no follower.
+
+    Raises:
+        ApiError: 429 ``queue_full`` (nothing logged) when the job's class has ``--max-queue`` waiting.
     """
-    session = await app.sessions.open(job, model=model.name, kind=kind, stops=stops, resumable=resumable)
-    model.scheduler.submit(job)
+    with queue_place(model, job):
+        session = await app.sessions.open(job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+        model.scheduler.submit(job)
     if resumable:
         app.session_nursery.start_soon(serve_resume_ttl, app.sessions, session)
     return session
+
+
+@contextmanager
+def queue_place(model: ServedModel, job: Job) -> Iterator[None]:
+    """A place in the scheduler's queue for ``job``, held while its session is
+    logged; submit it in the block. Raises ApiError 429 ``queue_full``."""
+    try:
+        with model.scheduler.reserve(job.klass):  # nothing in the block raises QueueFull
+            yield
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), code="queue_full", type="rate_limit_error",
+                       headers=((b"retry-after", str(exc.retry_after_s).encode()),)) from None
 
 
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:

@@ -7,10 +7,13 @@ import re
 from typing import Any, Awaitable, Callable
 
 import attrs
+import trio
 
 __all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "decode_json", "read_json", "send_json", "send_text"]
 
 MAX_BODY = 100 * 1024 * 1024
+BODY_TIMEOUT = "superfluid.body_timeout_s"  # scope key: the App sets --body-timeout on every request
+DEFAULT_BODY_TIMEOUT_S = 30.0
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -28,6 +31,7 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     type: str = ""
+    headers: tuple[tuple[bytes, bytes], ...] = ()  # sent with the error response (Retry-After, Connection)
 
     @property
     def error_type(self) -> str:
@@ -48,10 +52,20 @@ def header(scope: dict[str, Any], name: str) -> str | None:
 
 
 async def read_body(scope: dict[str, Any], receive: Receive, *, limit: int = MAX_BODY) -> bytes:
-    """Read the whole request body, refusing more than ``limit`` bytes (413)."""
+    """Read the whole request body, refusing more than ``limit`` bytes (413),
+    or one that has not all arrived within ``scope[BODY_TIMEOUT]`` seconds
+    (408, and the connection closes: the rest of the body may still come)."""
     declared = header(scope, "content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit", code="payload_too_large")
+    timeout = scope.get(BODY_TIMEOUT, DEFAULT_BODY_TIMEOUT_S)
+    with trio.move_on_after(timeout):
+        return await _read_body(receive, limit)
+    raise ApiError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+                   code="request_timeout", headers=((b"connection", b"close"),))
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -125,4 +139,4 @@ async def answer_errors(send: Send, run: Callable[[Send], Awaitable[None]],
     except ApiError as exc:
         if started:
             raise
-        await send_json(send, exc.status, body_of(exc))
+        await send_json(send, exc.status, body_of(exc), list(exc.headers))

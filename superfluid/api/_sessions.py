@@ -103,18 +103,29 @@ async def stream_live(send: Send, session: LiveSession, follower: Follower, *, m
 async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str], receive: Receive,
                         send: Send) -> None:
     """Serve a streamed request as a resumable session: a disconnect stops only
-    this follower; the generation runs on into the log (``--resume-ttl``)."""
+    this follower; the generation runs on into the log (``--resume-ttl``).
+
+    Only once the client has its session id (the response's head and first
+    event went out): a client gone before that could never resume, so its
+    generation is cancelled as a plain request's is."""
     session = await start(app, model, job, kind=kind, stops=stops, resumable=True)
+    delivered = False
+
+    async def tracked(message: dict[str, Any]) -> None:
+        nonlocal delivered
+        await send(message)
+        delivered = delivered or message["type"] == "http.response.body"  # the head goes out with it
+
     try:
-        await job.wait_started()
-        if job.error is not None and not job.tokens:
-            raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
         async with watch_disconnect(receive):
-            await stream_live(send, session, Follower(job, stops), model=model.name,
+            await job.wait_started()
+            if job.error is not None and not job.tokens:
+                raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+            prefix = "chatcmpl" if kind == "chat" else "cmpl"
+            await stream_live(tracked, session, Follower(job, stops), model=model.name,
                               rid=f"{prefix}-superfluid-{session.id}", first=True)
     finally:
-        await end(app, job, resumable=True)
+        await end(app, job, resumable=delivered)
 
 
 def not_found(sid: str) -> ApiError:

@@ -40,7 +40,10 @@ code}}``, and the replies above. ``cursor`` is the token cursor of the SSE
 byte. A bad message is an ``error`` reply and the socket stays open.
 
 Limits (:class:`WsLimits`): an inbound message over ``max_message`` closes the
-socket with 1009. Outgoing messages go through a bounded outbox to one writer
+socket with 1009 (hypercorn's ``websocket_max_message_size`` is the same limit,
+so it refuses the message while reading it, before buffering more). A socket
+with no inbound message for ``--ws-idle-timeout`` seconds while it follows no
+session and owns no generation is closed with 1001. Outgoing messages go through a bounded outbox to one writer
 task; a producer that finds it full for ``send_stall_s`` closes the socket with
 1008 (queued messages are dropped). Followers read the job by cursor, so a slow
 reader only coalesces deltas and never buffers tokens. One subscription per
@@ -60,7 +63,8 @@ tenant exactly as an unknown id (``api/_tenancy.py``).
 
 Closing the socket stops only its followers: resumable generations run on into
 the log (``--resume-ttl``); non-resumable ones started on this socket are
-cancelled, as an HTTP disconnect cancels its request.
+cancelled, as an HTTP disconnect cancels its request, and so is a resumable one
+whose ``started`` (carrying its session id) never went out.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ __all__ = ["LIMITS", "WS_PATH", "WsLimits", "chat_job", "serve_websocket"]
 log = logging.getLogger("superfluid.ws")
 
 WS_PATH = "/v1/ws"
+CLOSE_GOING_AWAY = 1001  # here: idle for --ws-idle-timeout
 CLOSE_POLICY = 1008     # RFC 6455 7.4.1: policy violation (here: the client does not read)
 CLOSE_TOO_BIG = 1009    # message too big
 
@@ -158,6 +163,8 @@ class _Socket:
         self.subs: dict[str, trio.CancelScope] = {}
         self.close_with: tuple[int, str] | None = None
         self.client_gone = False
+        self.owned = 0                    # generations started here and not ended (see _own)
+        self.announced: set[str] = set()  # sessions whose ``started`` reply went out
         self._work: trio.Nursery | None = None
 
     @property
@@ -198,6 +205,8 @@ class _Socket:
                 # hypercorn's send blocks (shielded) until the peer takes the bytes:
                 # a non-reader stops here, and the outbox behind it fills.
                 await self.send({"type": "websocket.send", "text": _dumps(msg)})
+                if msg["op"] == "started":
+                    self.announced.add(msg["session"])
         if self.close_with is not None:
             code, reason = self.close_with
             await self.send({"type": "websocket.close", "code": code, "reason": reason})
@@ -219,8 +228,15 @@ class _Socket:
     # -- in --------------------------------------------------------------------------------------------------------
 
     async def _read(self, receive: Receive) -> None:
+        idle_s = self.app.config.ws_idle_timeout_s
         while True:
-            message = await receive()
+            with trio.move_on_after(idle_s) as waited:
+                message = await receive()
+            if waited.cancelled_caught:
+                if self.subs or self.owned:
+                    continue  # something to follow: not idle
+                self._shut(CLOSE_GOING_AWAY, f"idle: no message and no session to follow for {idle_s:g} s")
+                return
             if message["type"] == "websocket.disconnect":
                 self.client_gone = True
                 return
@@ -425,13 +441,18 @@ class _Socket:
 
     async def _own(self, job: Job, resumable: bool, slot: ExitStack) -> None:
         """Hold a generation started on this socket (and its key's slot) until it
-        ends or the socket closes."""
+        ends or the socket closes. A resumable one whose ``started`` never reached
+        the client is cancelled too: nobody has its id to resume it."""
+        self.owned += 1
         with slot:
             try:
                 while not job.done:
                     await job.wait_beyond(len(job.tokens))
             finally:
-                await end(self.app, job, resumable=resumable)  # cancels it unless resumable; bounded and shielded
+                self.owned -= 1
+                # cancels it unless resumable and announced; bounded and shielded
+                await end(self.app, job, resumable=resumable and job.session in self.announced)
+                self.announced.discard(job.session)
 
 
 def _body_of(msg: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteProtocolError as RemoteProtocolError
 from ._events import FINISH_REASONS as FINISH_REASONS
 from ._events import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._events import TOKENIZED_PIECE as TOKENIZED_PIECE
 from ._events import Admit as Admit
 from ._events import Admitted as Admitted
 from ._events import Cancel as Cancel
@@ -27,6 +28,7 @@ from ._events import Tokenize as Tokenize
 from ._events import Tokenized as Tokenized
 from ._events import from_wire as from_wire
 from ._events import to_wire as to_wire
+from ._events import tokenized_pieces as tokenized_pieces
 from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
 from ._frames import FrameDecoder as FrameDecoder
 from ._frames import encode_frame as encode_frame

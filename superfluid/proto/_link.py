@@ -148,7 +148,8 @@ class WorkerLink:
         elif isinstance(event, Tokenized):
             if event.req not in self._pending_tokenize:
                 raise error(f"answer to unknown tokenize request {event.req}")
-            self._pending_tokenize.discard(event.req)
+            if not event.more:
+                self._pending_tokenize.discard(event.req)
         elif isinstance(event, Tick):
             if self._ticks_in_flight >= MAX_TICKS_IN_FLIGHT:
                 raise error(f"{MAX_TICKS_IN_FLIGHT} ticks are already in flight")

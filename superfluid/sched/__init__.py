@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._job import Job as Job
 from ._job import JobError as JobError
 from ._job import JobState as JobState
+from ._loop import QueueFull as QueueFull
 from ._loop import Scheduler as Scheduler
 from ._loop import SchedulerConfig as SchedulerConfig
 from ._loop import Unavailable as Unavailable

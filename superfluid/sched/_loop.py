@@ -24,9 +24,11 @@ inbox loses nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from .._metrics import Metrics
     from ..nursery._worker import WorkerHandle
 
-__all__ = ["Committer", "Scheduler", "SchedulerConfig", "Unavailable"]
+__all__ = ["Committer", "QueueFull", "Scheduler", "SchedulerConfig", "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
 INBOX_SIZE = 512
@@ -52,11 +54,20 @@ DRAIN_BATCH = 64            # inbox items taken at once
 COMMIT_QUEUE = 16           # rounds waiting for the commit task before the loop waits for the log
 HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with a prefilling lane waits for it
 HOLD_MAX_TICKS = 400        # ticks a held job waits at most (~20 s of short ticks)
+RETRY_AFTER_S = 1           # a full queue's Retry-After: a lane frees every few hundred ms at full load
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 
 
 class Unavailable(Exception):
     """The model's worker cannot be (re)started; requests fail typed (503)."""
+
+
+class QueueFull(Exception):
+    """A class's queue holds ``max_queue`` jobs already; the request fails typed (429)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Committer(Protocol):
@@ -84,12 +95,15 @@ class SchedulerConfig:
     planner: PlannerConfig = attrs.field(factory=PlannerConfig)
     hang_timeout_s: float = 60.0
     lost_limit: int = 3
+    max_queue: int = 256        # jobs waiting per class; a new one beyond is refused (QueueFull)
+    max_prompt_bytes: int = 0   # the prompt-size limit the API checks before tokenize (0: from the context)
 
 
 @attrs.define(eq=False)
 class _Pending:
     event: trio.Event = attrs.field(factory=trio.Event)
     result: list[int] | None = None
+    parts: list[int] = attrs.field(factory=list)  # ids of the answer's pieces so far (Tokenized.more)
 
 
 class Scheduler:
@@ -103,6 +117,7 @@ class Scheduler:
         self.committer: Committer = committer or _NullCommitter()
         self.planner = Planner(config.planner)
         self.queues: dict[QosClass, collections.deque[Job]] = {k: collections.deque() for k in QosClass}
+        self._reserved: collections.Counter[QosClass] = collections.Counter()  # see reserve()
         self.running: dict[int, Job] = {}
         self.inbox_send, self.inbox = trio.open_memory_channel[Any](INBOX_SIZE)
         self._commit_send, self._commit_recv = trio.open_memory_channel[_Round](COMMIT_QUEUE)
@@ -117,6 +132,26 @@ class Scheduler:
         self.last_tick: dict[str, float] = {}
 
     # -- called by request handlers ---------------------------------------------
+
+    @contextlib.contextmanager
+    def reserve(self, klass: QosClass) -> Iterator[None]:
+        """Hold a place in ``klass``'s queue while a request logs its session,
+        then :meth:`submit` in the block. The bound counts new requests only:
+        jobs coming back (a preempted or orphaned one) always requeue.
+
+        Raises:
+            QueueFull: ``max_queue`` jobs of the class wait (or hold a place) already.
+        """
+        waiting = len(self.queues[klass]) + self._reserved[klass]
+        if waiting >= self.config.max_queue:
+            self.metrics.inc("superfluid_queue_full_total", **{"class": klass.label})
+            raise QueueFull(f"model {self.name!r}: {waiting} {klass.label} requests are waiting already "
+                            f"(--max-queue {self.config.max_queue}); retry later", retry_after_s=RETRY_AFTER_S)
+        self._reserved[klass] += 1
+        try:
+            yield
+        finally:
+            self._reserved[klass] -= 1
 
     def submit(self, job: Job) -> None:
         job.scheduler = self
@@ -487,8 +522,10 @@ class Scheduler:
         elif isinstance(event, Tokenized):
             pending = self._tokenize.get(event.req)
             if pending is not None:
-                pending.result = list(event.tokens)
-                pending.event.set()
+                pending.parts += event.tokens
+                if not event.more:
+                    pending.result, pending.parts = pending.parts, []
+                    pending.event.set()
 
     async def _emit(self, events: list[Emit]) -> None:
         """Apply engine rounds: stage their tokens, free the lanes that ended,

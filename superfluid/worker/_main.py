@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import trio
@@ -52,6 +53,7 @@ from ..proto import (
     Tokenize,
     Tokenized,
     WorkerLink,
+    tokenized_pieces,
 )
 from .._cpu import reset_policy
 from ._engine import Engine
@@ -63,6 +65,7 @@ _STOP = object()  # queued by the reader when the link ends: the engine thread r
 
 RUNTIMES = ("mock", "llamacpp")
 GIL_SWITCH_S = 0.0005   # see main()
+INLINE_TOKENIZE = 1 << 16  # prompt bytes tokenized on the reader; longer ones go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
@@ -314,7 +317,11 @@ class _Worker:
                                              parse_special=parse_special)
         except Exception as exc:  # boundary: answer with an empty list and a fault
             return [Fault(lane=-1, kind="tokenize", message=str(exc)), Tokenized(req=event.req, tokens=[])]
-        return [Tokenized(req=event.req, tokens=toks)]
+        return list(tokenized_pieces(event.req, toks))
+
+    def _answer_tokenize(self, event: Tokenize) -> None:
+        for answer in self._tokenized(event):
+            self.send(answer)
 
     async def serve_engine(self) -> None:
         # not abandoned on cancel: the thread ends at its next step once the reader queues _STOP
@@ -322,11 +329,16 @@ class _Worker:
 
     async def serve_reader(self, recv: trio.abc.ReceiveStream) -> None:
         try:
-            await self._read(recv)
+            async with trio.open_nursery() as tokenize_nursery:
+                await self._read(recv, tokenize_nursery)
         finally:
             self.ops.put(_STOP)
 
-    async def _read(self, recv: trio.abc.ReceiveStream) -> None:
+    async def _read(self, recv: trio.abc.ReceiveStream, tokenize_nursery: trio.Nursery) -> None:
+        """Read frames until the daemon goes away or says Shutdown. A long
+        prompt is tokenized on a thread in ``tokenize_nursery`` (one at a time),
+        so Ticks and Cancels keep flowing to the engine meanwhile."""
+        limiter = trio.CapacityLimiter(1)
         while True:
             with self.link_lock:
                 event = self.link.next_event()
@@ -337,11 +349,13 @@ class _Worker:
                 if not data:
                     return  # the daemon went away
                 continue
-            if isinstance(event, Tokenize):
+            if isinstance(event, Tokenize) and sum(len(text) for text, _ in event.segments) > INLINE_TOKENIZE:
+                tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_tokenize, event,
+                                                    limiter=limiter))
+            elif isinstance(event, Tokenize):
                 # written from this thread: the daemon's reader always drains the pipe, so
                 # the write blocks at most briefly, and a hop to a thread costs more (~1 ms)
-                for answer in self._tokenized(event):
-                    self.send(answer)
+                self._answer_tokenize(event)
             elif isinstance(event, Interrupt):
                 self.interrupt = True
             elif isinstance(event, Shutdown):
