@@ -8,10 +8,12 @@ import fcntl
 import itertools
 import logging
 import os
+import stat
 from typing import TYPE_CHECKING
 
 import attrs
 
+from .._private import DIR_MODE, FILE_MODE, make_private_dir
 from ..proto._link import NEED_DATA
 from ..proto._wal import (
     DAEMON_SESSION,
@@ -76,6 +78,24 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _tighten_modes(directory: Path) -> None:
+    """Take group and other bits off ``directory`` and every file in it (a directory made
+    by an older version, or by hand), with one warning naming what changed."""
+    changed = []
+    entries = [(directory, DIR_MODE)]
+    entries += [(directory / name, FILE_MODE) for name in sorted(os.listdir(directory))]
+    for path, mode in entries:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_IMODE(st.st_mode) & 0o077:
+            continue
+        if path != directory and not stat.S_ISREG(st.st_mode):
+            continue
+        os.chmod(path, stat.S_IMODE(st.st_mode) & mode, follow_symlinks=False)
+        changed.append(f"{path} ({stat.S_IMODE(st.st_mode):04o} -> {stat.S_IMODE(st.st_mode) & mode:04o})")
+    if changed:
+        log.warning("sessions directory: took group/other access off %s", ", ".join(changed))
+
+
 def close_quietly(fd: int) -> None:
     if fd >= 0:
         with contextlib.suppress(OSError):
@@ -97,7 +117,7 @@ def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
 
 
 def _take_lock(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -195,14 +215,15 @@ def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: 
     Raises:
         JournalLocked, WalCorrupt, OSError.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    make_private_dir(directory)
     lock_fd = _take_lock(directory)
     fd = -1
     try:
+        _tighten_modes(directory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(directory / COMPACT_NAME)  # a compaction that never reached its rename
         path = directory / WAL_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         state = LogState()
         moved: Path | None = None
         try:
@@ -226,7 +247,7 @@ def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: 
         if moved is not None:
             # a fresh log still fences the old one's epochs
             state = LogState(epoch=state.epoch, daemon_record=state.daemon_record)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             end = WalEnd(offset=0, size=0, torn=False)
         elif end.torn:
             truncated = end.size - end.offset
@@ -285,7 +306,7 @@ def write_compacted(directory: Path, head: WalRecord, sessions: list[SessionLog]
     fsync failed (``dir_error``).
     """
     tmp = directory / COMPACT_NAME
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
         buf = bytearray(MAGIC)
         count = 0
