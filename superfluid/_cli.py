@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
+                   help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
+                        "default: only the models cache directory and the models given here)")
+    s.add_argument("--max-models", type=int, default=4, metavar="N",
+                   help="models (and so worker processes) loaded at once; a load beyond it is refused "
+                        "with 429 too_many_models (default 4)")
     return parser
 
 
@@ -104,6 +110,16 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
     return out
 
 
+def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
+    """A mistake in --model-dir or --max-models, in one line; None if there is none."""
+    for directory in args.model_dirs:
+        if not directory.is_dir():
+            return f"--model-dir {directory}: not a directory"
+    if args.max_models < max(1, len(sources)):
+        return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
+    return None
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -118,8 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     from ._server import serve
 
     host, port = args.http if args.http else (args.host, args.port)
+    sources = tuple(_sources(args))
+    mistake = _check_limits(args, sources)
+    if mistake is not None:
+        print(f"superfluid: {mistake}", file=sys.stderr)
+        return 2
     config = ServeConfig(
-        models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions,
+        models=sources, host=host, port=port, sessions=args.sessions,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
         stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
@@ -129,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
         hang_timeout_s=args.hang_timeout,
+        model_dirs=tuple(args.model_dirs), max_models=args.max_models,
     )
     try:
         trio.run(serve, config)

@@ -57,6 +57,8 @@ class ServeConfig:
     max_restarts: int = 3
     restart_window_s: float = 60.0
     api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
+    model_dirs: tuple[Path, ...] = ()     # --model-dir: every *.gguf in them may be loaded over HTTP
+    max_models: int = 4                   # models (so worker processes) loaded at once
 
 
 def default_sessions_dir() -> Path:

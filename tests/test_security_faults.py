@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -95,3 +96,175 @@ def test_models_cache_directory_is_made_private(tmp_path: Path, open_umask: obje
     os.chmod(target, 0o755)  # an existing directory is the operator's: left as it is
     make_private_dir(target)
     assert mode(target) == 0o755
+
+
+# ---- what /v1/models/load may load ----------------------------------------------------------------
+
+
+@pytest.fixture
+def model_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A --model-dir holding one (fake) model, an empty models cache, and files outside both."""
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "fake.gguf").write_bytes(b"GGUF not really")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.gguf").write_bytes(b"GGUF private")
+    (models / "link.gguf").symlink_to(outside / "secret.gguf")
+    return {"models": models, "outside": outside}
+
+
+async def load(d: Daemon, ident: str, **extra: object) -> httpx.Response:
+    return await d.client.post("/v1/models/load", json={"id": ident, **extra})
+
+
+async def test_loads_only_from_allowed_places_and_no_oracle(nursery: trio.Nursery,
+                                                             model_tree: dict[str, Path]) -> None:
+    models, outside = model_tree["models"], model_tree["outside"]
+    d = await start_daemon(nursery, mock_config(model_dirs=(models,)))
+    refused = [
+        "/etc/shadow", "/etc/passwd", "/nonexistent/file.gguf",                  # outside, existing or not
+        str(outside / "secret.gguf"), str(outside / "missing.gguf"),
+        str(models / ".." / "outside" / "secret.gguf"),                           # `..` out of the model dir
+        str(models / "link.gguf"), "link",                                        # a symlink leading out
+        str(models / "missing.gguf"), "missing", "../outside/secret", "sec\x00ret",
+        "/etc/shadow?x", "mock/../../etc/shadow",
+    ]
+    bodies = []
+    for ident in refused:
+        r = await load(d, ident)
+        assert r.status_code == 404, (ident, r.text)
+        body = r.json()
+        assert body["error"]["code"] == "model_not_found" and body["error"]["param"] == "id"
+        bodies.append(body["error"]["message"].replace(repr(ident)[1:-1], "ID").replace(ident, "ID"))
+    assert len(set(bodies)) == 1, bodies  # one answer for all: nothing tells whether a file exists
+    # an explicit runtime changes nothing: a path never reaches a worker as a "mock" spec either
+    for ident in ("/etc/shadow", "/nonexistent"):
+        r = await load(d, ident, runtime="mock")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # the model dir's file is known by name, and loadable by name or path (it is no model: the worker says so)
+    listed = {m["id"]: m["loaded"] for m in (await d.client.get("/v1/models")).json()["data"]}
+    assert listed == {"mock": True, "fake": False}
+    for ident in ("fake", str(models / "fake.gguf"), str(models / "sub" / ".." / "fake.gguf")):
+        r = await load(d, ident)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed", (ident, r.text)
+    d.scope.cancel()
+
+
+async def test_models_cache_and_startup_models_are_allowed(nursery: trio.Nursery, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from superfluid._metrics import Metrics
+    from superfluid._registry import ModelRegistry
+
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
+    cache = tmp_path / "home" / "models"
+    cache.mkdir(parents=True)
+    (cache / "cached.gguf").write_bytes(b"GGUF not really")
+    startup = tmp_path / "elsewhere" / "start.gguf"
+    startup.parent.mkdir()
+    startup.write_bytes(b"GGUF not really")
+    (startup.parent / "sibling.gguf").write_bytes(b"GGUF not really")
+    d = await start_daemon(nursery, mock_config())
+    for ident in ("cached", "cached.gguf", str(cache / "cached.gguf")):
+        r = await load(d, ident)
+        assert r.json()["error"]["code"] == "model_load_failed", (ident, r.text)  # it reached a worker
+    d.scope.cancel()
+    # a model given at startup may be loaded again through its path; its neighbours may not
+    cfg = attrs.evolve(mock_config(), models=(ModelSource(spec=str(startup), runtime="llamacpp", name="start"),))
+    registry = ModelRegistry(cfg, Metrics(), nursery)
+    for ident in ("start", str(startup), str(startup.parent / "." / "start.gguf")):
+        source = registry.lookup(ident)
+        assert source is not None and (source.name, source.spec) == ("start", str(startup)), ident
+    assert registry.lookup(str(startup.parent / "sibling.gguf")) is None
+
+
+# ---- how many models ---------------------------------------------------------------------------
+
+
+async def test_max_models_caps_loads_and_worker_processes(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, mock_config(max_models=2))
+    assert (await load(d, "mock?name=b")).status_code == 200
+    assert len(worker_pids()) == 2
+    # a page firing many loads gets the cap, not a worker per load
+    results: list[httpx.Response] = []
+
+    async def one(i: int) -> None:
+        results.append(await load(d, f"mock?name=m{i}"))
+
+    async with trio.open_nursery() as n:
+        for i in range(20):
+            n.start_soon(one, i)
+    assert {r.status_code for r in results} == {429}
+    error = results[0].json()["error"]
+    assert error["code"] == "too_many_models"
+    assert "at most 2 models" in error["message"] and "loaded: b, mock" in error["message"]
+    assert len(worker_pids()) == 2
+    # a known model loaded again on demand is held to the cap too (typed, in the dialect's envelope)
+    assert (await d.client.post("/v1/models/unload", json={"model": "b"})).status_code == 200
+    assert (await load(d, "mock?name=c")).status_code == 200
+    r = await d.client.post("/v1/chat/completions", json={**CHAT, "model": "b", "max_tokens": 2})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_models"
+    r = await d.client.post("/api/chat", json={"model": "b", "messages": CHAT["messages"], "stream": False})
+    assert r.status_code == 429 and "at most 2 models" in r.json()["error"]
+    assert len(worker_pids()) == 2
+    d.scope.cancel()
+
+
+async def test_unload_then_load_never_runs_more_workers_than_the_cap(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, mock_config(max_models=2))
+    (first,) = worker_pids()
+    assert (await load(d, "mock?name=x")).status_code == 200
+    (slow,) = set(worker_pids()) - {first}
+    # a worker that takes its time to go (stopped: it answers nothing until the kill ladder's SIGKILL)
+    os.kill(slow, signal.SIGSTOP)
+    assert (await d.client.post("/v1/models/unload", json={"model": "x"})).json()["deleted"] is True
+    # the next load waits for the unloaded model's worker to be gone, and never runs a third
+    assert (await load(d, "mock?name=y")).status_code == 200
+    assert slow not in worker_pids() and len(worker_pids()) == 2
+    d.scope.cancel()
+
+
+async def test_concurrent_loads_of_one_model_start_one_worker(nursery: trio.Nursery) -> None:
+    d = await start_daemon(nursery, mock_config(max_models=3))
+    before = set(worker_pids())
+    results: list[httpx.Response] = []
+
+    async def one() -> None:
+        results.append(await load(d, "mock?name=twin"))
+
+    async with trio.open_nursery() as n:
+        for _ in range(8):
+            n.start_soon(one)
+    assert [r.status_code for r in results] == [200] * 8
+    assert len(set(worker_pids()) - before) == 1
+    d.scope.cancel()
+
+
+# ---- the worker's environment --------------------------------------------------------------------
+
+SECRETS = ["HF_TOKEN", "GITHUB_TOKEN", "OPENAI_API_KEY", "SUPERFLUID_API_KEY", "DB_PASSWORD", "MY_SECRET",
+           "AWS_SECRET_ACCESS_KEY", "STRIPE_KEY", "SIGNING_KEY", "SERVICE_CREDENTIALS"]
+
+
+async def test_credentials_never_reach_a_worker(nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in SECRETS:
+        monkeypatch.setenv(name, "s3cret-value")
+    monkeypatch.setenv("SUPERFLUID_TEST_MARKER", "plain")
+    d = await start_daemon(nursery, mock_config())
+    (pid,) = worker_pids()
+    environ = psutil.Process(pid).environ()
+    assert environ.get("SUPERFLUID_TEST_MARKER") == "plain"  # the worker's real environment was read
+    assert [name for name in SECRETS if name in environ] == []
+    assert "s3cret-value" not in environ.values()
+    d.scope.cancel()
+
+
+def test_cli_limit_mistakes_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from superfluid._cli import main
+
+    assert main(["serve", "mock", "--max-models", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "superfluid: --max-models 0: must be at least 1 and the 1 models given at startup"]
+    assert main(["serve", "mock", "--model-dir", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"superfluid: --model-dir {tmp_path / 'nowhere'}: not a directory"]
