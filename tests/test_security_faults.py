@@ -4,6 +4,7 @@ take the daemon down. Mock runtime throughout."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -268,3 +269,77 @@ def test_cli_limit_mistakes_are_one_line_and_exit_2(tmp_path: Path, capsys: pyte
         "superfluid: --max-models 0: must be at least 1 and the 1 models given at startup"]
     assert main(["serve", "mock", "--model-dir", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.splitlines() == [f"superfluid: --model-dir {tmp_path / 'nowhere'}: not a directory"]
+
+
+# ---- out of file descriptors -------------------------------------------------------------------
+
+
+def worker_pipe_fds(pid: int) -> list[int]:
+    """Our descriptors of the pipes that are the worker's stdin and stdout."""
+    theirs = {os.readlink(f"/proc/{pid}/fd/{n}") for n in (0, 1)}
+    return [int(fd) for fd in os.listdir("/proc/self/fd")
+            if _readlink_quiet(f"/proc/self/fd/{fd}") in theirs]
+
+
+def _readlink_quiet(link: str) -> str | None:
+    try:
+        return os.readlink(link)
+    except OSError:
+        return None
+
+
+class FdHog:
+    """Take every descriptor the process may still open: RLIMIT_NOFILE lowered to the lowest of
+    ``below`` (so what the dying worker frees cannot be reused) and every free number under it
+    filled. ``release`` gives everything back."""
+
+    def __init__(self, below: int) -> None:
+        import resource
+
+        self.limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (below, self.limits[1]))
+        self.fds: list[int] = []
+        try:
+            while True:
+                self.fds.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            assert exc.errno == errno.EMFILE
+
+    def release(self) -> None:
+        import resource
+
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.limits)
+
+
+async def test_out_of_file_descriptors_a_worker_restart_waits_and_the_daemon_lives(
+        nursery: trio.Nursery, caplog: pytest.LogCaptureFixture) -> None:
+    d = await start_daemon(nursery, mock_config())
+    client = httpx.AsyncClient(base_url=d.url, timeout=60, limits=httpx.Limits(max_connections=1))
+    assert (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})).status_code == 200
+    (pid,) = worker_pids()
+    hog = FdHog(below=min(worker_pipe_fds(pid)))  # the client's connection is open above that: it goes on
+    try:
+        os.kill(pid, signal.SIGKILL)  # the worker must restart, and no pipe can be made for it
+        answers = []
+        for _ in range(3):  # typed refusals (the connection in hand serves them), while the spawn retries
+            r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            answers.append((r.status_code, r.json()["error"]["code"]))
+        assert answers == [(503, "resources_exhausted")] * 3
+        r = await client.post("/v1/messages", json={"model": "mock", "max_tokens": 2, "messages": CHAT["messages"]})
+        assert r.status_code == 503 and r.json()["type"] == "error", r.text  # the Anthropic envelope
+        assert (await client.get("/health")).status_code == 200
+    finally:
+        hog.release()
+    # descriptors are back: the next spawn attempt (back-off) brings the model back, same daemon
+    r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert not d.scope.cancel_called
+    (new_pid,) = worker_pids()
+    assert new_pid != pid
+    failures = [r.getMessage() for r in caplog.records if "cannot be started" in r.getMessage()]
+    assert failures and "Too many open files" in failures[0]
+    await client.aclose()
+    d.scope.cancel()

@@ -35,7 +35,7 @@ async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_
     try:
         return await model.scheduler.tokenize(segments, add_special=add_special)
     except Unavailable as exc:
-        raise ApiError(503, str(exc), code="worker_unavailable") from None
+        raise ApiError(503, str(exc), code=exc.code) from None
 
 
 async def prepare(

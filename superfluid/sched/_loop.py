@@ -56,7 +56,11 @@ FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 
 
 class Unavailable(Exception):
-    """The model's worker cannot be (re)started; requests fail typed (503)."""
+    """The model's worker cannot be (re)started; requests fail typed (503 ``code``)."""
+
+    def __init__(self, message: str, *, code: str = "worker_unavailable") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Committer(Protocol):
@@ -189,18 +193,22 @@ class Scheduler:
                 raise Unavailable(self.closed.message)
             if self.unavailable is not None:
                 if retried:
-                    raise Unavailable(self.unavailable)
+                    raise Unavailable(self.unavailable, code=self.unavailable_code)
                 retried = True
                 self._poke()
             await self.worker_changed.wait()
         return self.worker
 
     unavailable: str | None = None
+    unavailable_code = "worker_unavailable"
     closed: JobError | None = None      # set by close(): the model was unloaded
 
-    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None) -> None:
+    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None,
+                   code: str = "worker_unavailable") -> None:
+        """``unavailable``: why no worker can be had now (requests fail 503 ``code``)."""
         self.worker = worker
         self.unavailable = unavailable
+        self.unavailable_code = code
         event, self.worker_changed = self.worker_changed, trio.Event()
         event.set()
 
@@ -259,10 +267,10 @@ class Scheduler:
             pending.event.set()
         self.set_worker(None, unavailable=message)
 
-    def fail_queued(self, message: str) -> None:
+    def fail_queued(self, message: str, *, code: str = "worker_unavailable") -> None:
         for q in self.queues.values():
             while q:
-                q.popleft().finish_with(error=JobError(status=503, message=message, code="worker_unavailable"))
+                q.popleft().finish_with(error=JobError(status=503, message=message, code=code))
         self._gauges()
 
     # -- the loop -----------------------------------------------------------------
