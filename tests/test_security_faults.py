@@ -343,3 +343,106 @@ async def test_out_of_file_descriptors_a_worker_restart_waits_and_the_daemon_liv
     assert failures and "Too many open files" in failures[0]
     await client.aclose()
     d.scope.cancel()
+
+
+# ---- a full disk -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_faults() -> object:
+    """The journal's file-layer test hook, reset afterwards."""
+    from superfluid.journal._files import faults
+
+    try:
+        yield faults
+    finally:
+        faults.errno = None
+
+
+async def test_journal_degrades_on_enospc_and_recovers_from_its_committed_state(tmp_path: Path,
+                                                                                disk_faults: object) -> None:
+    from superfluid.journal import JournalWriteError
+    from superfluid.proto._wal import body_prompt
+
+    config = JournalConfig(probe_backoff_s=0.01, probe_max_backoff_s=0.05)
+    async with open_journal(tmp_path, config=config) as journal:
+        await journal.append("a", body_created(params={}, klass="agent", model="m"))
+        disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+        with pytest.raises(JournalWriteError) as failed:
+            await journal.append("a", body_prompt(tokens=[1]))
+        assert failed.value.out_of_space
+        assert journal.degraded is not None and "No space left on device" in journal.degraded
+        with pytest.raises(JournalWriteError, match="takes no records until"):
+            await journal.append("b", body_created(params={}, klass="agent", model="m"))
+        await trio.sleep(0.2)  # the probe keeps failing while the disk is full
+        assert journal.degraded is not None
+        disk_faults.errno = None  # type: ignore[attr-defined]
+        with trio.fail_after(10):  # the probe's back-off is 10-50 ms here
+            while journal.degraded is not None:
+                await trio.sleep(0.01)
+        # the failed record never happened: the session goes on at the id it had
+        assert (await journal.append("a", body_prompt(tokens=[2]))).event_id == 1
+        assert (await journal.append("b", body_created(params={}, klass="agent", model="m"))).event_id == 0
+    async with open_journal(tmp_path) as journal:
+        assert list(journal.sessions["a"].prompt_tokens) == [2] and "b" in journal.sessions
+
+
+def journal_reason(health: httpx.Response) -> str:
+    assert health.status_code == 503, health.text
+    body = health.json()
+    assert body["status"] == "degraded"
+    return str(body["reason"])
+
+
+async def wait_healthy(client: httpx.AsyncClient) -> None:
+    # the daemon's probe is internal: /health is what a client can watch
+    with trio.fail_after(30):
+        while (await client.get("/health")).status_code != 200:
+            await trio.sleep(0.05)
+
+
+async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
+        tmp_path: Path, disk_faults: object) -> None:
+    sessions = tmp_path / "sessions"
+    streamed: list[str] = []
+    async with trio.open_nursery() as inner:
+        d = await start_daemon(inner, mock_config("mock?step_ms=5&prefill_us=5", sessions=sessions))
+        assert (await d.client.get("/health")).json()["status"] == "ok"
+        # in flight: the stream ends with a typed error frame and [DONE]
+        body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        headers = {"x-superfluid-resumable": "1"}
+        async with d.client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            sid = r.headers["x-superfluid-session"]
+            frames = []
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                frames.append(line[6:])
+                if len(frames) == 3:
+                    disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+        assert frames[-1] == "[DONE]"
+        import json
+
+        error = json.loads(frames[-2])["error"]
+        assert error["code"] == "insufficient_storage" and "full" in error["message"]
+        streamed = [json.loads(f)["choices"][0]["delta"].get("content") or "" for f in frames[:-2]]
+        assert "No space left on device" in journal_reason(await d.client.get("/health"))
+        # new generations: 507 before anything is generated, in each dialect's envelope
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "stream": True})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        r = await d.client.post("/v1/messages", json={"model": "mock", "max_tokens": 4, "messages": CHAT["messages"]})
+        assert r.status_code == 507 and r.json()["type"] == "error"
+        r = await d.client.post("/api/chat", json={"model": "mock", "messages": CHAT["messages"], "stream": False})
+        assert r.status_code == 507 and "full" in r.json()["error"]
+        # space returns: the daemon recovers by itself
+        disk_faults.errno = None  # type: ignore[attr-defined]
+        await wait_healthy(d.client)
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        d.scope.cancel()
+    # commit before delivery: every token the client was shown is in the log
+    async with open_journal(sessions) as journal:
+        logged = journal.sessions[sid].text
+    assert "".join(streamed) and logged.startswith("".join(streamed))

@@ -182,8 +182,12 @@ class App:
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == "/health" and method in ("GET", "HEAD"):
-            await send_json(send, 200, {"status": "ok", "models_loaded": len(self.registry.loaded),
-                                        "models_known": len(self.registry.known)})
+            models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}
+            reason = self.sessions.journal.degraded
+            if reason is not None:  # nothing can be generated: the log takes no writes
+                await send_json(send, 503, {"status": "degraded", "reason": reason, **models})
+            else:
+                await send_json(send, 200, {"status": "ok", **models})
             return
         if path in ("/v1/models", "/models") and method == "GET":
             await send_json(send, 200, {"object": "list", "data": self._model_list()})

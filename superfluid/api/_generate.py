@@ -17,8 +17,9 @@ import trio
 
 from .._sessions import serve_resume_ttl
 from ..chat import TextStream
+from ..journal import JournalWriteError
 from ..proto import Sampling
-from ..sched import Job, QosClass, Unavailable
+from ..sched import Job, JobError, QosClass, Unavailable
 from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
@@ -75,11 +76,21 @@ async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: lis
     A resumable session's generation outlives its request: a watcher in the
     daemon's session nursery cancels it after ``--resume-ttl`` with no follower.
     """
-    session = await app.sessions.open(job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+    session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
     model.scheduler.submit(job)
     if resumable:
         app.session_nursery.start_soon(serve_resume_ttl, app.sessions, session)
     return session
+
+
+async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
+    """``SessionStore.open``, refused typed while the session log takes no writes (a full
+    disk: 507 ``insufficient_storage``): nothing is generated that could not be logged."""
+    try:
+        return await app.sessions.open(job, **kw)
+    except JournalWriteError as exc:
+        error = JobError.log_failed(exc)
+        raise ApiError(error.status, error.message, code=error.code) from None
 
 
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:
@@ -89,7 +100,10 @@ async def end(app: App, job: Job, *, resumable: bool = False) -> None:
         job.scheduler.cancel(job)
     with trio.move_on_after(5, shield=True):
         if job.done:
-            await app.sessions.end(job)
+            try:
+                await app.sessions.end(job)
+            except JournalWriteError:
+                pass  # the log takes no writes: it shows the session unfinished (cancelled on the next start)
 
 
 def resumable_requested(scope: dict[str, Any]) -> bool:

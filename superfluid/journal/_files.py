@@ -38,8 +38,11 @@ __all__ = [
     "WAL_NAME",
     "LogState",
     "Opened",
+    "FaultInjector",
     "close_quietly",
+    "faults",
     "open_log",
+    "probe_space",
     "write_and_sync",
     "write_compacted",
 ]
@@ -51,6 +54,26 @@ LOCK_NAME = "serve.lock"
 COMPACT_NAME = "wal.log.compact"
 PREV_NAME = "wal.log.prev"
 _CHUNK = 1 << 20
+
+
+PROBE_NAME = ".space-probe"
+PROBE_BYTES = 64 * 1024
+
+
+@attrs.define
+class FaultInjector:
+    """A test hook in the file layer: while ``errno`` is set, every write of the log (appends,
+    compactions, the recovery probe) fails with it before touching the disk, as a full disk
+    (``ENOSPC``) or a failing one (``EIO``) would. Tests set :data:`faults` and reset it."""
+
+    errno: int | None = None
+
+    def check(self) -> None:
+        if self.errno is not None:
+            raise OSError(self.errno, os.strerror(self.errno))
+
+
+faults = FaultInjector()
 
 
 # ---- primitives -------------------------------------------------------------------
@@ -107,6 +130,7 @@ def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
     make it durable. On failure, try to cut the file back to ``committed`` so
     a half-written batch is not left behind, then re-raise."""
     try:
+        faults.check()
         _write_all(fd, data)
         _sync(fd, full=full)
     except OSError:
@@ -114,6 +138,29 @@ def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
             os.ftruncate(fd, committed)
             os.lseek(fd, committed, os.SEEK_SET)
         raise
+
+
+def probe_space(directory: Path, fd: int, committed: int, *, full: bool) -> None:
+    """Does the disk take writes again? Cut ``wal.log`` back to ``committed`` (a failed batch
+    may have left part of itself), then write, sync and remove a probe file of PROBE_BYTES.
+
+    Raises:
+        OSError: the disk still refuses.
+    """
+    faults.check()
+    os.ftruncate(fd, committed)
+    os.lseek(fd, committed, os.SEEK_SET)
+    _sync(fd, full=full)
+    path = directory / PROBE_NAME
+    probe = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        _write_all(probe, bytes(PROBE_BYTES))
+        _sync(probe, full=full)
+    finally:
+        os.close(probe)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    _fsync_dir(directory)
 
 
 def _take_lock(directory: Path) -> int:
@@ -220,8 +267,9 @@ def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: 
     fd = -1
     try:
         _tighten_modes(directory)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(directory / COMPACT_NAME)  # a compaction that never reached its rename
+        for leftover in (COMPACT_NAME, PROBE_NAME):  # a compaction that never reached its rename, a probe
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / leftover)
         path = directory / WAL_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         state = LogState()
@@ -305,6 +353,7 @@ def write_compacted(directory: Path, head: WalRecord, sessions: list[SessionLog]
     after it the new file is the log, so it is returned even if the directory
     fsync failed (``dir_error``).
     """
+    faults.check()
     tmp = directory / COMPACT_NAME
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:

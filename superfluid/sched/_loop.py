@@ -557,7 +557,7 @@ class Scheduler:
 
         Owned by the model owner, beside the worker generations: staged rounds
         survive a worker's death. A failed commit (the log refuses writes) ends
-        the jobs of its rounds typed (503 ``session_log_failed``).
+        the jobs of its rounds typed (``JobError.log_failed``: 507 when the disk is full).
         """
         async for first in self._commit_recv:
             rounds = [first]
@@ -588,8 +588,7 @@ class Scheduler:
             await self.committer.commit(spans, ended)
         except Exception as exc:  # noqa: BLE001 - any log failure ends these jobs typed, never silently
             log.error("model %s: session log commit failed: %s", self.name, exc)
-            failure = JobError(status=503, code="session_log_failed",
-                               message=f"the session log could not make tokens durable: {exc}")
+            failure = JobError.log_failed(exc)
         finally:
             if responsive is not None:
                 responsive.note(self._ending, urgent=False)
