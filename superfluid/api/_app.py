@@ -20,10 +20,8 @@ from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_ta
 from ._openai import embeddings
 from ._responses import responses
 
-from pathlib import Path
-
-from .._config import ModelSource
 from .._conversations import ConversationStore
+from .._registry import TooManyModels
 from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
@@ -72,6 +70,10 @@ _GET_JSON: dict[str, Handler] = {
 _LOAD_FAILURES = (WorkerLoadFailed, WorkerDied, trio.TooSlowError)
 
 
+def _too_many(exc: TooManyModels) -> ApiError:
+    return ApiError(429, str(exc), code="too_many_models")
+
+
 def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
     """An error answered here (before a dialect's handler ran: a body that is not JSON,
     a wrong method, draining) in the envelope of the route's dialect."""
@@ -108,6 +110,8 @@ class App:
         current_principal().check_model(name)
         try:
             model = await self.registry.get(name)
+        except TooManyModels as exc:
+            raise _too_many(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{name}' could not be loaded: {exc}", code="model_load_failed") from None
         if model is None:
@@ -176,8 +180,12 @@ class App:
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         if path == "/health" and method in ("GET", "HEAD"):
-            await send_json(send, 200, {"status": "ok", "models_loaded": len(self.registry.loaded),
-                                        "models_known": len(self.registry.known)})
+            models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}
+            reason = self.sessions.journal.degraded
+            if reason is not None:  # nothing can be generated: the log takes no writes
+                await send_json(send, 503, {"status": "degraded", "reason": reason, **models})
+            else:
+                await send_json(send, 200, {"status": "ok", **models})
             return
         if path in ("/v1/models", "/models") and method == "GET":
             await send_json(send, 200, {"object": "list", "data": self._model_list()})
@@ -265,21 +273,24 @@ class App:
         if runtime is not None and not isinstance(runtime, str):
             raise ApiError(400, "invalid request: runtime must be a string", param="runtime")
         reg = self.registry
-        source = reg.known.get(ident)
-        if source is None:
-            from .._models import model_name, resolve_runtime
+        if ident not in reg.known:
+            from .._models import resolve_runtime
 
             rid = resolve_runtime(ident, runtime)
             if rid not in ("mock", "llamacpp"):
                 raise ApiError(400, f"unknown runtime {rid!r}", code="unsupported_runtime", param="runtime")
-            if rid != "mock" and not Path(ident).is_file():
-                raise ApiError(404, f"model '{ident}' not found (not a known name or a model file)",
-                               code="model_not_found", param="id")
-            source = ModelSource(spec=ident, runtime=rid, name=model_name(ident, rid))
-        elif runtime is not None and runtime != source.runtime:
+        source = reg.lookup(ident, runtime)
+        if source is None:
+            # the same answer whether or not such a file exists: no oracle for paths outside
+            # the allowed directories, and nothing outside them reaches a worker
+            raise ApiError(404, f"model '{ident}' not found (not a known model, nor a model file in a "
+                                "--model-dir or the models cache directory)", code="model_not_found", param="id")
+        if ident in reg.known and runtime is not None and runtime != source.runtime:
             raise ApiError(400, f"model '{ident}' is loaded on runtime {source.runtime}", code="unsupported_runtime")
         try:
             model = await reg.load(source, make_default=True)
+        except TooManyModels as exc:
+            raise _too_many(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{ident}' could not be loaded: {exc}", code="model_load_failed") from None
         reg.default = model.name

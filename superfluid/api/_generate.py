@@ -17,8 +17,9 @@ import trio
 
 from .._sessions import serve_resume_ttl
 from ..chat import TextStream
+from ..journal import JournalWriteError
 from ..proto import Sampling
-from ..sched import Job, QosClass, QueueFull, Unavailable
+from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
 from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_
     try:
         return await model.scheduler.tokenize(segments, add_special=add_special)
     except Unavailable as exc:
-        raise ApiError(503, str(exc), code="worker_unavailable") from None
+        raise ApiError(503, str(exc), code=exc.code) from None
 
 
 async def prepare(
@@ -118,7 +119,7 @@ async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: lis
         ApiError: 429 ``queue_full`` (nothing logged) when the job's class has ``--max-queue`` waiting.
     """
     with queue_place(model, job):
-        session = await app.sessions.open(job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+        session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
         model.scheduler.submit(job)
     if resumable:
         app.session_nursery.start_soon(serve_resume_ttl, app.sessions, session)
@@ -137,6 +138,16 @@ def queue_place(model: ServedModel, job: Job) -> Iterator[None]:
                        headers=((b"retry-after", str(exc.retry_after_s).encode()),)) from None
 
 
+async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
+    """``SessionStore.open``, refused typed while the session log takes no writes (a full
+    disk: 507 ``insufficient_storage``): nothing is generated that could not be logged."""
+    try:
+        return await app.sessions.open(job, **kw)
+    except JournalWriteError as exc:
+        error = JobError.log_failed(exc)
+        raise ApiError(error.status, error.message, code=error.code) from None
+
+
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:
     """The request is over: cancel its job unless resumable, and log how it
     ended if the scheduler did not. Shielded and bounded: runs in ``finally``."""
@@ -144,7 +155,10 @@ async def end(app: App, job: Job, *, resumable: bool = False) -> None:
         job.scheduler.cancel(job)
     with trio.move_on_after(5, shield=True):
         if job.done:
-            await app.sessions.end(job)
+            try:
+                await app.sessions.end(job)
+            except JournalWriteError:
+                pass  # the log takes no writes: it shows the session unfinished (cancelled on the next start)
 
 
 def resumable_requested(scope: dict[str, Any]) -> bool:

@@ -31,7 +31,7 @@ from .._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, parse_qos
-from ._generate import Follower, end, prepare, queue_place, watch_disconnect
+from ._generate import Follower, end, open_session, prepare, queue_place, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
 from ._openai import (
     ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
@@ -197,8 +197,8 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
             await store.begin(turn, params)
             try:
                 # as _generate.start, without the --resume-ttl watcher: the turn's owner holds it to its end
-                turn.session = await app.sessions.open(job, model=model.name, kind="chat", stops=turn.stops,
-                                                       resumable=True)
+                turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
+                                                  resumable=True)
             except BaseException:
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})

@@ -38,7 +38,19 @@ class JournalClosed(JournalError):
 
 class JournalWriteError(JournalError):
     """A write or fsync of ``wal.log`` failed. The journal then refuses every
-    later append (what reached the disk is unknown until the next replay)."""
+    later append until its probe finds the disk writable again (see
+    :class:`~superfluid.journal.Journal`). ``errno`` is the failure's
+    (``ENOSPC``, ``EDQUOT``, ``EIO``...), None if unknown."""
+
+    def __init__(self, message: str, *, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    @property
+    def out_of_space(self) -> bool:
+        import errno
+
+        return self.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class SessionStateError(JournalError):

@@ -8,10 +8,12 @@ import fcntl
 import itertools
 import logging
 import os
+import stat
 from typing import TYPE_CHECKING
 
 import attrs
 
+from .._private import DIR_MODE, FILE_MODE, make_private_dir
 from ..proto._link import NEED_DATA
 from ..proto._wal import (
     DAEMON_SESSION,
@@ -36,8 +38,11 @@ __all__ = [
     "WAL_NAME",
     "LogState",
     "Opened",
+    "FaultInjector",
     "close_quietly",
+    "faults",
     "open_log",
+    "probe_space",
     "write_and_sync",
     "write_compacted",
 ]
@@ -49,6 +54,26 @@ LOCK_NAME = "serve.lock"
 COMPACT_NAME = "wal.log.compact"
 PREV_NAME = "wal.log.prev"
 _CHUNK = 1 << 20
+
+
+PROBE_NAME = ".space-probe"
+PROBE_BYTES = 64 * 1024
+
+
+@attrs.define
+class FaultInjector:
+    """A test hook in the file layer: while ``errno`` is set, every write of the log (appends,
+    compactions, the recovery probe) fails with it before touching the disk, as a full disk
+    (``ENOSPC``) or a failing one (``EIO``) would. Tests set :data:`faults` and reset it."""
+
+    errno: int | None = None
+
+    def check(self) -> None:
+        if self.errno is not None:
+            raise OSError(self.errno, os.strerror(self.errno))
+
+
+faults = FaultInjector()
 
 
 # ---- primitives -------------------------------------------------------------------
@@ -76,6 +101,24 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _tighten_modes(directory: Path) -> None:
+    """Take group and other bits off ``directory`` and every file in it (a directory made
+    by an older version, or by hand), with one warning naming what changed."""
+    changed = []
+    entries = [(directory, DIR_MODE)]
+    entries += [(directory / name, FILE_MODE) for name in sorted(os.listdir(directory))]
+    for path, mode in entries:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_IMODE(st.st_mode) & 0o077:
+            continue
+        if path != directory and not stat.S_ISREG(st.st_mode):
+            continue
+        os.chmod(path, stat.S_IMODE(st.st_mode) & mode, follow_symlinks=False)
+        changed.append(f"{path} ({stat.S_IMODE(st.st_mode):04o} -> {stat.S_IMODE(st.st_mode) & mode:04o})")
+    if changed:
+        log.warning("sessions directory: took group/other access off %s", ", ".join(changed))
+
+
 def close_quietly(fd: int) -> None:
     if fd >= 0:
         with contextlib.suppress(OSError):
@@ -87,6 +130,7 @@ def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
     make it durable. On failure, try to cut the file back to ``committed`` so
     a half-written batch is not left behind, then re-raise."""
     try:
+        faults.check()
         _write_all(fd, data)
         _sync(fd, full=full)
     except OSError:
@@ -96,8 +140,31 @@ def write_and_sync(fd: int, data: bytes, committed: int, *, full: bool) -> None:
         raise
 
 
+def probe_space(directory: Path, fd: int, committed: int, *, full: bool) -> None:
+    """Does the disk take writes again? Cut ``wal.log`` back to ``committed`` (a failed batch
+    may have left part of itself), then write, sync and remove a probe file of PROBE_BYTES.
+
+    Raises:
+        OSError: the disk still refuses.
+    """
+    faults.check()
+    os.ftruncate(fd, committed)
+    os.lseek(fd, committed, os.SEEK_SET)
+    _sync(fd, full=full)
+    path = directory / PROBE_NAME
+    probe = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+    try:
+        _write_all(probe, bytes(PROBE_BYTES))
+        _sync(probe, full=full)
+    finally:
+        os.close(probe)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    _fsync_dir(directory)
+
+
 def _take_lock(directory: Path) -> int:
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -195,14 +262,16 @@ def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: 
     Raises:
         JournalLocked, WalCorrupt, OSError.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    make_private_dir(directory)
     lock_fd = _take_lock(directory)
     fd = -1
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(directory / COMPACT_NAME)  # a compaction that never reached its rename
+        _tighten_modes(directory)
+        for leftover in (COMPACT_NAME, PROBE_NAME):  # a compaction that never reached its rename, a probe
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / leftover)
         path = directory / WAL_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         state = LogState()
         moved: Path | None = None
         try:
@@ -226,7 +295,7 @@ def open_log(directory: Path, *, fresh: bool, max_record_size: int, full_fsync: 
         if moved is not None:
             # a fresh log still fences the old one's epochs
             state = LogState(epoch=state.epoch, daemon_record=state.daemon_record)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
             end = WalEnd(offset=0, size=0, torn=False)
         elif end.torn:
             truncated = end.size - end.offset
@@ -284,8 +353,9 @@ def write_compacted(directory: Path, head: WalRecord, sessions: list[SessionLog]
     after it the new file is the log, so it is returned even if the directory
     fsync failed (``dir_error``).
     """
+    faults.check()
     tmp = directory / COMPACT_NAME
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
         buf = bytearray(MAGIC)
         count = 0

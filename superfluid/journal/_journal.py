@@ -45,9 +45,16 @@ Retention (compaction), copied to SPEC.md:
 
 Durability: a record is durable when ``append_many`` returns. After a crash
 replay recovers every such record; a torn tail can only hold records whose
-``append_many`` had not returned. After a failed ``write``/``fsync`` the
-journal refuses further appends (:class:`JournalWriteError`) because what
-reached the disk is unknown until the next replay.
+``append_many`` had not returned.
+
+A failed ``write``/``fsync`` (``ENOSPC``, ``EDQUOT``, ``EIO``...) fails the
+records of its batch and makes the journal *degraded* (:attr:`Journal.degraded`
+names why): it refuses every append (:class:`JournalWriteError`) while a probe
+task in the journal's nursery retries the disk with back-off (``probe_backoff_s``
+doubling up to ``probe_max_backoff_s``): it cuts ``wal.log`` back to its last
+committed record, writes and syncs a probe file, and on success the journal
+takes appends again, from its committed state (records of failed batches never
+happened).
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ from ..proto._wal import (
 )
 from ..proto._wal_conversation import open_turn_after
 from ._errors import JournalClosed, JournalWriteError, SessionStateError
-from ._files import WAL_NAME, Opened, close_quietly, open_log, write_and_sync, write_compacted
+from ._files import WAL_NAME, Opened, close_quietly, open_log, probe_space, write_and_sync, write_compacted
 
 if TYPE_CHECKING:
     from ._session import SessionLog
@@ -116,6 +123,8 @@ class JournalConfig:
     # most this long (moving average); a slower disk gets a thread. 0: always a thread. See _commit_batch.
     inline_sync_s: float = 0.002
     close_timeout_s: float = 10.0
+    probe_backoff_s: float = 0.25  # degraded (a write failed): first wait before probing the disk again...
+    probe_max_backoff_s: float = 10.0  # ...doubling up to this
 
 
 @attrs.frozen(kw_only=True)
@@ -163,6 +172,8 @@ class Journal:
 
     def __init__(self, opened: Opened, config: JournalConfig) -> None:
         self.config = config
+        self._nursery: trio.Nursery | None = None  # runs the recovery probe (open_journal sets it)
+        self._probing = False
         self.directory = opened.directory
         self.path = opened.directory / WAL_NAME
         self._fd = opened.fd
@@ -193,6 +204,48 @@ class Journal:
         self._compactions = 0
         self._replayed = opened.replayed
         self._truncated = opened.truncated
+
+    # -- health ------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the journal refuses appends (a write failed and the disk has not taken one
+        since), or None when it is healthy."""
+        if self._broken is None:
+            return None
+        return f"the session log cannot be written ({self._broken.strerror or self._broken})"
+
+    def _degrade(self, exc: OSError) -> None:
+        self._broken = exc
+        if self._nursery is not None and not self._probing and not self._closing:
+            self._probing = True
+            self._nursery.start_soon(self._probe)
+
+    async def _probe(self) -> None:
+        """While degraded: retry the disk with back-off until it takes a write again."""
+        failures = 0
+        try:
+            while self._broken is not None and not self._closing:
+                failures += 1
+                cfg = self.config
+                await trio.sleep(min(cfg.probe_backoff_s * 2 ** (failures - 1), cfg.probe_max_backoff_s))
+                if self._leading or self._queue:
+                    continue  # records of before the failure are being failed: probe after them
+                try:
+                    await trio.to_thread.run_sync(partial(probe_space, self.directory, self._fd, self._size,
+                                                          full=self.config.full_fsync))
+                except OSError as exc:
+                    log.debug("session log %s: still not writable (%s)", self.path, exc)
+                    continue
+                # from the committed state: the records of failed batches never happened
+                self._next_ids = {sid: s.last_event_id + 1 for sid, s in self.sessions.items() if not s.done}
+                self._open_turns = {sid: s.open_turn for sid, s in self.sessions.items()
+                                    if s.conversation is not None}
+                log.warning("session log %s: writable again after %s; taking appends again", self.path,
+                            self._broken.strerror or self._broken)
+                self._broken = None
+        finally:
+            self._probing = False
 
     # -- reading ------------------------------------------------------------------
 
@@ -284,7 +337,8 @@ class Journal:
         if ticket.error is not None:
             if isinstance(ticket.error, JournalClosed):
                 raise JournalClosed(str(ticket.error))
-            raise JournalWriteError(f"writing {self.path} failed: {ticket.error}") from ticket.error
+            raise JournalWriteError(f"writing {self.path} failed: {ticket.error}",
+                                    errno=getattr(ticket.error, "errno", None)) from ticket.error
         return ticket.records
 
     async def compact(self) -> None:
@@ -307,7 +361,8 @@ class Journal:
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise JournalWriteError(f"{self.path} failed earlier ({self._broken}); it takes no more records")
+            raise JournalWriteError(f"{self.path} failed earlier ({self._broken}); it takes no records until "
+                                    "the disk takes writes again", errno=self._broken.errno)
         if self._closing:
             raise JournalClosed(f"{self.path} is closed")
 
@@ -447,8 +502,10 @@ class Journal:
                     # (superfluid/_cpu.py): a commit never waits for a scheduler tick
                     took = await trio.to_thread.run_sync(unyielding, sync)
             except OSError as exc:
-                log.error("session log %s: write/fsync failed (%s); refusing further appends", self.path, exc)
-                self._broken = failure = exc
+                log.error("session log %s: write/fsync failed (%s); refusing appends until the disk takes "
+                          "writes again", self.path, exc)
+                failure = exc
+                self._degrade(exc)
             else:
                 self._sync_avg_s = 0.8 * self._sync_avg_s + 0.2 * took
                 self._size += len(data)
@@ -532,8 +589,8 @@ class Journal:
                  self.path, before, result.size, len(keep), len(drop))
         if result.dir_error is not None:
             log.error("session log %s: fsync of the directory after compaction failed (%s); "
-                      "refusing further appends", self.path, result.dir_error)
-            self._broken = result.dir_error
+                      "refusing appends until the disk takes writes again", self.path, result.dir_error)
+            self._degrade(result.dir_error)
 
     # -- closing ---------------------------------------------------------------------
 
@@ -584,12 +641,22 @@ async def open_journal(
         full_fsync=config.full_fsync, now_ms=_unix_ms(),
     ))
     journal = Journal(opened, config)
+    failure: BaseException | None = None
     try:
-        yield journal
+        async with trio.open_nursery() as nursery:  # the recovery probe's
+            journal._nursery = nursery
+            try:
+                yield journal
+            except BaseException as exc:  # re-raised below, as itself (not in the nursery's group)
+                failure = exc
+            finally:
+                journal._closing = True
+                with trio.move_on_after(config.close_timeout_s, shield=True):
+                    while journal._leading:
+                        await journal._batch_done.wait()
+                    await journal._lead(compact=False)
+                nursery.cancel_scope.cancel()  # a probe thread under way finishes first
     finally:
-        journal._closing = True
-        with trio.move_on_after(config.close_timeout_s, shield=True):
-            while journal._leading:
-                await journal._batch_done.wait()
-            await journal._lead(compact=False)
         journal._close()
+    if failure is not None:
+        raise failure

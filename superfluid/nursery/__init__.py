@@ -10,5 +10,6 @@ from ._policy import RestartTracker as RestartTracker
 from ._worker import WorkerDied as WorkerDied
 from ._worker import WorkerHandle as WorkerHandle
 from ._worker import WorkerLoadFailed as WorkerLoadFailed
+from ._worker import WorkerSpawnFailed as WorkerSpawnFailed
 from ._worker import WorkerSpec as WorkerSpec
 from ._worker import open_worker as open_worker

@@ -14,9 +14,9 @@ import trio
 
 __all__ = ["CREDENTIAL_RE", "graceful_kill", "kill_now", "scrub_env"]
 
-CREDENTIAL_RE = re.compile(
-    r"((^|_)(TOKEN|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?)$)|PASSWORD|PASSWD|SECRET", re.I
-)
+# *_TOKEN, *_KEY (API, access, private, signing... keys), *_CREDENTIALS, and anything naming a
+# password or a secret (SUPERFLUID_API_KEY included)
+CREDENTIAL_RE = re.compile(r"((^|_)(TOKEN|API_?KEY|KEY|CREDENTIALS?)$)|PASSWORD|PASSWD|SECRET", re.I)
 
 
 def scrub_env(environ: Mapping[str, str]) -> dict[str, str]:

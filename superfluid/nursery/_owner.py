@@ -23,7 +23,7 @@ import trio
 
 from ..sched import Scheduler
 from ._policy import RestartPolicy, RestartTracker
-from ._worker import WorkerDied, WorkerLoadFailed, WorkerSpec, first_leaf, open_worker
+from ._worker import WorkerDied, WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, first_leaf, open_worker
 
 __all__ = ["ModelOwner"]
 
@@ -69,11 +69,13 @@ class ModelOwner:
     async def _generations(self, task_status: trio.TaskStatus[None]) -> None:
         tracker = RestartTracker(self.policy)
         started = False
+        spawn_failures = 0
         sched = self.scheduler
         while True:
             self.generation += 1
             try:
                 async with open_worker(self.spec, sched.inbox_send, generation=self.generation) as worker:
+                    spawn_failures = 0
                     self.ack = worker.ack
                     self.pid = worker.pid
                     if not started:
@@ -81,6 +83,19 @@ class ModelOwner:
                         task_status.started()
                     log.info("model %s: worker pid %d ready (generation %d)", self.name, worker.pid, self.generation)
                     await sched.run(worker)
+            except WorkerSpawnFailed as exc:
+                if not started:
+                    raise
+                # not a crash loop of the worker: the daemon lacks descriptors, processes or memory.
+                # Requests fail typed until a spawn works; the restart intensity is not charged.
+                spawn_failures += 1
+                delay = self.policy.spawn_backoff(spawn_failures)
+                message = f"engine worker cannot be started ({exc}); retrying in {delay:g}s"
+                log.error("model %s: %s", self.name, message)
+                sched.metrics.inc("superfluid_worker_spawn_failures_total")
+                sched.set_worker(None, unavailable=message, code="resources_exhausted")
+                sched.fail_queued(message, code="resources_exhausted")
+                await trio.sleep(delay)
             except (WorkerDied, WorkerLoadFailed, trio.TooSlowError) as exc:
                 if not started:
                     raise

@@ -21,6 +21,11 @@ class RestartPolicy:
     max_restarts: int = 3
     window_s: float = 60.0
     backoff_s: float = 0.25
+    max_backoff_s: float = 5.0  # a worker that cannot even be spawned is retried at doubling delays up to this
+
+    def spawn_backoff(self, failures: int) -> float:
+        """The wait before the next spawn after ``failures`` (>= 1) spawns in a row failed."""
+        return min(self.backoff_s * 2 ** (failures - 1), self.max_backoff_s)
 
 
 @attrs.define

@@ -38,7 +38,8 @@ from ..proto import (
 )
 from ._kill import graceful_kill, kill_now, scrub_env
 
-__all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpec", "open_worker", "worker_argv"]
+__all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpawnFailed", "WorkerSpec", "open_worker",
+           "worker_argv"]
 
 READ_SIZE = 256 * 1024
 
@@ -49,6 +50,13 @@ class WorkerDied(Exception):
 
 class WorkerLoadFailed(Exception):
     """The worker could not load its model (it answered ``LoadFailed``)."""
+
+
+class WorkerSpawnFailed(WorkerDied):
+    """The worker process could not be started: the daemon is out of file descriptors,
+    processes or memory (``EMFILE``, ``ENFILE``, ``EAGAIN``, ``ENOMEM``), or the spawn failed
+    otherwise. Not the worker's fault: the owner retries with back-off, and requests fail
+    typed (503 ``resources_exhausted``) meanwhile."""
 
 
 @attrs.frozen(kw_only=True)
@@ -209,13 +217,16 @@ async def _open_worker_nursery(
     process: trio.Process | None = None
     try:
         async with trio.open_nursery() as nursery:
-            process = await nursery.start(
-                partial(
-                    trio.run_process, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False,
-                    env=child_env,
-                    deliver_cancel=partial(graceful_kill, grace_s=spec.shutdown_grace_s, term_s=spec.term_grace_s),
+            try:
+                process = await nursery.start(
+                    partial(
+                        trio.run_process, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, check=False,
+                        env=child_env,
+                        deliver_cancel=partial(graceful_kill, grace_s=spec.shutdown_grace_s, term_s=spec.term_grace_s),
+                    )
                 )
-            )
+            except OSError as exc:  # os.pipe/fork/exec: trio has closed whatever it had opened
+                raise WorkerSpawnFailed(f"could not start the worker process: {exc}") from None
             handle: WorkerHandle | None = None
             try:
                 assert process.stdin is not None

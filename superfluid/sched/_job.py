@@ -53,6 +53,16 @@ class JobError:
     type: str = "server_error"
     code: str | None = None
 
+    @classmethod
+    def log_failed(cls, exc: BaseException) -> JobError:
+        """The session log could not take a request's records: 507 ``insufficient_storage``
+        when the disk is full (``exc.out_of_space``), else 503 ``session_log_failed``."""
+        if getattr(exc, "out_of_space", False):
+            return cls(status=507, code="insufficient_storage",
+                       message=f"the disk holding the session log is full; nothing is generated until it has "
+                               f"room again: {exc}")
+        return cls(status=503, code="session_log_failed", message=f"the session log could not be written: {exc}")
+
 
 @attrs.define(eq=False, kw_only=True)
 class Job:

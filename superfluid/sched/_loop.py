@@ -59,7 +59,11 @@ FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 
 
 class Unavailable(Exception):
-    """The model's worker cannot be (re)started; requests fail typed (503)."""
+    """The model's worker cannot be (re)started; requests fail typed (503 ``code``)."""
+
+    def __init__(self, message: str, *, code: str = "worker_unavailable") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class QueueFull(Exception):
@@ -224,18 +228,22 @@ class Scheduler:
                 raise Unavailable(self.closed.message)
             if self.unavailable is not None:
                 if retried:
-                    raise Unavailable(self.unavailable)
+                    raise Unavailable(self.unavailable, code=self.unavailable_code)
                 retried = True
                 self._poke()
             await self.worker_changed.wait()
         return self.worker
 
     unavailable: str | None = None
+    unavailable_code = "worker_unavailable"
     closed: JobError | None = None      # set by close(): the model was unloaded
 
-    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None) -> None:
+    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None,
+                   code: str = "worker_unavailable") -> None:
+        """``unavailable``: why no worker can be had now (requests fail 503 ``code``)."""
         self.worker = worker
         self.unavailable = unavailable
+        self.unavailable_code = code
         event, self.worker_changed = self.worker_changed, trio.Event()
         event.set()
 
@@ -294,10 +302,10 @@ class Scheduler:
             pending.event.set()
         self.set_worker(None, unavailable=message)
 
-    def fail_queued(self, message: str) -> None:
+    def fail_queued(self, message: str, *, code: str = "worker_unavailable") -> None:
         for q in self.queues.values():
             while q:
-                q.popleft().finish_with(error=JobError(status=503, message=message, code="worker_unavailable"))
+                q.popleft().finish_with(error=JobError(status=503, message=message, code=code))
         self._gauges()
 
     # -- the loop -----------------------------------------------------------------
@@ -587,7 +595,7 @@ class Scheduler:
 
         Owned by the model owner, beside the worker generations: staged rounds
         survive a worker's death. A failed commit (the log refuses writes) ends
-        the jobs of its rounds typed (503 ``session_log_failed``).
+        the jobs of its rounds typed (``JobError.log_failed``: 507 when the disk is full).
         """
         async for first in self._commit_recv:
             rounds = [first]
@@ -618,8 +626,7 @@ class Scheduler:
             await self.committer.commit(spans, ended)
         except Exception as exc:  # noqa: BLE001 - any log failure ends these jobs typed, never silently
             log.error("model %s: session log commit failed: %s", self.name, exc)
-            failure = JobError(status=503, code="session_log_failed",
-                               message=f"the session log could not make tokens durable: {exc}")
+            failure = JobError.log_failed(exc)
         finally:
             if responsive is not None:
                 responsive.note(self._ending, urgent=False)
