@@ -31,6 +31,7 @@ from ..journal import SessionStateError
 from ..proto._wal import body_conversation
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._openai import parse_messages, parse_tools
+from ._params import template_kwargs_from
 from ._sessions import cancel_generation
 from ._turns import (
     SAMPLING_FIELDS, busy_error, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
@@ -109,9 +110,7 @@ async def create_conversation(app: App, body: dict[str, Any]) -> dict[str, Any]:
         if key not in SAMPLING_FIELDS:
             raise ApiError(400, f"invalid request: unknown field sampling.{key}", param=f"sampling.{key}")
     check_sampling(model, sampling, "sampling.")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
+    kwargs = template_kwargs_from(body)
     messages = parse_messages(body) if body.get("messages") not in (None, []) else []
     head = body_conversation(model=model.name, system=system, tools=[t.to_openai() for t in tools] if tools else None,
                              sampling=sampling, template_kwargs=kwargs)
