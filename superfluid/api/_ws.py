@@ -73,7 +73,8 @@ import trio
 from ._generate import end, prepare, start
 from ._http import ApiError, Receive, Send, decode_json
 from ._openai import (
-    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tools, qos_of, render_chat,
+    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
+    render_chat,
     require_grammar, thinking_kwargs, usage_of,
 )
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
@@ -460,6 +461,7 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
     if parse_tools(body.get("tools")):
         raise ApiError(400, "WebSocket streams do not carry tool calls yet", code="unsupported_parameter",
                        param="tools")
+    parse_tool_choice(body.get("tool_choice"), [])
     kwargs = template_kwargs_from(body)
     sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
     req = ChatRequest(
