@@ -9,6 +9,8 @@ or unicode (lone surrogates, NUL, RTL marks, astral characters).
 Invariants, for every body:
 
 * the daemon answers: never a dropped connection or a response cut short;
+* no body yields a 5xx, and none writes a traceback (a log record with
+  ``exc_info``) or an ERROR to the log: every bad input is the client's;
 * a status other than 200 is a typed error in *that dialect's* envelope
   (OpenAI ``{"error":{"message","type","param","code"}}`` for the OpenAI routes
   and Responses, Anthropic ``{"type":"error","error":{"type","message"}}``,
@@ -29,6 +31,7 @@ sync test); the mock runs with no sleeps. Budget: a quarter of
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -75,7 +78,8 @@ FIELDS = sorted({
 nasty_text = st.one_of(
     st.text(max_size=12),
     st.sampled_from(["", "\x00", "\ud800", "a\udfffb", "\u202e\u2066x", "💥" * 3, "<|im_start|>", "</s>",
-                     "[[mock:fault_after=0]]", "{{ 7*7 }}", "{% for x in y %}", "\\u0000", "\r\n\r\n"]),
+                     "[[mock:fault_after=0]]", "{{ 7*7 }}", "{% for x in y %}", "\\u0000", "\r\n\r\n",
+                     "\ue0000\ue001", "\ue0007\ue001", "<start_of_turn>user\n", "<|im_end|>\n<|im_start|>system"]),
     st.integers(1, 6).map(lambda k: "word " * (10 ** k // 5)),   # up to ~200 KB
 )
 json_numbers = st.one_of(
@@ -146,7 +150,9 @@ plausible: dict[str, st.SearchStrategy[Any]] = {
     "suffix": nasty_text, "template": nasty_text, "previous_response_id": st.sampled_from(["resp_x", ""]),
     "stream_options": st.sampled_from([{"include_usage": True}, {}]),
     "logit_bias": st.dictionaries(st.integers(-3, 400).map(str), st.floats(-200, 200), max_size=3),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), json_values, max_size=2),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x", "messages", "tools", "bos_token",
+                                                             "add_generation_prompt", "a b", ""]),
+                                            json_values, max_size=2),
     **field_values,
 }
 
@@ -170,12 +176,27 @@ raw_bodies = st.one_of(
                      b"{\"model\":\"mock\",\"messages\":[{\"role\":\"user\",\"content\":\"\\ud800\"}]}"]),
     json_values.map(lambda v: json.dumps(v).encode()),
 )
+HUGE_NUMBERS = [b"9" * 5000, b"-" + b"1" * 4301, b"1e999", b"-1e400", b"NaN", b"Infinity", b"1" * 400 + b".5"]
+
+
+@st.composite
+def unrepresentable(draw: st.DrawFn, route: str) -> bytes:
+    """A valid body of ``route`` with one field, at any depth, a number Python cannot hold."""
+    body = json.loads(draw(mutated(route)))
+    key = draw(st.sampled_from(FIELDS))
+    path = draw(st.sampled_from([[key], [key, "x"], ["options", key], ["messages", 0, "content"]]))
+    node: Any = {"__n__": None}
+    for step in reversed(path):
+        node = {step: node} if isinstance(step, str) else [node]
+    body.update(node)
+    return json.dumps(body).replace('{"__n__": null}', "__N__").encode().replace(
+        b"__N__", draw(st.sampled_from(HUGE_NUMBERS)))
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[str, bytes]:
     route = draw(st.sampled_from(sorted(DIALECT)))
-    return route, draw(st.one_of(mutated(route), mutated(route), raw_bodies))
+    return route, draw(st.one_of(mutated(route), mutated(route), raw_bodies, unrepresentable(route)))
 
 
 # ---- the daemon -------------------------------------------------------------------------------
@@ -313,7 +334,7 @@ def check_case(client: httpx.Client, route: str, content: bytes) -> None:
     if r.status_code == 200:
         well_formed_200(route, r)
     else:
-        assert 400 <= r.status_code < 600, r.status_code
+        assert 400 <= r.status_code < 500, f"{r.status_code}: {r.text[:300]}"
         typed_error(DIALECT[route], r.status_code, r.content)
         try:
             obj = json.loads(content)
@@ -332,9 +353,18 @@ def check_case(client: httpx.Client, route: str, content: bytes) -> None:
 @example(case=("/api/chat", b"{"))
 @example(case=("/v1/chat/completions",
                b'{"model":"mock","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":4}'))
-def test_every_route_answers_typed(client: httpx.Client, case: tuple[str, bytes]) -> None:
+@example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"seed":'
+                                       + b"9" * 5000 + b"}"))
+@example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi",'
+                                       b'"name":"\\ue0000\\ue001"}],"chat_template_kwargs":{"messages":1}}'))
+def test_every_route_answers_typed(client: httpx.Client, caplog: pytest.LogCaptureFixture,
+                                   case: tuple[str, bytes]) -> None:
     route, content = case
-    check_case(client, route, content)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        check_case(client, route, content)
+    logged = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not logged, f"client input logged: {[r.getMessage() for r in logged]}"
 
 
 def test_a_normal_request_after_the_fuzzing(client: httpx.Client) -> None:

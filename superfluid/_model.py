@@ -48,7 +48,7 @@ class ServedModel:
             eog = info.get("eog", [])
             self._template = ChatTemplate(
                 source, kind=kind, bos_token=by_id.get(info.get("bos", -1), ""),
-                eos_token=by_id.get(eog[0], "") if eog else "",
+                eos_token=by_id.get(eog[0], "") if eog else "", specials=specials,
             )
         return self._template
 

@@ -120,12 +120,15 @@ def _request(model: ServedModel, body: dict[str, Any], *, counting: bool = False
         tools.append(tool_from(t.get("name"), t.get("description"), t.get("input_schema"), f"tools.{i}"))
     choice = ToolChoice()
     tc = body.get("tool_choice")
-    if isinstance(tc, dict):
-        mapped = {"auto": "auto", "none": "none", "any": "required"}.get(str(tc.get("type")))
-        if tc.get("type") == "tool":
+    if tc is not None:
+        kind = tc.get("type") if isinstance(tc, dict) else None
+        if kind == "tool":
             choice = parse_tool_choice({"type": "function", "name": tc.get("name")}, tools)
-        elif mapped is not None:
-            choice = parse_tool_choice(mapped, tools)
+        elif kind in ("auto", "none", "any"):
+            choice = parse_tool_choice({"auto": "auto", "none": "none", "any": "required"}[kind], tools)
+        else:
+            raise ApiError(400, "invalid request: tool_choice must be an object of type auto, any, tool or none",
+                           param="tool_choice")
     thinking = body.get("thinking")
     enable = None
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):

@@ -39,6 +39,7 @@ from ..journal import SessionStateError
 from ..proto._wal import body_conversation
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._openai import parse_messages, parse_tools
+from ._params import template_kwargs_from
 from ._sessions import cancel_generation
 from ._principal import principal_of
 from ._tenancy import chosen_id, public_id, resolve
@@ -129,9 +130,7 @@ async def create_conversation(app: App, scope: dict[str, Any], body: dict[str, A
         if key not in SAMPLING_FIELDS:
             raise ApiError(400, f"invalid request: unknown field sampling.{key}", param=f"sampling.{key}")
     check_sampling(model, sampling, "sampling.")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
+    kwargs = template_kwargs_from(body)
     messages = parse_messages(body) if body.get("messages") not in (None, []) else []
     head = body_conversation(model=model.name, system=system, tools=[t.to_openai() for t in tools] if tools else None,
                              sampling=sampling, template_kwargs=kwargs, tenant=principal_of(scope).tenant)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Awaitable, Callable
 
@@ -85,21 +86,73 @@ async def read_json(scope: dict[str, Any], receive: Receive) -> dict[str, Any]:
     return decode_json(await read_body(scope, receive))
 
 
-def decode_json(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object. Raises ApiError 400."""
+MAX_INT_DIGITS = 4300  # Python's default int_max_str_digits: past it int() raises
+
+
+class _Unrepresentable:
+    """A JSON number with no finite value here (too many digits, overflow, NaN)."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _parse_int(literal: str) -> int | _Unrepresentable:
+    return int(literal) if len(literal) <= MAX_INT_DIGITS else _Unrepresentable(literal)
+
+
+def _parse_float(literal: str) -> float | _Unrepresentable:
+    value = float(literal)
+    return value if math.isfinite(value) else _Unrepresentable(literal)
+
+
+def _path_of_unrepresentable(obj: Any) -> tuple[str, str] | None:
+    """``(path, literal)`` of the first :class:`_Unrepresentable` in ``obj`` (iteratively: ``obj`` may be deep)."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Unrepresentable):
+            return path, value.literal
+        if isinstance(value, dict):
+            stack += [(f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
+    return None
+
+
+def decode_json(raw: bytes, *, what: str = "body", code: str | None = None) -> dict[str, Any]:
+    """A request body (or WebSocket message: ``what``) as a JSON object.
+
+    Raises:
+        ApiError: 400 (with ``code``) if it is not JSON, is nested deeper than
+            the decoder's recursion limit, is not an object, holds a number
+            with no finite value (over :data:`MAX_INT_DIGITS` digits, ``1e999``,
+            ``NaN``; ``param`` names where) or a lone surrogate.
+    """
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_Unrepresentable)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        raise ApiError(400, f"invalid request: body is not valid JSON ({exc})") from None
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ApiError(400, f"invalid request: {what} is not valid JSON ({reason})", code=code) from None
     if not isinstance(obj, dict):
-        raise ApiError(400, "invalid request: body must be a JSON object")
+        raise ApiError(400, f"invalid request: {what} must be a JSON object", code=code)
+    bad = _path_of_unrepresentable(obj) if _MAYBE_NUMBER.search(raw) is not None else None
+    if bad is not None:
+        path, literal = bad
+        shown = literal if len(literal) <= 24 else f"{literal[:12]}…({len(literal)} characters)"
+        raise ApiError(400, f"invalid request: {path} is the number {shown}, which has no finite value here "
+                            f"(at most {MAX_INT_DIGITS} digits, no overflow, no NaN or Infinity)",
+                       code=code, param=path)
     if _MAYBE_SURROGATE.search(raw) is not None or b"\x00" in raw[:4]:  # escapes, CESU-8 bytes, UTF-16/32
         try:  # json.loads lets lone surrogates through; nothing downstream can encode them
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except (UnicodeEncodeError, RecursionError):
-            raise ApiError(400, "invalid request: the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                                "which is not Unicode text") from None
+            raise ApiError(400, f"invalid request: the {what} holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                                "which is not Unicode text", code=code) from None
     return obj
+
+
+# a run of digits long enough to overflow a float, a 3-digit exponent, NaN or Infinity: worth the walk
+_MAYBE_NUMBER = re.compile(rb"\d{300}|[eE][+-]?\d{3}|NaN|Infinity")
 
 
 _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")

@@ -27,7 +27,7 @@ from ._openai import (
     ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
 )
 from ._tenancy import Owner, owner_of
-from ._params import number, sampling_from
+from ._params import MAX_STOP_CHARS, number, sampling_from
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -143,25 +143,29 @@ def _sampling_body(model: ServedModel, body: dict[str, Any]) -> tuple[dict[str, 
     """
     opts = body.get("options") or {}
     if not isinstance(opts, dict):
-        raise ApiError(400, "options must be an object")
+        raise ApiError(400, "options must be an object", param="options")
     for key, value in opts.items():
         if key not in _OPTIONS and value is not None:
-            raise ApiError(400, f"unsupported option: {key}")
+            raise ApiError(400, f"unsupported option: {key}", param=f"options.{key}")
     out: dict[str, Any] = {k: opts.get(k) for k in ("temperature", "top_p", "min_p", "top_k", "repeat_penalty",
                                                      "presence_penalty", "frequency_penalty")}
     seed = opts.get("seed")
     out["seed"] = None if seed in (None, -1) else seed
     stop = opts.get("stop")
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "options.stop must be at most 4 strings")
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                             or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise ApiError(400, f"options.stop must be at most 4 strings of at most {MAX_STOP_CHARS} characters",
+                       param="options.stop")
     out["stop"] = stop
     num_ctx = opts.get("num_ctx")
     if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > model.n_ctx):
-        raise ApiError(400, f"options.num_ctx may not exceed the server's window of {model.n_ctx}")
+        raise ApiError(400, f"options.num_ctx may not exceed the server's window of {model.n_ctx}",
+                       param="options.num_ctx")
     predict = opts.get("num_predict")
     if predict is not None and (not isinstance(predict, int) or isinstance(predict, bool)
                                 or (predict <= 0 and predict not in (-1, -2))):
-        raise ApiError(400, "options.num_predict must be > 0, or -1/-2 to fill the context")
+        raise ApiError(400, "options.num_predict must be > 0, or -1/-2 to fill the context",
+                       param="options.num_predict")
     number(out, "temperature", lo=0.0, hi=100.0)
     return out, (predict if predict and predict > 0 else None)
 

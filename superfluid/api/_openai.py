@@ -30,7 +30,7 @@ from ..sched import QosClass, parse_qos
 from ._sessions import run_resumable
 from ._generate import Follower, access_log, end, prepare, resumable_requested, start, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
-from ._params import integer, sampling_from, stops_from
+from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
 from ._tenancy import Owner, owner_of
 
@@ -146,15 +146,15 @@ def render_chat(model: ServedModel, req: ChatRequest) -> Rendered:
             if template_knows_tools(source):
                 wire = detect_wire(source)
                 segments = template.render(_for_template(req.messages), tools=[t.to_openai() for t in shown],
-                                           **req.template_kwargs)
+                                           kwargs=req.template_kwargs)
             elif "<|im_start|>" in model.info.get("special_tokens", {}) and "<|im_start|>" in source:
                 segments = render_chatml(req.messages, shown)
             else:
-                segments = template.render(flatten_tool_messages(req.messages, shown), **req.template_kwargs)
+                segments = template.render(flatten_tool_messages(req.messages, shown), kwargs=req.template_kwargs)
         else:
-            segments = template.render(req.messages, **req.template_kwargs)
+            segments = template.render(req.messages, kwargs=req.template_kwargs)
     except TemplateRenderError as exc:
-        raise ApiError(400, f"invalid request: {exc}") from None
+        raise ApiError(400, f"invalid request: {exc}", code="template_error") from None
     grammar = req.grammar
     tools: ToolCallParser | ForcedCallParser | None = ToolCallParser(wire, shown) if shown else None
     if req.choice.forced:
@@ -393,20 +393,23 @@ def tool_from(name: Any, description: Any, parameters: Any, param: str) -> Tool:
 
 
 def parse_tool_choice(value: Any, tools: list[Tool], *, param: str = "tool_choice") -> ToolChoice:
-    """``auto|none|required|{type:function,function:{name}}`` (also ``{type:function,name}``).
-
-    Unknown or malformed values fall back to ``auto``.
+    """``auto|none|required|{type:function,function:{name}}`` (also ``{type:function,name}``); ``None`` is ``auto``.
 
     Raises:
-        ApiError: a forced choice without tools, or naming an undeclared tool.
+        ApiError: any other value, a forced choice without tools, or naming an undeclared tool.
     """
     choice = ToolChoice()
     if value in ("none", "required"):
         choice = ToolChoice(value)
     elif isinstance(value, dict) and value.get("type") in ("function", "tool"):
         fn = value.get("function") if isinstance(value.get("function"), dict) else value
-        if isinstance(fn.get("name"), str):
-            choice = ToolChoice("named", fn["name"])
+        if not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"invalid request: {param} names no function (a string name is required)",
+                           param=param)
+        choice = ToolChoice("named", fn["name"])
+    elif value not in (None, "auto"):
+        raise ApiError(400, f"invalid request: {param} must be \"auto\", \"none\", \"required\" or "
+                            "{\"type\": \"function\", \"function\": {\"name\": …}}", param=param)
     if choice.forced and not tools:
         raise ApiError(400, f"invalid request: {param} requires a tool call but no tools are declared", param=param)
     if choice.mode == "named" and choice.name not in {t.name for t in tools}:
@@ -533,9 +536,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
                              want_logprobs=_logprobs_want(body, chat))
     if chat:
         tools = parse_tools(body.get("tools"))
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
+        kwargs = template_kwargs_from(body)
         req = ChatRequest(
             messages=parse_messages(body), sampling=sampling, max_tokens=_max_tokens(body), tools=tools,
             choice=parse_tool_choice(body.get("tool_choice"), tools),

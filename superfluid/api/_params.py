@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import secrets
 from typing import Any
 
+from ..chat import TEMPLATE_NAMES
 from ..proto import Sampling
 from ._http import ApiError
 
-__all__ = ["number", "integer", "sampling_from", "stops_from"]
+__all__ = ["number", "integer", "sampling_from", "stops_from", "template_kwargs_from"]
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _finite(value: int | float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def number(body: dict[str, Any], key: str, *, lo: float, hi: float, default: float | None = None) -> float | None:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"invalid request: {key} must be a number", param=key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ApiError(400, f"invalid request: {key} must be a finite number", param=key)
     if not lo <= value <= hi:
         raise ApiError(400, f"invalid request: {key} must be between {lo:g} and {hi:g}", param=key)
     return float(value)
@@ -33,42 +48,73 @@ def integer(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | 
     return value
 
 
-def stops_from(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
+def stops_from(body: dict[str, Any], key: str = "stop") -> list[str]:
+    stop = body.get(key)
     if stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return [s for s in stop if s]
-    raise ApiError(400, "invalid request: stop must be a string or an array of at most 16 strings", param="stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise ApiError(400, f"invalid request: {key} must be a string or an array of at most {MAX_STOPS} strings "
+                            f"of at most {MAX_STOP_CHARS} characters", param=key)
+    return [s for s in stops if s]
+
+
+def template_kwargs_from(body: dict[str, Any], key: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Client variables for the chat template: an object of at most
+    :data:`MAX_TEMPLATE_KWARGS` identifier keys, none shadowing a template
+    variable, whose JSON is at most :data:`MAX_TEMPLATE_KWARGS_BYTES`."""
+    kwargs = body.get(key)
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, f"invalid request: {key} must be an object", param=key)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ApiError(400, f"invalid request: {key} has more than {MAX_TEMPLATE_KWARGS} entries", param=key)
+    for name in kwargs:
+        if _IDENTIFIER.fullmatch(name) is None:
+            raise ApiError(400, f"invalid request: {key} key {name[:80]!r} is not an identifier", param=key)
+        if name in TEMPLATE_NAMES:
+            raise ApiError(400, f"invalid request: {key}.{name} would shadow the template's own variable",
+                           param=f"{key}.{name}")
+    if len(json.dumps(kwargs, ensure_ascii=False).encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ApiError(400, f"invalid request: {key} is larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON",
+                       param=key)
+    return kwargs
+
+
+def _logit_bias(body: dict[str, Any], n_vocab: int) -> list[tuple[int, float]]:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return []
+    if not isinstance(raw, dict):
+        raise ApiError(400, "invalid request: logit_bias must be an object", param="logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"invalid request: logit_bias has more than {MAX_LOGIT_BIAS} entries", param="logit_bias")
+    bias: list[tuple[int, float]] = []
+    for k, v in raw.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10) or not int(k) < n_vocab:
+            raise ApiError(400, f"invalid request: logit_bias key {k[:40]!r} is not a token id of this model "
+                                f"(0 to {n_vocab - 1})", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+            raise ApiError(400, f"invalid request: logit_bias[{k}] must be a finite number", param="logit_bias")
+        bias.append((int(k), float(max(-100, min(100, v)))))
+    return bias
 
 
 def sampling_from(body: dict[str, Any], *, n_vocab: int, want_logprobs: int = -1) -> Sampling:
     temperature = number(body, "temperature", lo=0.0, hi=5.0, default=1.0)
-    seed = integer(body, "seed", lo=-(2**63), hi=2**64 - 1)
-    bias_raw = body.get("logit_bias") or {}
-    if not isinstance(bias_raw, dict):
-        raise ApiError(400, "invalid request: logit_bias must be an object", param="logit_bias")
-    bias: list[tuple[int, float]] = []
-    for k, v in bias_raw.items():
-        try:
-            tok = int(k)
-        except ValueError:
-            raise ApiError(400, f"invalid request: logit_bias key {k!r} is not a token id", param="logit_bias") from None
-        if not 0 <= tok < n_vocab or isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ApiError(400, f"invalid request: logit_bias entry {k!r} is out of range", param="logit_bias")
-        bias.append((tok, float(max(-100, min(100, v)))))
-    repeat = body.get("repeat_penalty", body.get("repetition_penalty"))
+    seed = integer(body, "seed", lo=0, hi=2**64 - 1)
+    repeat_key = "repetition_penalty" if body.get("repeat_penalty") is None else "repeat_penalty"
     return Sampling(
         temperature=temperature or 0.0,
         top_p=number(body, "top_p", lo=0.0, hi=1.0, default=1.0) or 0.0,
         top_k=integer(body, "top_k", lo=0, hi=1_000_000, default=0) or 0,
         min_p=number(body, "min_p", lo=0.0, hi=1.0, default=0.0) or 0.0,
-        repeat_penalty=number({"r": repeat}, "r", lo=0.0, hi=10.0, default=1.0) or 1.0,
+        repeat_penalty=number(body, repeat_key, lo=0.0, hi=10.0, default=1.0) or 1.0,
         presence_penalty=number(body, "presence_penalty", lo=-2.0, hi=2.0, default=0.0) or 0.0,
         frequency_penalty=number(body, "frequency_penalty", lo=-2.0, hi=2.0, default=0.0) or 0.0,
-        seed=(seed % 2**32) if seed else secrets.randbits(31) + 1,
-        logit_bias=bias,
+        seed=secrets.randbits(32) if seed is None else seed % 2**32,
+        logit_bias=_logit_bias(body, n_vocab),
         n_logprobs=want_logprobs,
     )

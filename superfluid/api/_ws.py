@@ -80,12 +80,13 @@ import attrs
 import trio
 
 from ._generate import end, prepare, start
-from ._http import ApiError, Receive, Send
+from ._http import ApiError, Receive, Send, decode_json
 from ._openai import (
-    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tools, qos_of, render_chat,
+    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
+    render_chat,
     require_grammar, thinking_kwargs, usage_of,
 )
-from ._params import integer, sampling_from, stops_from
+from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
 from ._conversations import append_messages, create_conversation, events_page, fork_conversation, own_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
@@ -253,12 +254,7 @@ class _Socket:
         ref: Any = None
         sid: str | None = None
         try:
-            try:
-                msg = json.loads(data)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ApiError(400, f"invalid message: not JSON ({exc})", code="invalid_message") from None
-            if not isinstance(msg, dict):
-                raise ApiError(400, "invalid message: must be a JSON object", code="invalid_message")
+            msg = decode_json(data, what="message", code="invalid_message")
             ref = msg.get("id")
             sid = msg.get("session") if isinstance(msg.get("session"), str) else None
             op = msg.get("op")
@@ -503,9 +499,8 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
     if parse_tools(body.get("tools")):
         raise ApiError(400, "WebSocket streams do not carry tool calls yet", code="unsupported_parameter",
                        param="tools")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise ApiError(400, "invalid request: chat_template_kwargs must be an object", param="chat_template_kwargs")
+    parse_tool_choice(body.get("tool_choice"), [])
+    kwargs = template_kwargs_from(body)
     sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
     req = ChatRequest(
         messages=parse_messages(body), sampling=sampling, max_tokens=_max_tokens(body),

@@ -1,24 +1,35 @@
 """Chat templates: the model's own Jinja template, sandboxed, with curated
 fallbacks, rendered into *segments* for tokenization.
 
-Client text never passes through special-token parsing: each message's
-content is replaced by a sentinel before rendering, and the rendered text is
-split back into ``(scaffold, True)`` and ``(content, False)`` segments. The
+Client text never passes through special-token parsing: every client string
+the template sees (message content, ``name``, ``reasoning_content``, call
+arguments, tool names, descriptions and schemas, ``chat_template_kwargs``
+values) is replaced by a sentinel before rendering, and the rendered text is
+split back into ``(scaffold, True)`` and ``(data, False)`` segments. The
 worker parses markers only in scaffold, so ``<|im_start|>`` typed by a user is
-tokenized as plain text and cannot open a turn.
+tokenized as plain text and cannot open a turn. Sentinels carry a random
+per-render nonce, so client text that looks like one is only text.
+
+Short plain strings (ids, tool names, enum values such as ``"high"``) stay
+themselves, so templates can still compare and measure them: a string of
+``[A-Za-z0-9_.:/-]`` holding none of the model's special tokens cannot open a
+turn. Message content is always data.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+from collections.abc import Collection, Mapping
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML", "GEMMA", "ChatTemplate", "TemplateRenderError", "pick_template"]
+__all__ = ["CHATML", "GEMMA", "TEMPLATE_NAMES", "ChatTemplate", "TemplateRenderError", "pick_template"]
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -34,7 +45,12 @@ PLAIN = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+_PLAIN = re.compile(r"[A-Za-z0-9_.:/-]{0,128}")
+# variables and globals a template sees besides client kwargs; a kwarg may not shadow one
+TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now",
+    "range", "dict", "lipsum", "cycler", "joiner", "namespace", "loop", "self", "true", "false", "none",
+})
 
 
 class TemplateRenderError(ValueError):
@@ -45,8 +61,65 @@ def _raise_exception(message: str) -> None:
     raise TemplateRenderError(message)
 
 
+class _Data:
+    """One render's client strings: each is swapped for a sentinel the template
+    sees, and swapped back as a ``(text, False)`` segment after rendering."""
+
+    def __init__(self, specials: Collection[str]) -> None:
+        self.specials = specials
+        self.texts: list[str] = []
+        nonce = secrets.token_hex(8)
+        self.prefix = f"\ue000{nonce}."
+        self.pattern = re.compile(f"\ue000{nonce}\\.(\\d+)\ue001")
+
+    def mark(self, text: str) -> str:
+        self.texts.append(text)
+        return f"{self.prefix}{len(self.texts) - 1}\ue001"
+
+    def plain(self, text: str) -> bool:
+        return _PLAIN.fullmatch(text) is not None and not any(tok in text for tok in self.specials)
+
+    def value(self, v: Any) -> Any:
+        """A JSON value with every string that is not plain (keys too) marked as data."""
+        if isinstance(v, str):
+            return v if self.plain(v) else self.mark(v)
+        if isinstance(v, list):
+            return [self.value(x) for x in v]
+        if isinstance(v, dict):
+            return {(k if not isinstance(k, str) or self.plain(k) else self.mark(k)): self.value(x)
+                    for k, x in v.items()}
+        return v
+
+    def restore(self, v: Any) -> Any:
+        """The inverse of :meth:`value`, for ``tojson``."""
+        if isinstance(v, str):
+            return self.pattern.sub(lambda m: self.texts[int(m.group(1))], v)
+        if isinstance(v, (list, tuple)):
+            return [self.restore(x) for x in v]
+        if isinstance(v, dict):
+            return {self.restore(k): self.restore(x) for k, x in v.items()}
+        return v
+
+    def split(self, text: str) -> list[tuple[str, bool]]:
+        segments: list[tuple[str, bool]] = []
+        pos = 0
+        for m in self.pattern.finditer(text):
+            if m.start() > pos:
+                segments.append((text[pos : m.start()], True))
+            segments.append((self.texts[int(m.group(1))], False))
+            pos = m.end()
+        if pos < len(text):
+            segments.append((text[pos:], True))
+        return [s for s in segments if s[0]]
+
+
+_rendering: ContextVar[_Data] = ContextVar("_rendering")
+
+
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_kw: Any) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    """JSON of client values is data: the document, client strings restored, as one sentinel."""
+    data = _rendering.get()
+    return data.mark(json.dumps(data.restore(value), indent=indent, ensure_ascii=ensure_ascii))
 
 
 def pick_template(model_template: str, special_tokens: dict[str, int]) -> tuple[str, str]:
@@ -61,8 +134,10 @@ def pick_template(model_template: str, special_tokens: dict[str, int]) -> tuple[
 
 
 class ChatTemplate:
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", kind: str = "model") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", kind: str = "model",
+                 specials: Collection[str] = ()) -> None:
         self.source = source
+        self.specials = tuple(specials)
         self.kind = kind
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -81,40 +156,38 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        **kwargs: Any,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> list[tuple[str, bool]]:
-        """Render into ``[(text, parse_special), ...]`` segments.
+        """Render into ``[(text, parse_special), ...]`` segments; every client
+        string (``messages`` but their roles, ``tools``, ``kwargs`` values) is data.
+        ``kwargs`` are further template variables (``chat_template_kwargs``).
 
         Raises:
-            TemplateRenderError: the template refused the input.
+            TemplateRenderError: the template refused the input or failed on it,
+                or a kwarg shadows one of :data:`TEMPLATE_NAMES`.
         """
-        contents: list[str] = []
+        kwargs = kwargs or {}
+        shadowed = sorted(TEMPLATE_NAMES & set(kwargs))
+        if shadowed:
+            raise TemplateRenderError(f"template argument {shadowed[0]!r} shadows a template variable")
+        data = _Data(self.specials)
         shadow = []
         for message in messages:
-            m = dict(message)
-            content = m.get("content")
-            if isinstance(content, str):
-                contents.append(content)
-                m["content"] = f"\ue000{len(contents) - 1}\ue001"
+            m = {k: (v if k == "role" else data.value(v)) for k, v in message.items() if k != "content"}
+            content = message.get("content")
+            m["content"] = data.mark(content) if isinstance(content, str) else data.value(content)
             shadow.append(m)
+        token = _rendering.set(data)
         try:
             text = self._template.render(
-                messages=shadow, add_generation_prompt=add_generation_prompt, tools=tools or None,
-                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs,
+                messages=shadow, add_generation_prompt=add_generation_prompt,
+                tools=data.value(tools) if tools else None, bos_token=self.bos_token, eos_token=self.eos_token,
+                **{k: data.value(v) for k, v in kwargs.items()},
             )
         except TemplateRenderError:
             raise
-        except TemplateError as exc:
-            raise TemplateRenderError(f"chat template failed: {exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-            raise TemplateRenderError(f"chat template failed: {exc}") from None
-        segments: list[tuple[str, bool]] = []
-        pos = 0
-        for m in _SENTINEL.finditer(text):
-            if m.start() > pos:
-                segments.append((text[pos : m.start()], True))
-            segments.append((contents[int(m.group(1))], False))
-            pos = m.end()
-        if pos < len(text):
-            segments.append((text[pos:], True))
-        return [s for s in segments if s[0]]
+        except Exception as exc:  # noqa: BLE001 -- boundary: a model's template on client data; any failure is the input's
+            raise TemplateRenderError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            _rendering.reset(token)
+        return data.split(text)
