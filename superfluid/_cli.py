@@ -75,7 +75,44 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
+                        "GET /health; an admin key named 'default' (default: $SUPERFLUID_API_KEY, else none)")
+    s.add_argument("--key-policy", type=Path, metavar="FILE",
+                   help="JSON file of keys with their QoS class, models, rate and concurrency limits, admin flag "
+                        "(see README 'Security'; default: none)")
+    s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host is NAME, e.g. behind a reverse proxy (repeatable; "
+                        "default: loopback names only, or with a non-loopback bind its IPs and this machine's name)")
+    s.add_argument("--web-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of ORIGIN (http(s)://HOST[:PORT], or *) call the API (repeatable; "
+                        "also $SUPERFLUID_ORIGINS, comma-separated; default: pages on this machine only)")
+    s.add_argument("--rate-limit", type=int, default=0, metavar="RPM",
+                   help="requests a minute per client IP, keys with their own rate_limit_rpm aside; "
+                        "/health and /metrics exempt (default 0: no limit)")
+    s.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback address with no API key (refused by default)")
     return parser
+
+
+def _security(args: argparse.Namespace) -> dict[str, object]:
+    """The ServeConfig fields of the security flags. Raises ValueError (one line)."""
+    import os
+
+    from ._keypolicy import load_keys
+    from .api._guard import parse_web_origin
+
+    if args.rate_limit < 0:
+        raise ValueError("--rate-limit must be >= 0")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SUPERFLUID_API_KEY") or None
+    env_origins = os.environ.get("SUPERFLUID_ORIGINS", "").split(",")
+    origins = [*args.web_origin, *filter(None, (o.strip() for o in env_origins))]
+    hosts = [h.strip().lower() for h in args.allowed_host]
+    if not all(hosts):
+        raise ValueError("--allowed-host needs a name")
+    return {"api_keys": load_keys(api_key, args.key_policy, os.environ),
+            "web_origins": tuple(parse_web_origin(o) for o in origins), "allowed_hosts": tuple(hosts),
+            "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
@@ -117,7 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     from ._server import serve
 
+    from .api._guard import exposure_refusal, is_loopback_listener
+
     host, port = args.http if args.http else (args.host, args.port)
+    try:
+        security = _security(args)
+    except ValueError as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        return 2
     config = ServeConfig(
         models=tuple(_sources(args)), host=host, port=port, sessions=args.sessions,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
@@ -128,8 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
-        hang_timeout_s=args.hang_timeout,
+        hang_timeout_s=args.hang_timeout, **security,  # type: ignore[arg-type]
     )
+    refusal = exposure_refusal(config)
+    if refusal is not None:
+        print(f"superfluid: {refusal}", file=sys.stderr)
+        return 2
+    if not config.api_keys and not is_loopback_listener(host):
+        print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
         trio.run(serve, config)
     except (JournalLocked, WalCorrupt) as exc:

@@ -25,6 +25,11 @@ class ApiKey:
     name: str
     digest: bytes = attrs.field(repr=False)  # SHA-256 of the secret; the secret itself is not kept
     admin: bool = False
+    klass: QosClass = QosClass.AGENT      # the QoS class of its requests that name none
+    max_class: QosClass = attrs.field(default=attrs.Factory(lambda self: self.klass, takes_self=True))
+    models: tuple[str, ...] | None = None  # the models it may use; None: any
+    rate_limit_rpm: int = 0               # its own token bucket (requests a minute); 0: the per-peer one
+    max_concurrent: int = 0               # generating requests at once; 0: no limit
 
     @classmethod
     def from_secret(cls, name: str, secret: str, **kw: object) -> ApiKey:
@@ -57,6 +62,10 @@ class ServeConfig:
     max_restarts: int = 3
     restart_window_s: float = 60.0
     api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
+    allowed_hosts: tuple[str, ...] = ()   # Host names answered besides the built-in ones (reverse proxies)
+    web_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's pages; "*": any
+    rate_limit_rpm: int = 0               # requests a minute per TCP peer (0: no limit)
+    insecure_no_auth: bool = False        # serve a non-loopback address with no key anyway
 
 
 def default_sessions_dir() -> Path:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import trio
 
 from ._http import ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
-from ._principal import ANONYMOUS, PRINCIPAL, authenticate, presented_key
+from ._guard import Guard, refusal_headers
+from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._conversations import route_conversations
@@ -92,6 +93,7 @@ class App:
         self.conversations = ConversationStore(sessions.journal)
         self.metrics = metrics
         self.accepting = True
+        self.guard = Guard(config)
 
     async def resolve_model(self, name: Any) -> ServedModel:
         """The named model, loaded on demand if it is known but unloaded.
@@ -103,6 +105,7 @@ class App:
             raise ApiError(400, "missing required field: model", param="model")
         if not isinstance(name, str):
             raise ApiError(400, "invalid request: model must be a string", param="model")
+        current_principal().check_model(name)
         try:
             model = await self.registry.get(name)
         except _LOAD_FAILURES as exc:
@@ -122,13 +125,21 @@ class App:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["type"] in ("http", "websocket"):
-            refusal = self._authenticate(scope)
+            refusal = self.guard.admit(scope)  # api/_guard.py: Host, Origin, key, rate, content type, admin
+            if scope["type"] == "http":
+                send = self.guard.cors(scope, send)
             if refusal is not None:
                 if scope["type"] == "websocket":
                     await receive()  # websocket.connect
                     await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
                 else:
-                    await send_json(send, refusal.status, _error_body(scope["path"], refusal))
+                    await send_json(send, refusal.status, _error_body(scope["path"], refusal), refusal_headers(refusal))
+                return
+            set_current_principal(principal_of(scope))
+            if scope["type"] == "http" and scope["method"] == "OPTIONS":  # a CORS preflight (Origin checked)
+                await send({"type": "http.response.start", "status": 204,
+                            "headers": self.guard.preflight_headers(scope)})
+                await send({"type": "http.response.body", "body": b""})
                 return
         if scope["type"] == "websocket":  # GET /v1/ws (api/_ws.py); other paths are refused
             from ._ws import serve_websocket
@@ -146,7 +157,8 @@ class App:
             await send(message)
 
         try:
-            await self._route(scope, receive, tracked_send)
+            with self.guard.hold(scope):  # a key's max_concurrent generating requests
+                await self._route(scope, receive, tracked_send)
         except ClientGone:
             return
         except ApiError as exc:
@@ -159,21 +171,6 @@ class App:
             if not started:
                 await send_json(send, 500, _error_body(
                     scope["path"], ApiError(500, f"internal error: {type(exc).__name__}: {exc}")))
-
-    def _authenticate(self, scope: dict[str, Any]) -> ApiError | None:
-        """Set the request's principal on ``scope``; an error to answer if it has none.
-        With no keys configured everyone is :data:`ANONYMOUS`; with keys, every route
-        but ``GET /health`` needs one."""
-        keys = self.config.api_keys
-        if not keys or (scope["type"] == "http" and scope["path"] == "/health" and scope["method"] in ("GET", "HEAD")):
-            scope[PRINCIPAL] = ANONYMOUS
-            return None
-        principal = authenticate(keys, presented_key(scope))
-        if principal is None:
-            return ApiError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
-                            code="invalid_api_key", type="authentication_error")
-        scope[PRINCIPAL] = principal
-        return None
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -190,6 +187,7 @@ class App:
             return
         m = re.fullmatch(r"/v1/models/(.+)", path)
         if m and method == "GET":
+            current_principal().check_model(m.group(1))
             model = self.registry.loaded.get(m.group(1))
             if model is not None:
                 await send_json(send, 200, model.describe())
@@ -255,7 +253,8 @@ class App:
         data = [reg.loaded[reg.default].describe()] if reg.default in reg.loaded else []
         data += [m.describe() for name, m in sorted(reg.loaded.items()) if name != reg.default]
         data += [self._known(name) for name in sorted(reg.known) if name not in reg.loaded]
-        return data
+        key = current_principal().key
+        return data if key is None or key.models is None else [d for d in data if d["id"] in key.models]
 
     async def _load(self, send: Send, body: dict[str, Any]) -> None:
         ident = body.get("id") or body.get("model") or body.get("name")

@@ -31,6 +31,7 @@ from ._sessions import run_resumable
 from ._generate import Follower, access_log, end, prepare, resumable_requested, start, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
 from ._params import integer, sampling_from, stops_from
+from ._principal import principal_of
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -74,13 +75,16 @@ class ChatRequest:
 
 
 def qos_of(app: App, scope: dict[str, Any]) -> QosClass:
+    """The request's class: ``x-superfluid-qos``, else its key's ``class``, else
+    ``--http-default-qos``. Raises ApiError 400 (unknown name), 403 (above the key's ``max_class``)."""
     value = header(scope, "x-superfluid-qos")
-    if value is None or not app.config.http_qos_header:
-        return app.config.default_qos
-    try:
-        return parse_qos(value)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="x-superfluid-qos") from None
+    asked = None
+    if value is not None and app.config.http_qos_header:
+        try:
+            asked = parse_qos(value)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="x-superfluid-qos") from None
+    return principal_of(scope).qos(asked, app.config.default_qos)
 
 
 def require_grammar(model: ServedModel, param: str) -> None:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from contextvars import ContextVar
 from typing import Any
 
 import attrs
 
 from .._config import ApiKey
+from ..sched import QosClass
+from ._http import ApiError
 
-__all__ = ["ANONYMOUS", "PRINCIPAL", "Principal", "authenticate", "presented_key", "principal_of"]
+__all__ = ["ANONYMOUS", "PRINCIPAL", "Principal", "authenticate", "current_principal", "presented_key",
+           "principal_of", "set_current_principal"]
 
 PRINCIPAL = "superfluid.principal"  # the ASGI scope key the guard sets
 
@@ -32,8 +36,45 @@ class Principal:
     def admin(self) -> bool:
         return self.key is None or self.key.admin
 
+    def check_model(self, name: str) -> None:
+        """Raises ApiError 403 ``model_not_allowed`` if the key may not use ``name``.
+        Checked before the model is looked up, so the answer is the same for a
+        model that exists and one that does not: nothing is disclosed."""
+        if self.key is not None and self.key.models is not None and name not in self.key.models:
+            raise ApiError(403, f"this API key may not use model '{name}'", code="model_not_allowed",
+                           param="model", type="permission_error")
+
+    def qos(self, asked: QosClass | None, default: QosClass) -> QosClass:
+        """The class a request runs in: ``asked``, else the key's ``class`` (else
+        ``default``). Raises ApiError 403 ``qos_class_not_allowed`` for a class
+        above the key's ``max_class``: refused, not lowered, so a client never
+        believes it got a class it did not get."""
+        if self.key is None:
+            return default if asked is None else asked
+        if asked is None:
+            return self.key.klass
+        if asked < self.key.max_class:  # a lower number is a higher class
+            raise ApiError(403, f"this API key may not ask QoS class {asked.name.lower()} "
+                                f"(its highest is {self.key.max_class.name.lower()})",
+                           code="qos_class_not_allowed", param="x-superfluid-qos", type="permission_error")
+        return asked
+
 
 ANONYMOUS = Principal(name="", tenant="")
+
+# The request's principal for code that is not handed the ASGI scope
+# (``App.resolve_model``). ``App.__call__`` sets it once per request; a task
+# spawned for the request inherits it; daemon work outside any request
+# (restoring turns at startup) runs as ANONYMOUS.
+_CURRENT: ContextVar[Principal] = ContextVar("superfluid_principal", default=ANONYMOUS)
+
+
+def set_current_principal(principal: Principal) -> None:
+    _CURRENT.set(principal)
+
+
+def current_principal() -> Principal:
+    return _CURRENT.get()
 
 
 def principal_of(scope: dict[str, Any]) -> Principal:

@@ -38,6 +38,7 @@ from ._openai import (
     require_grammar, usage_of,
 )
 from ._params import sampling_from, stops_from
+from ._principal import principal_of
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -99,9 +100,10 @@ def _klass(app: App, scope: dict[str, Any], body: dict[str, Any]) -> QosClass:
     if not isinstance(qos, str):
         raise ApiError(400, "invalid request: qos must be a string", param="qos")
     try:
-        return parse_qos(qos)
+        asked = parse_qos(qos)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="qos") from None
+    return principal_of(scope).qos(asked, app.config.default_qos)
 
 
 def conversation_log(app: App, cid: str) -> Any:

@@ -42,6 +42,7 @@ class Client:
             raise ValueError(f"the suite only talks to loopback servers, not {host!r}")
         self.host = host
         self.port = port
+        self.authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # the Host header (RFC 9110 7.2)
         self.model = model
         self.qos = qos
         self.busy = busy
@@ -66,7 +67,7 @@ class Client:
 
         reader = StreamReader(reply, on_chunk=hook)
         payload = b"" if body is None else json.dumps(body).encode()
-        head = [("Host", f"{self.host}:{self.port}"), ("Connection", "close"), ("Accept", "*/*"),
+        head = [("Host", self.authority), ("Connection", "close"), ("Accept", "*/*"),
                 ("User-Agent", "superfluid-suite")]
         if body is not None:
             head += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
@@ -184,7 +185,7 @@ class Client:
                 async with sock:
                     conn = h11.Connection(h11.CLIENT)
                     await sock.send_all(conn.send(h11.Request(method="GET", target=path, headers=[
-                        ("Host", f"{self.host}:{self.port}"), ("Connection", "close")])) + conn.send(h11.EndOfMessage()))
+                        ("Host", self.authority), ("Connection", "close")])) + conn.send(h11.EndOfMessage()))
                     status = None
                     while True:
                         event = conn.next_event()
