@@ -197,7 +197,7 @@ async def test_a_stalled_request_body_is_408_and_the_connection_closes(nursery: 
     d = await start_daemon(nursery, mock_config(body_timeout_s=0.5))
     host, port = d.url.removeprefix("http://").rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000\r\n\r\n{\"model\":")
     received = b""
     with trio.fail_after(20):
