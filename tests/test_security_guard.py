@@ -417,3 +417,27 @@ async def test_the_official_clients_work_with_the_key_only(serve: Any) -> None:
 
     with trio.fail_after(60):
         await trio.to_thread.run_sync(run)
+
+
+async def test_a_websocket_generation_holds_its_keys_slot(serve: Any) -> None:
+    d = await serve("mock?step_ms=20&prefill_us=5", api_keys=keys({"name": "bot", "key": AGENT_KEY,
+                                                                   "max_concurrent": 1}))
+    url = d.url.replace("http://", "ws://") + "/v1/ws"
+    bot = {"authorization": f"Bearer {AGENT_KEY}"}
+    long = {**CHAT, "max_tokens": 40, "ignore_eos": True}
+    with trio.fail_after(30):
+        async with open_websocket_url(url, extra_headers=[(b"authorization", f"Bearer {AGENT_KEY}".encode())]) as ws:
+            await ws.send_message(json.dumps({"op": "generate", "body": long}))
+            assert json.loads(await ws.get_message())["op"] == "started"
+            await ws.send_message(json.dumps({"op": "generate", "id": 2, "body": long}))
+            while (msg := json.loads(await ws.get_message()))["op"] == "delta":
+                pass
+            assert msg["op"] == "error" and msg["error"]["code"] == "concurrency_limit_exceeded", msg
+            error(await d.client.post("/v1/chat/completions", json=CHAT, headers=bot), 429,
+                  "concurrency_limit_exceeded")
+            while (msg := json.loads(await ws.get_message()))["op"] != "done":
+                pass
+        # the first one's slot comes back when its owner task has logged its end, just after ``done``
+        while (r := await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 429:
+            await trio.sleep(0.01)
+        assert r.status_code == 200

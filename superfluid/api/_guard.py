@@ -38,7 +38,7 @@ import re
 import socket
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -48,7 +48,7 @@ from ._http import ApiError, Send
 from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key, principal_of
 
 if TYPE_CHECKING:
-    from .._config import ServeConfig
+    from .._config import ApiKey, ServeConfig
 
 __all__ = ["Guard", "RateLimited", "exposure_refusal", "is_loopback_listener", "parse_web_origin", "refusal_headers"]
 
@@ -337,17 +337,20 @@ class Guard:
                 (b"access-control-allow-headers", ", ".join(granted or sorted(_ALLOWED_HEADERS)).encode()),
                 (b"access-control-max-age", _PREFLIGHT_MAX_AGE)]
 
+    def hold(self, scope: dict[str, Any]) -> AbstractContextManager[None]:
+        """For a generating HTTP request, :meth:`slot` of its key; else nothing."""
+        generating = scope.get("method") == "POST" and (scope["path"] in _GENERATING or _TURN.fullmatch(scope["path"]))
+        return self.slot(principal_of(scope).key) if generating else nullcontext()
+
     @contextmanager
-    def hold(self, scope: dict[str, Any]) -> Iterator[None]:
-        """Hold a generating slot of the request's key for the block (none for
-        other requests, or keys with no ``max_concurrent``).
+    def slot(self, key: ApiKey | None) -> Iterator[None]:
+        """Hold one of ``key``'s ``max_concurrent`` generating slots for the block
+        (nothing to hold with no key, or no limit).
 
         Raises:
             ApiError: 429 ``concurrency_limit_exceeded`` when the key holds all its slots.
         """
-        key = principal_of(scope).key
-        if (key is None or not key.max_concurrent or scope.get("method") != "POST"
-                or not (scope["path"] in _GENERATING or _TURN.fullmatch(scope["path"]))):
+        if key is None or not key.max_concurrent:
             yield
             return
         held = self.generating.get(key.name, 0)

@@ -65,6 +65,7 @@ import logging
 import re
 import weakref
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -77,6 +78,7 @@ from ._openai import (
     require_grammar, thinking_kwargs, usage_of,
 )
 from ._params import integer, sampling_from, stops_from
+from ._principal import principal_of
 from ._conversations import append_messages, create_conversation, events_page, fork_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
 from ._turns import landed_summary, start_turn
@@ -276,15 +278,20 @@ class _Socket:
                                code="invalid_message", param="session")
             self._check_unused(sid, claims)
             claims.add(sid)
+        slot = ExitStack()  # the key's max_concurrent slot, held until the generation ends (``_own``)
+        slot.enter_context(self.app.guard.slot(principal_of(self.scope).key))
         try:
             model, job, stops = await chat_job(self.app, self.scope, body)
             if sid is not None:
                 job.session = sid
             session = await start(self.app, model, job, kind="chat", stops=stops, resumable=resumable)
+        except BaseException:
+            slot.close()
+            raise
         finally:
             if sid is not None:
                 claims.discard(sid)
-        self.work.start_soon(self._own, job, resumable)
+        self.work.start_soon(self._own, job, resumable, slot)
         await self._emit(_with_ref({"op": "started", "session": session.id, "model": model.name,
                                     "resumable": resumable}, ref))
         self._follow(session, 0, ack=None)
@@ -409,13 +416,15 @@ class _Socket:
             if self.subs.get(sid) is scope:
                 del self.subs[sid]
 
-    async def _own(self, job: Job, resumable: bool) -> None:
-        """Hold a generation started on this socket until it ends or the socket closes."""
-        try:
-            while not job.done:
-                await job.wait_beyond(len(job.tokens))
-        finally:
-            await end(self.app, job, resumable=resumable)  # cancels it unless resumable; bounded and shielded
+    async def _own(self, job: Job, resumable: bool, slot: ExitStack) -> None:
+        """Hold a generation started on this socket (and its key's slot) until it
+        ends or the socket closes."""
+        with slot:
+            try:
+                while not job.done:
+                    await job.wait_beyond(len(job.tokens))
+            finally:
+                await end(self.app, job, resumable=resumable)  # cancels it unless resumable; bounded and shielded
 
 
 def _body_of(msg: dict[str, Any]) -> dict[str, Any]:
