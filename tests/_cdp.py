@@ -50,11 +50,11 @@ class CdpError(Exception):
 class Chromium:
     process: subprocess.Popen[bytes]
     ws_url: str  # the browser endpoint, ws://127.0.0.1:PORT/devtools/browser/ID
-    stderr_tail: collections.deque[str]  # its last lines of stderr, for failure messages
 
 
 @contextlib.contextmanager
-def launch_chromium(*, host_rules: str = "", args: tuple[str, ...] = (), start_timeout: float = 30.0) -> Iterator[Chromium]:
+def launch_chromium(*, host_rules: str = "", args: tuple[str, ...] = (),
+                    start_timeout: float = 30.0) -> Iterator[Chromium]:
     """Start headless Chromium with a throwaway profile; kill it on exit.
 
     ``host_rules`` is a ``--host-resolver-rules`` value (``MAP evil.example 127.0.0.1``)
@@ -68,20 +68,23 @@ def launch_chromium(*, host_rules: str = "", args: tuple[str, ...] = (), start_t
         argv.append("about:blank")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)  # its own process group: renderers die with it
-        tail: collections.deque[str] = collections.deque(maxlen=50)
+        assert proc.stderr is not None
+        drain = threading.Thread(target=_drain, args=(proc.stderr,), daemon=True)
         try:
-            assert proc.stderr is not None
-            ws_url = _await_listening(proc, tail, start_timeout)
-            drain = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
-            drain.start()
-            yield Chromium(proc, ws_url, tail)
+            ws_url = _await_listening(proc, start_timeout)
+            drain.start()  # from here on nobody reads stderr: keep the pipe from filling
+            yield Chromium(proc, ws_url)
         finally:
             _stop(proc)
+            if drain.is_alive():
+                drain.join(timeout=5)
+            proc.stderr.close()
 
 
-def _await_listening(proc: subprocess.Popen[bytes], tail: collections.deque[str], timeout: float) -> str:
+def _await_listening(proc: subprocess.Popen[bytes], timeout: float) -> str:
     """Read Chromium's stderr up to its ``DevTools listening on`` line."""
     assert proc.stderr is not None
+    tail: collections.deque[str] = collections.deque(maxlen=20)  # for the error message
     deadline = time.monotonic() + timeout
     buffered = b""
     with selectors.DefaultSelector() as sel:
@@ -103,10 +106,10 @@ def _await_listening(proc: subprocess.Popen[bytes], tail: collections.deque[str]
                     return m.group(1)
 
 
-def _drain(stream: Any, tail: collections.deque[str]) -> None:
-    """Keep reading stderr so Chromium never blocks on a full pipe."""
-    for line in stream:
-        tail.append(line.decode(errors="replace").rstrip())
+def _drain(stream: Any) -> None:
+    """Read stderr to its end so Chromium never blocks on a full pipe."""
+    while stream.read(65536):
+        pass
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -232,8 +235,11 @@ class Page:
         return result["result"].get("value")
 
     async def screenshot(self) -> bytes:
-        """The viewport as PNG bytes."""
-        return base64.b64decode((await self.send("Page.captureScreenshot", {"format": "png"}))["data"])
+        """The whole page as PNG bytes."""
+        size = (await self.send("Page.getLayoutMetrics"))["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = await self.send("Page.captureScreenshot", {"format": "png", "clip": clip, "captureBeyondViewport": True})
+        return base64.b64decode(shot["data"])
 
 
 @contextlib.asynccontextmanager

@@ -57,7 +57,9 @@ def chromium() -> Iterator[Chromium]:
 
 
 class _PageHandler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    timeout = 5  # seconds a connection may idle (Chromium preconnects sockets it may never use)
+
+    def do_GET(self) -> None:
         if urlsplit(self.path).path != "/":
             self.send_error(404)
             return
@@ -67,8 +69,8 @@ class _PageHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(_PAGE_BYTES)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: pytest shows the failures that matter
 
 
 _PAGE_BYTES = PAGE.read_bytes()
@@ -77,7 +79,7 @@ _PAGE_BYTES = PAGE.read_bytes()
 @pytest.fixture(scope="module")
 def page_port() -> Iterator[int]:
     """The port of a tiny server that hands out the attacker page at ``/``, on loopback."""
-    server = http.server.HTTPServer(("127.0.0.1", 0), _PageHandler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PageHandler)  # daemon threads: none blocks close
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -111,19 +113,20 @@ async def visit(chromium: Chromium, url: str, daemon: Daemon, *, rebind: bool = 
     the daemon's own port: the page is handed out by DevTools (as a DNS record that
     pointed at the attacker when the page loaded), the rest goes to the daemon."""
     port = urlsplit(daemon.url).port
-    async with open_cdp(chromium.ws_url) as cdp, open_page(cdp, domains=("Page", "Network", "Runtime")) as page:
+    async with open_cdp(chromium.ws_url) as cdp, open_page(cdp) as page:
         with trio.fail_after(60):  # a safety net: a visit takes well under a second
-            served = await _serve_page(page, url) if rebind else await _navigate(page, url)
+            served = None
+            if rebind:
+                served = await _serve_page(page, url)
+            else:
+                await page.navigate(url)
             read = await page.evaluate("window.done")
             exchanges = await _exchanges(page, port, skip=served)
             if screenshot is not None:
+                answers = [f"{x.method} {x.url} -> {x.status}" for x in exchanges]
+                await page.evaluate(f"showAnswers({json.dumps(answers)})")
                 screenshot.write_bytes(await page.screenshot())
     return Visit(read, exchanges)
-
-
-async def _navigate(page: Page, url: str) -> str | None:
-    await page.navigate(url)
-    return None
 
 
 async def _serve_page(page: Page, url: str) -> str:
@@ -182,7 +185,7 @@ def _lower(headers: dict[str, str]) -> dict[str, str]:
 
 
 async def daemon_state(d: Daemon) -> dict[str, Any]:
-    """What a page's attempts could change: work counters, models, the sessions it names."""
+    """What a page's attempts could change: work counters, models, the sessions attack.html names."""
     metrics = (await d.client.get("/metrics")).text
     models = (await d.client.get("/v1/models")).json()["data"]
     return {
@@ -215,6 +218,8 @@ async def serving(config_kw: dict[str, Any] | None = None) -> AsyncIterator[Daem
 
 
 async def test_foreign_page_cannot_drive_the_daemon(chromium: Chromium, page_port: int) -> None:
+    """A page on another origin: the browser sends its simple requests regardless;
+    the daemon refuses each one, and the page reads nothing."""
     async with serving() as d:
         port = urlsplit(d.url).port
         before = await daemon_state(d)
@@ -243,7 +248,9 @@ async def test_dns_rebinding_page_cannot_read_the_daemon(chromium: Chromium) -> 
         assert_read_nothing(v.read)
         assert v.exchanges and all(x.headers["host"] == f"evil.example:{port}" for x in v.exchanges)
         reads = [x for x in v.exchanges if (x.method, urlsplit(x.url).path) == ("GET", "/v1/models")]
-        assert reads and "origin" not in reads[0].headers  # a same-origin GET carries no Origin
+        assert reads and "origin" not in reads[0].headers  # a same-origin GET carries no Origin: only Host tells
+        models = v.read["get_models"]  # same-origin, so the page reads the refusal itself
+        assert models["status"] == 403 and json.loads(models["body"])["error"]["code"] == "host_refused", models
         assert [x for x in v.exchanges if x.status not in REFUSED] == []
         assert await daemon_state(d) == before
 
