@@ -18,6 +18,7 @@ import http.server
 import json
 import os
 import re
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -185,13 +186,14 @@ def _lower(headers: dict[str, str]) -> dict[str, str]:
 
 
 async def daemon_state(d: Daemon) -> dict[str, Any]:
-    """What a page's attempts could change: work counters, models, the sessions attack.html names."""
+    """What a page's attempts could change: work counters, models, the session log."""
     metrics = (await d.client.get("/metrics")).text
     models = (await d.client.get("/v1/models")).json()["data"]
     return {
         "work": sorted(line for line in metrics.splitlines() if line.startswith(WORK)),
         "models": sorted((m["id"], m["loaded"], m["created"]) for m in models),
-        "sessions": {sid: (await d.client.get(f"/v1/sessions/{sid}")).status_code for sid in ("evil-conv", "evil-ws")},
+        # a session or conversation made for the page would be written to the session log
+        "log_bytes": sum(f.stat().st_size for f in d.sessions_dir.iterdir() if f.is_file()),
     }
 
 
@@ -208,8 +210,10 @@ def assert_read_nothing(read: dict[str, Any]) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(config_kw: dict[str, Any] | None = None) -> AsyncIterator[Daemon]:
+    sessions = Path(tempfile.mkdtemp(prefix="superfluid-browser-sessions-"))
     async with trio.open_nursery() as nursery:
-        d = await start_daemon(nursery, mock_config(**(config_kw or {})))
+        d = await start_daemon(nursery, mock_config(sessions=sessions, **(config_kw or {})))
+        d.sessions_dir = sessions  # type: ignore[attr-defined]
         try:
             yield d
         finally:
