@@ -350,7 +350,21 @@ POLICY_ERRORS = [
 ]
 
 
+@pytest.fixture
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main`` must refuse before it serves: if it got as far as ``trio.run``, fail (do not hang)."""
+    import types
+
+    import superfluid._cli
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("main() went on to serve")
+
+    monkeypatch.setattr(superfluid._cli, "trio", types.SimpleNamespace(run=refuse))
+
+
 @pytest.mark.parametrize(("doc", "says"), POLICY_ERRORS)
+@pytest.mark.usefixtures("no_serving")
 def test_a_bad_key_policy_is_one_line_and_exit_2(doc: Any, says: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "policy.json"
@@ -360,6 +374,7 @@ def test_a_bad_key_policy_is_one_line_and_exit_2(doc: Any, says: str, tmp_path: 
     assert err.count("\n") == 1 and says in err and "sk-" not in err.replace("sk-cli", ""), err
 
 
+@pytest.mark.usefixtures("no_serving")
 def test_policy_files_that_do_not_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     for name in ("bad.json", "missing.json"):
@@ -379,6 +394,7 @@ def test_a_policy_entry_becomes_an_api_key(tmp_path: Path) -> None:
                                     models=("mock",), rate_limit_rpm=60, max_concurrent=2)
 
 
+@pytest.mark.usefixtures("no_serving")
 def test_a_non_loopback_bind_without_a_key_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "mock", "--runtime", "mock", "--http", "0.0.0.0:0"]) == 2
     err = capsys.readouterr().err
