@@ -5,7 +5,8 @@ routes, model lists, QoS classes, concurrency and rate limits, exposure."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,26 @@ def test_a_keys_class_is_its_default_and_max_class_its_ceiling() -> None:
     assert ANONYMOUS.qos(None, QosClass.INTERACTIVE) is QosClass.INTERACTIVE
 
 
-async def test_a_stream_holds_its_concurrency_slot(serve: Any) -> None:
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """Set when a key with a ``max_concurrent`` first gives back a slot it held."""
+    event = trio.Event()
+    held = Guard.slot
+
+    @contextmanager
+    def slot(self: Guard, key: ApiKey | None) -> Iterator[None]:
+        with held(self, key):
+            try:
+                yield
+            finally:
+                if key is not None and key.max_concurrent:
+                    event.set()
+
+    monkeypatch.setattr(Guard, "slot", slot)
+    return event
+
+
+async def test_a_stream_holds_its_concurrency_slot(serve: Any, released: trio.Event) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5",
                     api_keys=keys({"name": "bot", "key": AGENT_KEY, "max_concurrent": 1},
                                   {"name": "ops", "key": ADMIN, "admin": True}))
@@ -277,10 +297,9 @@ async def test_a_stream_holds_its_concurrency_slot(serve: Any) -> None:
                                  headers={"authorization": f"Bearer {ADMIN}"})).status_code == 200
             async for _ in lines:
                 pass
-        # the handler releases the slot just after its last byte is sent: the client may ask first
-        while (r := await c.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 429:
-            await trio.sleep(0.01)
-        assert r.status_code == 200
+        # the handler gives the slot back just after its last byte is sent: the client may ask first
+        await released.wait()
+        assert (await c.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
 
 
 # -- rate limits (virtual time) -------------------------------------------------------------------------------------
@@ -435,7 +454,7 @@ async def test_the_official_clients_work_with_the_key_only(serve: Any) -> None:
         await trio.to_thread.run_sync(run)
 
 
-async def test_a_websocket_generation_holds_its_keys_slot(serve: Any) -> None:
+async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: trio.Event) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5", api_keys=keys({"name": "bot", "key": AGENT_KEY,
                                                                    "max_concurrent": 1}))
     url = d.url.replace("http://", "ws://") + "/v1/ws"
@@ -454,6 +473,5 @@ async def test_a_websocket_generation_holds_its_keys_slot(serve: Any) -> None:
             while (msg := json.loads(await ws.get_message()))["op"] != "done":
                 pass
         # the first one's slot comes back when its owner task has logged its end, just after ``done``
-        while (r := await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 429:
-            await trio.sleep(0.01)
-        assert r.status_code == 200
+        await released.wait()
+        assert (await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
