@@ -238,8 +238,12 @@ async def test_a_key_uses_only_its_models(serve: Any) -> None:
     assert (await c.post("/api/chat", json=OLLAMA_CHAT, headers=bot)).status_code == 403
     error(await c.get("/v1/models/mock", headers=bot), 403, "model_not_allowed")
     assert (await c.get("/v1/models", headers=bot)).json()["data"] == []
+    assert (await c.get("/api/tags", headers=bot)).json()["models"] == []
+    assert (await c.get("/api/ps", headers=bot)).json()["models"] == []
+    assert (await c.post("/api/show", json={"model": "mock"}, headers=bot)).status_code == 403
     ops = {"authorization": f"Bearer {ADMIN}"}
     assert [m["id"] for m in (await c.get("/v1/models", headers=ops)).json()["data"]] == ["mock"]
+    assert len((await c.get("/api/tags", headers=ops)).json()["models"]) == 1
 
 
 async def test_a_key_cannot_ask_a_class_above_its_max(serve: Any) -> None:
@@ -475,3 +479,23 @@ async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: 
         # the first one's slot comes back when its owner task has logged its end, just after ``done``
         await released.wait()
         assert (await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
+
+
+def test_web_origins_and_keys_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from superfluid._cli import _security, build_parser
+
+    monkeypatch.setenv("SUPERFLUID_API_KEY", "sk-env")
+    monkeypatch.setenv("SUPERFLUID_ORIGINS", "https://a.example, HTTPS://B.example:8443/")
+    fields = _security(build_parser().parse_args(["serve", "--web-origin", "http://c.example"]))
+    assert fields["web_origins"] == ("http://c.example", "https://a.example", "https://b.example:8443")
+    (key,) = fields["api_keys"]  # type: ignore[misc]
+    assert key == ApiKey.from_secret("default", "sk-env", admin=True)
+    guard = Guard(mock_config(web_origins=("*",)))
+    assert guard.origin_allowed("https://anything.example") and not guard.origin_allowed("null")
+
+
+@pytest.mark.usefixtures("no_serving")
+def test_a_bad_web_origin_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "mock", "--runtime", "mock", "--web-origin", "http://app.example/path"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid web origin" in err, err
