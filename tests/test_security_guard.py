@@ -79,7 +79,7 @@ ALLOWED_HOSTS = ["localhost", "LocalHost:1234", "app.localhost:5173", "127.0.0.1
 
 
 async def test_loopback_listener_answers_only_loopback_hosts(serve: Any) -> None:
-    d = await serve(allowed_hosts=("proxy.example",))
+    d = await serve(allowed_hosts=("proxy.example",))  # as --allowed-host PROXY.example gives it
     for host in REFUSED_HOSTS:
         err = error(await d.client.get("/v1/models", headers={"host": host}), 403, "host_refused")
         assert err["type"] == "permission_error"
@@ -495,7 +495,10 @@ def test_web_origins_and_keys_from_flags_and_environment(monkeypatch: pytest.Mon
 
 
 @pytest.mark.usefixtures("no_serving")
-def test_a_bad_web_origin_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_web_origin_or_allowed_host_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "mock", "--runtime", "mock", "--web-origin", "http://app.example/path"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "invalid web origin" in err, err
+    assert main(["serve", "mock", "--runtime", "mock", "--allowed-host", "proxy.example:443"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid --allowed-host" in err, err
