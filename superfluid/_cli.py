@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -122,23 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _security(args: argparse.Namespace) -> dict[str, object]:
+def _security(args: argparse.Namespace) -> dict[str, Any]:
     """The ServeConfig fields of the security flags. Raises ValueError (one line)."""
-    import os
-
     from ._keypolicy import load_keys
-    from .api._guard import parse_web_origin
+    from .api._guard import parse_allowed_host, parse_web_origin
 
     if args.rate_limit < 0:
         raise ValueError("--rate-limit must be >= 0")
     api_key = args.api_key if args.api_key is not None else os.environ.get("SUPERFLUID_API_KEY") or None
     env_origins = os.environ.get("SUPERFLUID_ORIGINS", "").split(",")
     origins = [*args.web_origin, *filter(None, (o.strip() for o in env_origins))]
-    hosts = [h.strip().lower() for h in args.allowed_host]
-    if not all(hosts):
-        raise ValueError("--allowed-host needs a name")
     return {"api_keys": load_keys(api_key, args.key_policy, os.environ),
-            "web_origins": tuple(parse_web_origin(o) for o in origins), "allowed_hosts": tuple(hosts),
+            "web_origins": tuple(parse_web_origin(o) for o in origins),
+            "allowed_hosts": tuple(parse_allowed_host(h) for h in args.allowed_host),
             "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
 
 
@@ -210,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ._server import serve
-
     from .api._guard import exposure_refusal, is_loopback_listener
 
     host, port = args.http if args.http else (args.host, args.port)
@@ -234,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
                               tick_busy_ms=args.tick_target_ms),
-        hang_timeout_s=args.hang_timeout, **security,  # type: ignore[arg-type]
+        hang_timeout_s=args.hang_timeout, **security,
         max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
         max_conversation_events=args.max_conversation_events,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,

@@ -5,7 +5,8 @@ routes, model lists, QoS classes, concurrency and rate limits, exposure."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ ALLOWED_HOSTS = ["localhost", "LocalHost:1234", "app.localhost:5173", "127.0.0.1
 
 
 async def test_loopback_listener_answers_only_loopback_hosts(serve: Any) -> None:
-    d = await serve(allowed_hosts=("proxy.example",))
+    d = await serve(allowed_hosts=("proxy.example",))  # as --allowed-host PROXY.example gives it
     for host in REFUSED_HOSTS:
         err = error(await d.client.get("/v1/models", headers={"host": host}), 403, "host_refused")
         assert err["type"] == "permission_error"
@@ -237,8 +238,12 @@ async def test_a_key_uses_only_its_models(serve: Any) -> None:
     assert (await c.post("/api/chat", json=OLLAMA_CHAT, headers=bot)).status_code == 403
     error(await c.get("/v1/models/mock", headers=bot), 403, "model_not_allowed")
     assert (await c.get("/v1/models", headers=bot)).json()["data"] == []
+    assert (await c.get("/api/tags", headers=bot)).json()["models"] == []
+    assert (await c.get("/api/ps", headers=bot)).json()["models"] == []
+    assert (await c.post("/api/show", json={"model": "mock"}, headers=bot)).status_code == 403
     ops = {"authorization": f"Bearer {ADMIN}"}
     assert [m["id"] for m in (await c.get("/v1/models", headers=ops)).json()["data"]] == ["mock"]
+    assert len((await c.get("/api/tags", headers=ops)).json()["models"]) == 1
 
 
 async def test_a_key_cannot_ask_a_class_above_its_max(serve: Any) -> None:
@@ -261,7 +266,26 @@ def test_a_keys_class_is_its_default_and_max_class_its_ceiling() -> None:
     assert ANONYMOUS.qos(None, QosClass.INTERACTIVE) is QosClass.INTERACTIVE
 
 
-async def test_a_stream_holds_its_concurrency_slot(serve: Any) -> None:
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """Set when a key with a ``max_concurrent`` first gives back a slot it held."""
+    event = trio.Event()
+    held = Guard.slot
+
+    @contextmanager
+    def slot(self: Guard, key: ApiKey | None) -> Iterator[None]:
+        with held(self, key):
+            try:
+                yield
+            finally:
+                if key is not None and key.max_concurrent:
+                    event.set()
+
+    monkeypatch.setattr(Guard, "slot", slot)
+    return event
+
+
+async def test_a_stream_holds_its_concurrency_slot(serve: Any, released: trio.Event) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5",
                     api_keys=keys({"name": "bot", "key": AGENT_KEY, "max_concurrent": 1},
                                   {"name": "ops", "key": ADMIN, "admin": True}))
@@ -277,10 +301,9 @@ async def test_a_stream_holds_its_concurrency_slot(serve: Any) -> None:
                                  headers={"authorization": f"Bearer {ADMIN}"})).status_code == 200
             async for _ in lines:
                 pass
-        # the handler releases the slot just after its last byte is sent: the client may ask first
-        while (r := await c.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 429:
-            await trio.sleep(0.01)
-        assert r.status_code == 200
+        # the handler gives the slot back just after its last byte is sent: the client may ask first
+        await released.wait()
+        assert (await c.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
 
 
 # -- rate limits (virtual time) -------------------------------------------------------------------------------------
@@ -350,7 +373,21 @@ POLICY_ERRORS = [
 ]
 
 
+@pytest.fixture
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main`` must refuse before it serves: if it got as far as ``trio.run``, fail (do not hang)."""
+    import types
+
+    import superfluid._cli
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("main() went on to serve")
+
+    monkeypatch.setattr(superfluid._cli, "trio", types.SimpleNamespace(run=refuse))
+
+
 @pytest.mark.parametrize(("doc", "says"), POLICY_ERRORS)
+@pytest.mark.usefixtures("no_serving")
 def test_a_bad_key_policy_is_one_line_and_exit_2(doc: Any, says: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "policy.json"
@@ -360,6 +397,7 @@ def test_a_bad_key_policy_is_one_line_and_exit_2(doc: Any, says: str, tmp_path: 
     assert err.count("\n") == 1 and says in err and "sk-" not in err.replace("sk-cli", ""), err
 
 
+@pytest.mark.usefixtures("no_serving")
 def test_policy_files_that_do_not_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     for name in ("bad.json", "missing.json"):
@@ -379,6 +417,7 @@ def test_a_policy_entry_becomes_an_api_key(tmp_path: Path) -> None:
                                     models=("mock",), rate_limit_rpm=60, max_concurrent=2)
 
 
+@pytest.mark.usefixtures("no_serving")
 def test_a_non_loopback_bind_without_a_key_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "mock", "--runtime", "mock", "--http", "0.0.0.0:0"]) == 2
     err = capsys.readouterr().err
@@ -419,7 +458,7 @@ async def test_the_official_clients_work_with_the_key_only(serve: Any) -> None:
         await trio.to_thread.run_sync(run)
 
 
-async def test_a_websocket_generation_holds_its_keys_slot(serve: Any) -> None:
+async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: trio.Event) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5", api_keys=keys({"name": "bot", "key": AGENT_KEY,
                                                                    "max_concurrent": 1}))
     url = d.url.replace("http://", "ws://") + "/v1/ws"
@@ -438,6 +477,28 @@ async def test_a_websocket_generation_holds_its_keys_slot(serve: Any) -> None:
             while (msg := json.loads(await ws.get_message()))["op"] != "done":
                 pass
         # the first one's slot comes back when its owner task has logged its end, just after ``done``
-        while (r := await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 429:
-            await trio.sleep(0.01)
-        assert r.status_code == 200
+        await released.wait()
+        assert (await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
+
+
+def test_web_origins_and_keys_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from superfluid._cli import _security, build_parser
+
+    monkeypatch.setenv("SUPERFLUID_API_KEY", "sk-env")
+    monkeypatch.setenv("SUPERFLUID_ORIGINS", "https://a.example, HTTPS://B.example:8443/")
+    fields = _security(build_parser().parse_args(["serve", "--web-origin", "http://c.example"]))
+    assert fields["web_origins"] == ("http://c.example", "https://a.example", "https://b.example:8443")
+    (key,) = fields["api_keys"]  # type: ignore[misc]
+    assert key == ApiKey.from_secret("default", "sk-env", admin=True)
+    guard = Guard(mock_config(web_origins=("*",)))
+    assert guard.origin_allowed("https://anything.example") and not guard.origin_allowed("null")
+
+
+@pytest.mark.usefixtures("no_serving")
+def test_a_bad_web_origin_or_allowed_host_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "mock", "--runtime", "mock", "--web-origin", "http://app.example/path"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid web origin" in err, err
+    assert main(["serve", "mock", "--runtime", "mock", "--allowed-host", "proxy.example:443"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid --allowed-host" in err, err

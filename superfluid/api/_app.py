@@ -262,8 +262,7 @@ class App:
         data = [reg.loaded[reg.default].describe()] if reg.default in reg.loaded else []
         data += [m.describe() for name, m in sorted(reg.loaded.items()) if name != reg.default]
         data += [self._known(name) for name in sorted(reg.known) if name not in reg.loaded]
-        key = current_principal().key
-        return data if key is None or key.models is None else [d for d in data if d["id"] in key.models]
+        return [d for d in data if current_principal().may_use(d["id"])]
 
     async def _load(self, send: Send, body: dict[str, Any]) -> None:
         ident = body.get("id") or body.get("model") or body.get("name")

@@ -50,7 +50,8 @@ from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented
 if TYPE_CHECKING:
     from .._config import ApiKey, ServeConfig
 
-__all__ = ["Guard", "RateLimited", "exposure_refusal", "is_loopback_listener", "parse_web_origin", "refusal_headers"]
+__all__ = ["Guard", "RateLimited", "exposure_refusal", "is_loopback_listener", "parse_allowed_host",
+           "parse_web_origin", "refusal_headers"]
 
 _LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 _NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
@@ -157,6 +158,15 @@ def parse_web_origin(value: str) -> str:
     if m is None or _authority(m.group(2)) is None:
         raise ValueError(f"invalid web origin {value!r}: expected * or http(s)://HOST[:PORT] with no path")
     return value.lower()
+
+
+def parse_allowed_host(value: str) -> str:
+    """An ``--allowed-host`` NAME (compared with a Host's name, any port), in
+    lower case. Raises ValueError for anything but a host name or IP."""
+    parsed = _authority(value.strip())
+    if parsed is None or parsed[1] is not None:
+        raise ValueError(f"invalid --allowed-host {value!r}: expected a host name or IP, with no port")
+    return parsed[0]
 
 
 def _machine_names(hostname: str) -> frozenset[str]:

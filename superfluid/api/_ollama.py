@@ -28,6 +28,7 @@ from ._openai import (
 )
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
+from ._principal import principal_of
 
 if TYPE_CHECKING:
     from .._model import ServedModel
@@ -87,20 +88,21 @@ async def api_version(app: App, scope: dict[str, Any], receive: Receive, send: S
 async def api_tags(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     _method(scope, "GET", "HEAD")
     reg = app.registry
-    names = sorted(set(reg.loaded) | set(reg.known))
+    names = sorted(n for n in set(reg.loaded) | set(reg.known) if principal_of(scope).may_use(n))
     await send_json(send, 200, {"models": [_entry(n, reg.loaded.get(n)) for n in names]})
 
 
 async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     _method(scope, "GET", "HEAD")
     models = [{**_entry(n, m), "expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": m.n_ctx}
-              for n, m in sorted(app.registry.loaded.items())]
+              for n, m in sorted(app.registry.loaded.items()) if principal_of(scope).may_use(n)]
     await send_json(send, 200, {"models": models})
 
 
 async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
         name = _name(app, body.get("model", body.get("name")))
+        principal_of(scope).check_model(name)
         model = app.registry.loaded.get(name)
         if model is None and name not in app.registry.known:
             raise ApiError(404, f"model '{name}' not found")

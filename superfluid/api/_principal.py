@@ -36,11 +36,15 @@ class Principal:
     def admin(self) -> bool:
         return self.key is None or self.key.admin
 
+    def may_use(self, name: str) -> bool:
+        """Whether the key's ``models`` list (if any) names ``name``; model lists show only these."""
+        return self.key is None or self.key.models is None or name in self.key.models
+
     def check_model(self, name: str) -> None:
         """Raises ApiError 403 ``model_not_allowed`` if the key may not use ``name``.
         Checked before the model is looked up, so the answer is the same for a
         model that exists and one that does not: nothing is disclosed."""
-        if self.key is not None and self.key.models is not None and name not in self.key.models:
+        if not self.may_use(name):
             raise ApiError(403, f"this API key may not use model '{name}'", code="model_not_allowed",
                            param="model", type="permission_error")
 
