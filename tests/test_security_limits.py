@@ -190,6 +190,33 @@ async def test_a_9mb_prompt_kills_no_worker_and_64_streams_complete(nursery: tri
     d.scope.cancel()
 
 
+def test_a_tokenize_answer_goes_in_pieces_under_the_frame_limit() -> None:
+    """Pure: however long the answer, every frame fits the link's limit, and the
+    request stays pending on the link until its last piece."""
+    from superfluid.proto import (DAEMON, DEFAULT_MAX_FRAME, TOKENIZED_PIECE, WORKER, Hello, HelloAck, Tokenize,
+                                  Tokenized, WorkerLink, tokenized_pieces)
+
+    tokens = [2**32 - 1] * (4 * TOKENIZED_PIECE + 5)  # 5 bytes each in msgpack: ~21 MB in one frame
+    pieces = tokenized_pieces(7, tokens)
+    assert [p.more for p in pieces] == [True] * 4 + [False]
+    assert [t for p in pieces for t in p.tokens] == tokens
+    assert tokenized_pieces(7, []) == [Tokenized(req=7, tokens=[])]
+    daemon, worker = WorkerLink(DAEMON), WorkerLink(WORKER)
+    worker.receive_data(daemon.send(Hello()))
+    worker.next_event()
+    daemon.receive_data(worker.send(HelloAck(version=1, runtime="mock", runtime_version="0", model={},
+                                             capabilities={}, limits={})))
+    daemon.next_event()
+    worker.receive_data(daemon.send(Tokenize(req=7, segments=[("x", False)])))
+    worker.next_event()
+    for piece in pieces:
+        frame = worker.send(piece)
+        assert len(frame) < DEFAULT_MAX_FRAME // 16
+        daemon.receive_data(frame)
+        assert daemon.next_event() == piece
+        assert daemon.statistics().pending_tokenize == (1 if piece.more else 0)
+
+
 # -- 4. the request body deadline --------------------------------------------------------------------------------------
 
 

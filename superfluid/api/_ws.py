@@ -206,7 +206,7 @@ class _Socket:
                 # hypercorn's send blocks (shielded) until the peer takes the bytes:
                 # a non-reader stops here, and the outbox behind it fills.
                 await self.send({"type": "websocket.send", "text": _dumps(msg)})
-                if msg["op"] == "started":
+                if msg["op"] == "started" and "conversation" not in msg:  # (a turn is not owned here)
                     self.announced.add(msg["session"])
         if self.close_with is not None:
             code, reason = self.close_with

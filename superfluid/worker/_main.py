@@ -65,7 +65,7 @@ _STOP = object()  # queued by the reader when the link ends: the engine thread r
 
 RUNTIMES = ("mock", "llamacpp")
 GIL_SWITCH_S = 0.0005   # see main()
-INLINE_TOKENIZE = 1 << 16  # prompt bytes tokenized on the reader; longer ones go to a thread
+INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
@@ -317,7 +317,7 @@ class _Worker:
                                              parse_special=parse_special)
         except Exception as exc:  # boundary: answer with an empty list and a fault
             return [Fault(lane=-1, kind="tokenize", message=str(exc)), Tokenized(req=event.req, tokens=[])]
-        return list(tokenized_pieces(event.req, toks))
+        return tokenized_pieces(event.req, toks)
 
     def _answer_tokenize(self, event: Tokenize) -> None:
         for answer in self._tokenized(event):
