@@ -446,3 +446,62 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
     async with open_journal(sessions) as journal:
         logged = journal.sessions[sid].text
     assert "".join(streamed) and logged.startswith("".join(streamed))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> object:
+    """A real 1 MiB tmpfs; skipped where mounting is not permitted."""
+    import subprocess
+
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip() or done.returncode}); "
+                    "test_full_disk_degrades_health_refuses_generations_typed_and_recovers covers it by injection")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the disk is full."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+async def test_a_real_full_disk_is_survived_and_recovered_from(tiny_disk: Path) -> None:
+    import json
+
+    async with trio.open_nursery() as inner:
+        d = await start_daemon(inner, mock_config("mock?step_ms=2&prefill_us=5", sessions=tiny_disk / "sessions"))
+        body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        frames: list[str] = []
+        filler = None
+        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                    if filler is None:
+                        filler = fill(tiny_disk)  # the log's next page finds no room
+        assert frames[-1] == "[DONE]"
+        assert json.loads(frames[-2])["error"]["code"] == "insufficient_storage"
+        assert "No space left on device" in journal_reason(await d.client.get("/health"))
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        assert filler is not None
+        filler.unlink()
+        await wait_healthy(d.client)
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 200
+        d.scope.cancel()
