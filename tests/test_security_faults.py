@@ -408,6 +408,8 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
     async with trio.open_nursery() as inner:
         d = await start_daemon(inner, mock_config("mock?step_ms=5&prefill_us=5", sessions=sessions))
         assert (await d.client.get("/health")).json()["status"] == "ok"
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "messages": CHAT["messages"]})
+        cid = r.json()["id"]
         # in flight: the stream ends with a typed error frame and [DONE]
         body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         headers = {"x-superfluid-resumable": "1"}
@@ -436,6 +438,8 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
         assert r.status_code == 507 and r.json()["type"] == "error"
         r = await d.client.post("/api/chat", json={"model": "mock", "messages": CHAT["messages"], "stream": False})
         assert r.status_code == 507 and "full" in r.json()["error"]
+        r = await d.client.post(f"/v1/sessions/{cid}/generate", json={"max_tokens": 4})  # a conversation's turn
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
         # space returns: the daemon recovers by itself
         disk_faults.errno = None  # type: ignore[attr-defined]
         await wait_healthy(d.client)

@@ -83,14 +83,30 @@ async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: lis
     return session
 
 
+def check_log(app: App) -> None:
+    """Refuse typed while the session log takes no writes (a full disk: 507
+    ``insufficient_storage``): nothing is generated that could not be logged.
+
+    Raises:
+        ApiError: the journal is degraded.
+    """
+    try:
+        app.sessions.journal.check_writable()
+    except JournalWriteError as exc:
+        raise _log_refusal(exc) from None
+
+
+def _log_refusal(exc: JournalWriteError) -> ApiError:
+    error = JobError.log_failed(exc)
+    return ApiError(error.status, error.message, code=error.code)
+
+
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
-    """``SessionStore.open``, refused typed while the session log takes no writes (a full
-    disk: 507 ``insufficient_storage``): nothing is generated that could not be logged."""
+    """``SessionStore.open``, refused typed as :func:`check_log` says."""
     try:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:
-        error = JobError.log_failed(exc)
-        raise ApiError(error.status, error.message, code=error.code) from None
+        raise _log_refusal(exc) from None
 
 
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:
