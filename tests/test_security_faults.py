@@ -438,8 +438,11 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
         assert r.status_code == 507 and r.json()["type"] == "error"
         r = await d.client.post("/api/chat", json={"model": "mock", "messages": CHAT["messages"], "stream": False})
         assert r.status_code == 507 and "full" in r.json()["error"]
-        r = await d.client.post(f"/v1/sessions/{cid}/generate", json={"max_tokens": 4})  # a conversation's turn
-        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        for path, body in ((f"/v1/sessions/{cid}/generate", {"max_tokens": 4}),  # a conversation's turn,
+                           (f"/v1/sessions/{cid}/messages", {"messages": CHAT["messages"]}),  # its other writes
+                           ("/v1/sessions", {"model": "mock"}), (f"/v1/sessions/{cid}/fork", {})):
+            r = await d.client.post(path, json=body)
+            assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", (path, r.text)
         # space returns: the daemon recovers by itself
         disk_faults.errno = None  # type: ignore[attr-defined]
         await wait_healthy(d.client)
