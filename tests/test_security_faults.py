@@ -345,6 +345,47 @@ async def test_out_of_file_descriptors_a_worker_restart_waits_and_the_daemon_liv
     d.scope.cancel()
 
 
+
+CLIENT = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+sys.stdin.read(1)  # go
+s = socket.create_connection((host, port))
+s.sendall(b"GET /health HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n")
+print(s.recv(100).split(b"\\r\\n")[0].decode(), flush=True)
+"""
+
+
+async def test_out_of_file_descriptors_accept_waits_and_serves_later(nursery: trio.Nursery,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    d = await start_daemon(nursery, mock_config())
+    url = urlsplit(d.url)
+    # a client in its own process (its own descriptors), started while we can still make pipes
+    client = await trio.lowlevel.open_process([sys.executable, "-c", CLIENT, url.hostname, str(url.port)],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert client.stdin is not None and client.stdout is not None
+    hog = FdHog(below=max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1)
+    try:
+        await client.stdin.send_all(b"g")
+        with trio.fail_after(30):  # the listener cannot accept the connection: it says so and retries
+            while not any("accept returned EMFILE" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.05)
+    finally:
+        hog.release()
+    with trio.fail_after(30):
+        status = await client.stdout.receive_some(100)
+    assert status.strip() == b"HTTP/1.1 200", status
+    assert not d.scope.cancel_called
+    await client.wait()
+    await client.stdin.aclose()
+    await client.stdout.aclose()
+    d.scope.cancel()
+
+
 # ---- a full disk -------------------------------------------------------------------------------
 
 
