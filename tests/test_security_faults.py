@@ -5,10 +5,12 @@ take the daemon down. Mock runtime throughout."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -19,7 +21,8 @@ import trio
 
 from superfluid._config import ModelSource
 from superfluid._private import make_private_dir
-from superfluid.journal import JournalConfig, open_journal
+from superfluid.journal import Journal, JournalConfig, open_journal
+from superfluid.journal._files import FaultInjector
 from superfluid.proto._wal import body_created, body_finished
 
 from .conftest import Daemon, mock_config, start_daemon, worker_pids
@@ -32,7 +35,7 @@ def mode(path: Path) -> int:
 
 
 @pytest.fixture
-def open_umask() -> object:
+def open_umask() -> Iterator[None]:
     """A umask that takes nothing away: modes must come from the code, not the umask."""
     old = os.umask(0)
     try:
@@ -44,12 +47,12 @@ def open_umask() -> object:
 # ---- file modes -------------------------------------------------------------------------------
 
 
-async def write_session(journal: object, sid: str) -> None:
-    await journal.append(sid, body_created(params={}, klass="agent", model="m"))  # type: ignore[attr-defined]
-    await journal.append(sid, body_finished(finish="stop"))  # type: ignore[attr-defined]
+async def write_session(journal: Journal, sid: str) -> None:
+    await journal.append(sid, body_created(params={}, klass="agent", model="m"))
+    await journal.append(sid, body_finished(finish="stop"))
 
 
-async def test_sessions_directory_and_every_journal_file_are_private(tmp_path: Path, open_umask: object) -> None:
+async def test_sessions_directory_and_every_journal_file_are_private(tmp_path: Path, open_umask: None) -> None:
     directory = tmp_path / "home" / "sessions"
     async with open_journal(directory, config=JournalConfig(keep_finished=0)) as journal:
         await write_session(journal, "a")
@@ -90,7 +93,7 @@ async def test_looser_modes_are_fixed_at_start_with_one_warning(tmp_path: Path,
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_models_cache_directory_is_made_private(tmp_path: Path, open_umask: object) -> None:
+def test_models_cache_directory_is_made_private(tmp_path: Path, open_umask: None) -> None:
     target = tmp_path / ".superfluid" / "models"
     make_private_dir(target)
     assert mode(target) == 0o700 and mode(target.parent) == 0o700
@@ -390,7 +393,7 @@ async def test_out_of_file_descriptors_accept_waits_and_serves_later(nursery: tr
 
 
 @pytest.fixture
-def disk_faults() -> object:
+def disk_faults() -> Iterator[FaultInjector]:
     """The journal's file-layer test hook, reset afterwards."""
     from superfluid.journal._files import faults
 
@@ -401,14 +404,14 @@ def disk_faults() -> object:
 
 
 async def test_journal_degrades_on_enospc_and_recovers_from_its_committed_state(tmp_path: Path,
-                                                                                disk_faults: object) -> None:
+                                                                                disk_faults: FaultInjector) -> None:
     from superfluid.journal import JournalWriteError
     from superfluid.proto._wal import body_prompt
 
     config = JournalConfig(probe_backoff_s=0.01, probe_max_backoff_s=0.05)
     async with open_journal(tmp_path, config=config) as journal:
         await journal.append("a", body_created(params={}, klass="agent", model="m"))
-        disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+        disk_faults.errno = errno.ENOSPC
         with pytest.raises(JournalWriteError) as failed:
             await journal.append("a", body_prompt(tokens=[1]))
         assert failed.value.out_of_space
@@ -417,7 +420,7 @@ async def test_journal_degrades_on_enospc_and_recovers_from_its_committed_state(
             await journal.append("b", body_created(params={}, klass="agent", model="m"))
         await trio.sleep(0.2)  # the probe keeps failing while the disk is full
         assert journal.degraded is not None
-        disk_faults.errno = None  # type: ignore[attr-defined]
+        disk_faults.errno = None
         with trio.fail_after(10):  # the probe's back-off is 10-50 ms here
             while journal.degraded is not None:
                 await trio.sleep(0.01)
@@ -443,7 +446,7 @@ async def wait_healthy(client: httpx.AsyncClient) -> None:
 
 
 async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
-        tmp_path: Path, disk_faults: object) -> None:
+        tmp_path: Path, disk_faults: FaultInjector) -> None:
     sessions = tmp_path / "sessions"
     streamed: list[str] = []
     async with trio.open_nursery() as inner:
@@ -462,10 +465,8 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
                     continue
                 frames.append(line[6:])
                 if len(frames) == 3:
-                    disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+                    disk_faults.errno = errno.ENOSPC
         assert frames[-1] == "[DONE]"
-        import json
-
         error = json.loads(frames[-2])["error"]
         assert error["code"] == "insufficient_storage" and "full" in error["message"]
         streamed = [json.loads(f)["choices"][0]["delta"].get("content") or "" for f in frames[:-2]]
@@ -485,7 +486,7 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
             r = await d.client.post(path, json=body)
             assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", (path, r.text)
         # space returns: the daemon recovers by itself
-        disk_faults.errno = None  # type: ignore[attr-defined]
+        disk_faults.errno = None
         await wait_healthy(d.client)
         r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
@@ -497,7 +498,7 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
 
 
 @pytest.fixture
-def tiny_disk(tmp_path: Path) -> object:
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB tmpfs; skipped where mounting is not permitted."""
     import subprocess
 
@@ -529,8 +530,6 @@ def fill(directory: Path) -> Path:
 
 
 async def test_a_real_full_disk_is_survived_and_recovered_from(tiny_disk: Path) -> None:
-    import json
-
     async with trio.open_nursery() as inner:
         d = await start_daemon(inner, mock_config("mock?step_ms=2&prefill_us=5", sessions=tiny_disk / "sessions"))
         body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
