@@ -5,10 +5,12 @@ take the daemon down. Mock runtime throughout."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -19,7 +21,8 @@ import trio
 
 from superfluid._config import ModelSource
 from superfluid._private import make_private_dir
-from superfluid.journal import JournalConfig, open_journal
+from superfluid.journal import Journal, JournalConfig, open_journal
+from superfluid.journal._files import FaultInjector
 from superfluid.proto._wal import body_created, body_finished
 
 from .conftest import Daemon, mock_config, start_daemon, worker_pids
@@ -32,7 +35,7 @@ def mode(path: Path) -> int:
 
 
 @pytest.fixture
-def open_umask() -> object:
+def open_umask() -> Iterator[None]:
     """A umask that takes nothing away: modes must come from the code, not the umask."""
     old = os.umask(0)
     try:
@@ -44,12 +47,12 @@ def open_umask() -> object:
 # ---- file modes -------------------------------------------------------------------------------
 
 
-async def write_session(journal: object, sid: str) -> None:
-    await journal.append(sid, body_created(params={}, klass="agent", model="m"))  # type: ignore[attr-defined]
-    await journal.append(sid, body_finished(finish="stop"))  # type: ignore[attr-defined]
+async def write_session(journal: Journal, sid: str) -> None:
+    await journal.append(sid, body_created(params={}, klass="agent", model="m"))
+    await journal.append(sid, body_finished(finish="stop"))
 
 
-async def test_sessions_directory_and_every_journal_file_are_private(tmp_path: Path, open_umask: object) -> None:
+async def test_sessions_directory_and_every_journal_file_are_private(tmp_path: Path, open_umask: None) -> None:
     directory = tmp_path / "home" / "sessions"
     async with open_journal(directory, config=JournalConfig(keep_finished=0)) as journal:
         await write_session(journal, "a")
@@ -90,7 +93,7 @@ async def test_looser_modes_are_fixed_at_start_with_one_warning(tmp_path: Path,
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_models_cache_directory_is_made_private(tmp_path: Path, open_umask: object) -> None:
+def test_models_cache_directory_is_made_private(tmp_path: Path, open_umask: None) -> None:
     target = tmp_path / ".superfluid" / "models"
     make_private_dir(target)
     assert mode(target) == 0o700 and mode(target.parent) == 0o700
@@ -345,11 +348,52 @@ async def test_out_of_file_descriptors_a_worker_restart_waits_and_the_daemon_liv
     d.scope.cancel()
 
 
+
+CLIENT = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+sys.stdin.read(1)  # go
+s = socket.create_connection((host, port))
+s.sendall(b"GET /health HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n")
+print(s.recv(100).split(b"\\r\\n")[0].decode(), flush=True)
+"""
+
+
+async def test_out_of_file_descriptors_accept_waits_and_serves_later(nursery: trio.Nursery,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import subprocess
+    import sys
+    from urllib.parse import urlsplit
+
+    d = await start_daemon(nursery, mock_config())
+    url = urlsplit(d.url)
+    # a client in its own process (its own descriptors), started while we can still make pipes
+    client = await trio.lowlevel.open_process([sys.executable, "-c", CLIENT, url.hostname, str(url.port)],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert client.stdin is not None and client.stdout is not None
+    hog = FdHog(below=max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1)
+    try:
+        await client.stdin.send_all(b"g")
+        with trio.fail_after(30):  # the listener cannot accept the connection: it says so and retries
+            while not any("accept returned EMFILE" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.05)
+    finally:
+        hog.release()
+    with trio.fail_after(30):
+        status = await client.stdout.receive_some(100)
+    assert status.strip() == b"HTTP/1.1 200", status
+    assert not d.scope.cancel_called
+    await client.wait()
+    await client.stdin.aclose()
+    await client.stdout.aclose()
+    d.scope.cancel()
+
+
 # ---- a full disk -------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def disk_faults() -> object:
+def disk_faults() -> Iterator[FaultInjector]:
     """The journal's file-layer test hook, reset afterwards."""
     from superfluid.journal._files import faults
 
@@ -360,14 +404,14 @@ def disk_faults() -> object:
 
 
 async def test_journal_degrades_on_enospc_and_recovers_from_its_committed_state(tmp_path: Path,
-                                                                                disk_faults: object) -> None:
+                                                                                disk_faults: FaultInjector) -> None:
     from superfluid.journal import JournalWriteError
     from superfluid.proto._wal import body_prompt
 
     config = JournalConfig(probe_backoff_s=0.01, probe_max_backoff_s=0.05)
     async with open_journal(tmp_path, config=config) as journal:
         await journal.append("a", body_created(params={}, klass="agent", model="m"))
-        disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+        disk_faults.errno = errno.ENOSPC
         with pytest.raises(JournalWriteError) as failed:
             await journal.append("a", body_prompt(tokens=[1]))
         assert failed.value.out_of_space
@@ -376,7 +420,7 @@ async def test_journal_degrades_on_enospc_and_recovers_from_its_committed_state(
             await journal.append("b", body_created(params={}, klass="agent", model="m"))
         await trio.sleep(0.2)  # the probe keeps failing while the disk is full
         assert journal.degraded is not None
-        disk_faults.errno = None  # type: ignore[attr-defined]
+        disk_faults.errno = None
         with trio.fail_after(10):  # the probe's back-off is 10-50 ms here
             while journal.degraded is not None:
                 await trio.sleep(0.01)
@@ -402,12 +446,14 @@ async def wait_healthy(client: httpx.AsyncClient) -> None:
 
 
 async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
-        tmp_path: Path, disk_faults: object) -> None:
+        tmp_path: Path, disk_faults: FaultInjector) -> None:
     sessions = tmp_path / "sessions"
     streamed: list[str] = []
     async with trio.open_nursery() as inner:
         d = await start_daemon(inner, mock_config("mock?step_ms=5&prefill_us=5", sessions=sessions))
         assert (await d.client.get("/health")).json()["status"] == "ok"
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "messages": CHAT["messages"]})
+        cid = r.json()["id"]
         # in flight: the stream ends with a typed error frame and [DONE]
         body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         headers = {"x-superfluid-resumable": "1"}
@@ -419,10 +465,8 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
                     continue
                 frames.append(line[6:])
                 if len(frames) == 3:
-                    disk_faults.errno = errno.ENOSPC  # type: ignore[attr-defined]
+                    disk_faults.errno = errno.ENOSPC
         assert frames[-1] == "[DONE]"
-        import json
-
         error = json.loads(frames[-2])["error"]
         assert error["code"] == "insufficient_storage" and "full" in error["message"]
         streamed = [json.loads(f)["choices"][0]["delta"].get("content") or "" for f in frames[:-2]]
@@ -436,8 +480,13 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
         assert r.status_code == 507 and r.json()["type"] == "error"
         r = await d.client.post("/api/chat", json={"model": "mock", "messages": CHAT["messages"], "stream": False})
         assert r.status_code == 507 and "full" in r.json()["error"]
+        for path, body in ((f"/v1/sessions/{cid}/generate", {"max_tokens": 4}),  # a conversation's turn,
+                           (f"/v1/sessions/{cid}/messages", {"messages": CHAT["messages"]}),  # its other writes
+                           ("/v1/sessions", {"model": "mock"}), (f"/v1/sessions/{cid}/fork", {})):
+            r = await d.client.post(path, json=body)
+            assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", (path, r.text)
         # space returns: the daemon recovers by itself
-        disk_faults.errno = None  # type: ignore[attr-defined]
+        disk_faults.errno = None
         await wait_healthy(d.client)
         r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
@@ -446,3 +495,60 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
     async with open_journal(sessions) as journal:
         logged = journal.sessions[sid].text
     assert "".join(streamed) and logged.startswith("".join(streamed))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs; skipped where mounting is not permitted."""
+    import subprocess
+
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({done.stderr.strip() or done.returncode}); "
+                    "test_full_disk_degrades_health_refuses_generations_typed_and_recovers covers it by injection")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the disk is full."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+async def test_a_real_full_disk_is_survived_and_recovered_from(tiny_disk: Path) -> None:
+    async with trio.open_nursery() as inner:
+        d = await start_daemon(inner, mock_config("mock?step_ms=2&prefill_us=5", sessions=tiny_disk / "sessions"))
+        body = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        frames: list[str] = []
+        filler = None
+        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                    if filler is None:
+                        filler = fill(tiny_disk)  # the log's next page finds no room
+        assert frames[-1] == "[DONE]"
+        assert json.loads(frames[-2])["error"]["code"] == "insufficient_storage"
+        assert "No space left on device" in journal_reason(await d.client.get("/health"))
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+        assert filler is not None
+        filler.unlink()
+        await wait_healthy(d.client)
+        r = await d.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        assert r.status_code == 200
+        d.scope.cancel()

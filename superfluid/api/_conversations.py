@@ -37,6 +37,7 @@ from urllib.parse import parse_qs
 
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation
+from ._generate import check_log
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._openai import parse_messages, parse_tools
 from ._params import template_kwargs_from
@@ -223,6 +224,8 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     if m is None:
         return False
     method, (cid, tail) = scope["method"], m.groups()
+    if method == "POST":
+        check_log(app)  # every POST here writes the log: a full disk refuses it typed (507)
     if cid is None:
         if method != "POST":
             raise ApiError(405, f"method {method} not allowed on /v1/sessions")

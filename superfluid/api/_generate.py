@@ -138,14 +138,30 @@ def queue_place(model: ServedModel, job: Job) -> Iterator[None]:
                        headers=((b"retry-after", str(exc.retry_after_s).encode()),)) from None
 
 
+def check_log(app: App) -> None:
+    """Refuse typed while the session log takes no writes (a full disk: 507
+    ``insufficient_storage``): nothing is generated that could not be logged.
+
+    Raises:
+        ApiError: the journal is degraded.
+    """
+    try:
+        app.sessions.journal.check_writable()
+    except JournalWriteError as exc:
+        raise _log_refusal(exc) from None
+
+
+def _log_refusal(exc: JournalWriteError) -> ApiError:
+    error = JobError.log_failed(exc)
+    return ApiError(error.status, error.message, code=error.code)
+
+
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
-    """``SessionStore.open``, refused typed while the session log takes no writes (a full
-    disk: 507 ``insufficient_storage``): nothing is generated that could not be logged."""
+    """``SessionStore.open``, refused typed as :func:`check_log` says."""
     try:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:
-        error = JobError.log_failed(exc)
-        raise ApiError(error.status, error.message, code=error.code) from None
+        raise _log_refusal(exc) from None
 
 
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:

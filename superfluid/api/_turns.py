@@ -31,7 +31,7 @@ from .._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, parse_qos
-from ._generate import Follower, end, open_session, prepare, queue_place, watch_disconnect
+from ._generate import Follower, check_log, end, open_session, prepare, queue_place, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
 from ._openai import (
     ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
@@ -168,6 +168,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
             raise ApiError(400, f"invalid request: unknown field {key!r}", param=key)
     if not app.accepting:
         raise ApiError(503, "the server is draining and accepts no new requests", code="draining")
+    check_log(app)  # before the turn is logged: a full disk refuses it typed (507)
     if store.busy(cid):
         raise busy_error(cid)
     async with store.preparing(cid):

@@ -215,6 +215,12 @@ class Journal:
             return None
         return f"the session log cannot be written ({self._broken.strerror or self._broken})"
 
+    def check_writable(self) -> None:
+        """Raises :class:`JournalWriteError` while :attr:`degraded`."""
+        if self._broken is not None:
+            raise JournalWriteError(f"{self.path} failed earlier ({self._broken}); it takes no records until "
+                                    "the disk takes writes again", errno=self._broken.errno)
+
     def _degrade(self, exc: OSError) -> None:
         self._broken = exc
         if self._nursery is not None and not self._probing and not self._closing:
@@ -360,9 +366,7 @@ class Journal:
         self._check_usable()
 
     def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise JournalWriteError(f"{self.path} failed earlier ({self._broken}); it takes no records until "
-                                    "the disk takes writes again", errno=self._broken.errno)
+        self.check_writable()
         if self._closing:
             raise JournalClosed(f"{self.path} is closed")
 
@@ -647,7 +651,7 @@ async def open_journal(
             journal._nursery = nursery
             try:
                 yield journal
-            except BaseException as exc:  # re-raised below, as itself (not in the nursery's group)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below as itself, not in the nursery's group
                 failure = exc
             finally:
                 journal._closing = True
