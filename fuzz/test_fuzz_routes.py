@@ -107,7 +107,7 @@ messages = st.lists(st.one_of(
         {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "", "USER"]) | nasty_text},
         optional={"content": nasty_text | st.lists(blocks, max_size=3) | json_values,
                   "tool_calls": json_values, "tool_call_id": json_values, "name": json_values,
-                  "images": json_values, "thinking": json_values},
+                  "images": json_values, "thinking": json_values, "reasoning_content": json_values},
     ),
     json_values,
 ), max_size=4)
