@@ -355,8 +355,8 @@ def check_case(client: httpx.Client, route: str, content: bytes) -> None:
                b'{"model":"mock","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":4}'))
 @example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"seed":'
                                        + b"9" * 5000 + b"}"))
-@example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi",'
-                                       b'"name":"\\ue0000\\ue001"}],"chat_template_kwargs":{"messages":1}}'))
+@example(case=("/v1/chat/completions", (b'{"model":"mock","messages":[{"role":"user","content":"hi",'
+                                        b'"name":"\\ue0000\\ue001"}],"chat_template_kwargs":{"messages":1}}')))
 def test_every_route_answers_typed(client: httpx.Client, caplog: pytest.LogCaptureFixture,
                                    case: tuple[str, bytes]) -> None:
     route, content = case
