@@ -107,7 +107,7 @@ messages = st.lists(st.one_of(
         {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "", "USER"]) | nasty_text},
         optional={"content": nasty_text | st.lists(blocks, max_size=3) | json_values,
                   "tool_calls": json_values, "tool_call_id": json_values, "name": json_values,
-                  "images": json_values, "thinking": json_values},
+                  "images": json_values, "thinking": json_values, "reasoning_content": json_values},
     ),
     json_values,
 ), max_size=4)
@@ -355,8 +355,8 @@ def check_case(client: httpx.Client, route: str, content: bytes) -> None:
                b'{"model":"mock","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":4}'))
 @example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"seed":'
                                        + b"9" * 5000 + b"}"))
-@example(case=("/v1/chat/completions", b'{"model":"mock","messages":[{"role":"user","content":"hi",'
-                                       b'"name":"\\ue0000\\ue001"}],"chat_template_kwargs":{"messages":1}}'))
+@example(case=("/v1/chat/completions", (b'{"model":"mock","messages":[{"role":"user","content":"hi",'
+                                        b'"name":"\\ue0000\\ue001"}],"chat_template_kwargs":{"messages":1}}')))
 def test_every_route_answers_typed(client: httpx.Client, caplog: pytest.LogCaptureFixture,
                                    case: tuple[str, bytes]) -> None:
     route, content = case

@@ -65,11 +65,14 @@ async def test_a_huge_integer_is_a_400_naming_it_on_every_post_route(daemon: Dae
         raw = json.dumps({**body, "seed": 7}).encode().replace(b'"seed": 7', b'"seed": ' + b"9" * 5000)
         obj = await refused(daemon, route, raw, "seed")
         assert "4300 digits" in json.dumps(obj), obj
-    for literal in (b"1e999", b"NaN", b"-Infinity"):
+    for literal in (b"1e999", b"NaN", b"-Infinity", b"9" * 290 + b"e20"):
         raw = b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"temperature":' + literal + b"}"
         await refused(daemon, "/v1/chat/completions", raw, "temperature")
     raw = b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"logit_bias":{"5":NaN}}'
     await refused(daemon, "/v1/chat/completions", raw, "logit_bias.5")
+    raw = b'{"model":"mock","messages":[{"role":"user","content":"hi"}],"max_tokens":1e999,"max_tokens":4}'
+    ok = await daemon.client.post("/v1/chat/completions", content=raw)   # the last of duplicate keys wins
+    assert ok.status_code == 200, ok.text
     no_tracebacks(caplog)
 
 

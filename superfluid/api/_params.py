@@ -12,7 +12,7 @@ from ..chat import TEMPLATE_NAMES
 from ..proto import Sampling
 from ._http import ApiError
 
-__all__ = ["number", "integer", "sampling_from", "stops_from", "template_kwargs_from"]
+__all__ = ["integer", "number", "sampling_from", "stops_from", "template_kwargs_from"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -22,7 +22,7 @@ MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
-def _finite(value: int | float) -> bool:
+def _finite(value: float) -> bool:
     return isinstance(value, int) or math.isfinite(value)
 
 
