@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
 from superfluid._config import ModelSource
 from superfluid._private import make_private_dir
@@ -485,6 +486,14 @@ async def test_full_disk_degrades_health_refuses_generations_typed_and_recovers(
                            ("/v1/sessions", {"model": "mock"}), (f"/v1/sessions/{cid}/fork", {})):
             r = await d.client.post(path, json=body)
             assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage", (path, r.text)
+        # the same writes over the WebSocket: typed error replies, the socket stays open
+        async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws") as ws:
+            for msg in ({"op": "create", "id": 1, "body": {"model": "mock"}},
+                        {"op": "append", "id": 2, "session": cid, "body": {"messages": CHAT["messages"]}},
+                        {"op": "generate", "id": 3, "body": {**CHAT, "max_tokens": 4}}):
+                await ws.send_message(json.dumps(msg))
+                reply = json.loads(await ws.get_message())
+                assert reply["op"] == "error" and reply["error"]["code"] == "insufficient_storage", (msg, reply)
         # space returns: the daemon recovers by itself
         disk_faults.errno = None
         await wait_healthy(d.client)

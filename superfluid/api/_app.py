@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import trio
 
 from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
+from ._generate import log_refusal
 from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
@@ -22,6 +23,7 @@ from ._responses import responses
 
 from .._conversations import ConversationStore
 from .._registry import TooManyModels
+from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
@@ -169,6 +171,10 @@ class App:
         except ApiError as exc:
             if not started:
                 await send_json(send, exc.status, _error_body(scope["path"], exc), list(exc.headers))
+        except JournalWriteError as exc:  # a full disk reached a route that did not check first: still typed
+            if not started:
+                refusal = log_refusal(exc)
+                await send_json(send, refusal.status, _error_body(scope["path"], refusal))
         except trio.Cancelled:
             raise
         except Exception as exc:  # boundary: one request; the daemon goes on

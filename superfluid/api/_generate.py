@@ -148,10 +148,11 @@ def check_log(app: App) -> None:
     try:
         app.sessions.journal.check_writable()
     except JournalWriteError as exc:
-        raise _log_refusal(exc) from None
+        raise log_refusal(exc) from None
 
 
-def _log_refusal(exc: JournalWriteError) -> ApiError:
+def log_refusal(exc: JournalWriteError) -> ApiError:
+    """The typed refusal of a request the session log cannot take (507 or 503)."""
     error = JobError.log_failed(exc)
     return ApiError(error.status, error.message, code=error.code)
 
@@ -161,7 +162,7 @@ async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
     try:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:
-        raise _log_refusal(exc) from None
+        raise log_refusal(exc) from None
 
 
 async def end(app: App, job: Job, *, resumable: bool = False) -> None:

@@ -79,7 +79,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ._generate import end, prepare, start
+from ..journal import JournalWriteError
+from ._generate import end, log_refusal, prepare, start
 from ._http import ApiError, Receive, Send, decode_json
 from ._openai import (
     ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
@@ -265,6 +266,8 @@ class _Socket:
             await handler(self, msg, ref)
         except ApiError as exc:
             await self._error(exc, ref=ref, session=sid)
+        except JournalWriteError as exc:  # a full disk: typed as over HTTP (507), no traceback
+            await self._error(log_refusal(exc), ref=ref, session=sid)
         except Exception as exc:  # noqa: BLE001 -- boundary: one message; the socket goes on
             log.exception("unhandled error on a websocket message")
             await self._error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"), ref=ref, session=sid)
