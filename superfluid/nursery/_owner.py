@@ -85,9 +85,9 @@ class ModelOwner:
         if self._sessions is None:
             raise RuntimeError(f"model {self.name!r} is not running")
         self._sessions.start_soon(self._session, fn, args)
+        self._session_tasks += 1
 
     async def _session(self, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]) -> None:
-        self._session_tasks += 1
         try:
             await fn(*args)
         finally:
