@@ -161,7 +161,7 @@ class ModelRegistry:
             policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
             owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
 
-            async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
                 self._owners += 1
                 try:
                     await self._supervise(owner, task_status)
@@ -205,7 +205,7 @@ class ModelRegistry:
                                                max_queue=cfg.max_queue, max_prompt_bytes=cfg.max_prompt_bytes),
                          self.metrics, self.committer, cpu=self.cpu)
 
-    async def _supervise(self, owner: ModelOwner, task_status: trio.TaskStatus[None]) -> None:
+    async def _supervise(self, owner: ModelOwner, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
         """Run ``owner``'s actor; restart it after a failure (the model's boundary).
 
         Raises:

@@ -17,12 +17,32 @@ import attrs
 import httpx
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from superfluid._config import ModelSource
 from superfluid._metrics import Metrics
-from superfluid.proto import Admit, Admitted, Cancel, Emit, Sampling, Tick, TickDone, Tokenize, Tokenized
-from superfluid.sched import Job, LinkHandle, LinkLost, QosClass, QueueFull, Scheduler, SchedulerConfig, Unavailable
+from superfluid.proto import (
+    Admit,
+    Admitted,
+    Cancel,
+    Emit,
+    Sampling,
+    Tick,
+    TickDone,
+    Tokenize,
+    Tokenized,
+)
+from superfluid.sched import (
+    Job,
+    LinkHandle,
+    LinkLost,
+    QosClass,
+    QueueFull,
+    Scheduler,
+    SchedulerConfig,
+    Unavailable,
+)
 
 from .conftest import mock_config, open_daemon
 
@@ -72,7 +92,7 @@ class FakeLink:
                 if rows:
                     self._event(Emit(items=rows))
                 self._event(TickDone(seq=event.seq))
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
     def die(self) -> None:
         self.dead = True
@@ -161,9 +181,11 @@ async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock
     sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics())
     silent = FakeLink(sched, 1, answer_tokenize=False)
     result: list[list[int]] = []
+    answered = trio.Event()
 
     async def ask() -> None:
         result.append(await sched.tokenize([("ab", False)]))
+        answered.set()
 
     async with trio.open_nursery() as n:
         n.start_soon(ask)
@@ -174,8 +196,7 @@ async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock
         await trio.testing.wait_all_tasks_blocked()
         n.start_soon(_run_generation, sched, FakeLink(sched, 2))
         with trio.fail_after(5):
-            while not result:
-                await trio.sleep(0.01)
+            await answered.wait()
         n.cancel_scope.cancel()
     assert result == [[ord("a"), ord("b")]]
 

@@ -36,7 +36,13 @@ import trio
 
 from ..sched import LinkLost, Scheduler
 from ._policy import RestartPolicy, RestartTracker
-from ._worker import WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, first_leaf, open_worker
+from ._worker import (
+    WorkerLoadFailed,
+    WorkerSpawnFailed,
+    WorkerSpec,
+    first_leaf,
+    open_worker,
+)
 
 __all__ = ["ModelFailed", "ModelOwner"]
 
@@ -106,7 +112,7 @@ class ModelOwner:
         self._stop = (message, code)
         self._main.cancel()
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on to the first generation
         """Run the model until stopped or cancelled.
 
         Raises:
@@ -148,7 +154,7 @@ class ModelOwner:
             task_status.started(sessions)
             await trio.sleep_forever()
 
-    async def _generations(self, task_status: trio.TaskStatus[None]) -> None:
+    async def _generations(self, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
         try:
             await self._run_generations(task_status)
         finally:

@@ -234,11 +234,14 @@ async def _open_worker_nursery(
                 assert process.stdin is not None
                 with trio.fail_after(spec.start_timeout_s):
                     await process.stdin.send_all(link.send(Hello()))
+                    broken: ProtocolError | None = None
                     try:
                         ack = await _read_event(process, link)
                     except ProtocolError as exc:
+                        broken = exc
+                    if broken is not None:  # (awaited outside the except: a cancel must not hide it)
                         rc = await process.wait()
-                        raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
+                        raise WorkerDied(f"worker died during startup (exit status {rc}): {broken}")
                 if isinstance(ack, LoadFailed):
                     raise WorkerLoadFailed(ack.message)
                 if not isinstance(ack, HelloAck):
