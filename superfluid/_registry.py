@@ -229,6 +229,8 @@ class ModelRegistry:
                         self.default = next(iter(self.loaded), None)
                 return
             await trio.sleep(owner.policy.backoff_s)
+            if owner.stopped:  # unloaded while it was down
+                return
             owner.renew(self._scheduler(owner.name))
             task_status = trio.TASK_STATUS_IGNORED
             log.warning("model %s: restarting its actor", owner.name)

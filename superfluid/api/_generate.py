@@ -182,7 +182,7 @@ async def retire(app: App, sched: Scheduler, job: Job, *, keep: bool = False) ->
     Shielded and bounded (``RETIRE_S``) itself, and called under such a shield
     (it runs on every way out of a lane, cancelled ones too)."""
     with trio.move_on_after(RETIRE_S, shield=True):
-        if not keep:
+        if not keep and not job.done:  # (a done job holds no lane and no place)
             try:
                 await sched.stop(job)
             except Unavailable:

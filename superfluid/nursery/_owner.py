@@ -107,6 +107,10 @@ class ModelOwner:
         """How many session tasks the model holds now (tests: an unload leaves none)."""
         return self._session_tasks
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop is not None
+
     def stop(self, message: str, *, code: str = "model_unloaded") -> None:
         """End the actor (an unload): every job of the model ends typed (503 ``code``)."""
         self._stop = (message, code)

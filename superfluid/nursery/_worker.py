@@ -164,7 +164,10 @@ async def _serve_reader(handle: WorkerHandle, inbox: trio.MemorySendChannel[Any]
     try:
         while True:
             event = await _read_event(handle.process, handle.link)
-            await inbox.send((gen, event))
+            try:
+                await inbox.send((gen, event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the model's actor closed its inbox (an unload): the owner shuts this worker down
     except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         handle.dead = True
         kill_now(handle.process)  # a protocol error ends the worker; it is respawned

@@ -256,8 +256,11 @@ class Scheduler:
 
     async def queue(self, job: Job) -> None:
         """Queue ``job`` (a place reserved for it is used up). A model that is
-        gone ends it typed (503). No reply: follow the job."""
-        await self._command(_Queue(job))
+        gone ends it typed (503), as its actor would have. No reply: follow the job."""
+        try:
+            await self._command(_Queue(job))
+        except Unavailable as exc:
+            job.finish_with(error=self.closed or JobError(status=503, message=str(exc), code=exc.code))
 
     async def stop(self, job: Job) -> None:
         """Stop ``job`` (idempotent): a queued one ends now, a running one at the
