@@ -17,7 +17,10 @@ Invariants (each violation is one line of the :class:`InvariantViolation`):
     SIGKILLed are exempt (their text is still checked as a prefix).
 ``explained``
     A valid request only fails when a disruption (worker kill, unload, a fault
-    prompt, a hang) overlapped it; never with a 4xx.
+    prompt, a hang) overlapped it; never with a 4xx. The fault ``bug_after=N``
+    makes the model's actor raise (the injected bug): every request of that
+    model then ends 503 ``model_failed`` and the actor restarts; the fault
+    request explains them (as any fault request does).
 ``exact``
     The text a client received is a prefix of the reference text for the same
     body (computed on a separate clean daemon); a completed greedy or seeded
@@ -39,7 +42,8 @@ Invariants (each violation is one line of the :class:`InvariantViolation`):
     event ids are contiguous, and each tracked session's logged text is a prefix
     of (when it finished: equal to) its reference.
 ``no_traceback``
-    The daemon's log holds no Python traceback.
+    The daemon's log holds no Python traceback, except the one traceback the
+    injected bug (``InjectedBug``) logs when its model's actor fails.
 """
 
 from __future__ import annotations
@@ -940,7 +944,7 @@ class Harness:
         survivors = d.group_survivors(d.pid)
         if survivors:
             self.violate(f"processes left in the daemon's group after it exited: {survivors}")
-        log = d.log.read_text(errors="replace")
+        log = _without_injected_bugs(d.log.read_text(errors="replace"))
         if "Traceback" in log:
             i = log.index("Traceback")
             self.violate("the daemon logged a traceback:\n" + log[max(0, i - 300): i + 3000])
@@ -977,6 +981,24 @@ class Harness:
         if self.daemon.proc is not None:
             self.daemon.proc.wait()
 
+
+
+def _without_injected_bugs(log: str) -> str:
+    """The daemon's log without the tracebacks of injected bugs (each ends with the
+    line naming ``InjectedBug``): the one traceback a failed model actor logs."""
+    out, rest = [], log
+    while "Traceback" in rest:
+        i = rest.index("Traceback")
+        end = rest.find("InjectedBug: ", i)
+        nxt = rest.find("Traceback", i + 1)
+        if end < 0 or (0 <= nxt < end):
+            out.append(rest[: i + len("Traceback")])
+            rest = rest[i + len("Traceback"):]
+            continue
+        line_end = rest.find("\n", end)
+        out.append(rest[:i])
+        rest = rest[line_end:] if line_end >= 0 else ""
+    return "".join(out) + rest
 
 
 def _violation_in(exc: BaseException) -> InvariantViolation | None:
@@ -1020,7 +1042,7 @@ def run_sequence(actions: list[Action], *, keep: bool = False) -> dict[str, Any]
 
 # --- a seeded random driver (long campaigns) -----------------------------------------------------------
 
-FAULTS = ("crash_after=2", "crash_after=9", "fault_after=3", "garbage_after=2", "hang_after=4")
+FAULTS = ("crash_after=2", "crash_after=9", "fault_after=3", "garbage_after=2", "bug_after=2", "hang_after=4")
 
 
 def random_sequence(rng: Any, max_actions: int = 14) -> list[Action]:
@@ -1031,7 +1053,7 @@ def random_sequence(rng: Any, max_actions: int = 14) -> list[Action]:
         if r < 0.42:
             fault = None
             if rng.random() < 0.12:
-                fault = rng.choice(FAULTS[:4]) if rng.random() < 0.8 else FAULTS[4]
+                fault = rng.choice(FAULTS[:5]) if rng.random() < 0.8 else FAULTS[5]
             out.append(Start(
                 n=rng.choice([1, 1, 2, 3, 4, 6, 8]), model=rng.choice(MODELS),
                 route=rng.choice(["chat", "chat", "completion"]), stream=rng.random() < 0.7,

@@ -41,7 +41,7 @@ models = st.sampled_from(MODELS)
 disconnects = st.sampled_from([None, None, None, 0, 1, 3, 12])
 slow = st.sampled_from([0, 0, 0, 3, 30])
 faults = st.sampled_from([None] * 12 + ["crash_after=2", "crash_after=9", "fault_after=3", "garbage_after=2",
-                                        "hang_after=4"])
+                                        "bug_after=2", "hang_after=4"])
 
 starts = st.builds(
     Start,

@@ -23,6 +23,7 @@ _HELP = {
     "superfluid_ticks_total": ("counter", "Scheduler ticks run."),
     "superfluid_worker_respawns_total": ("counter", "Worker processes respawned after a death."),
     "superfluid_worker_spawn_failures_total": ("counter", "Worker processes that could not be started (no fds)."),
+    "superfluid_model_failures_total": ("counter", "Model actors that failed unexpectedly and were restarted."),
     "superfluid_requests_total": ("counter", "Generation requests, by outcome."),
     "superfluid_batched_rounds_total": ("counter", "Decode rounds that carried more than one lane."),
     "superfluid_engine_rounds_total": ("counter", "Decode rounds run by workers (one forward pass each)."),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import trio
 
 from .chat import ChatTemplate, pick_template
 
@@ -23,7 +22,6 @@ class ServedModel:
     path: str
     owner: ModelOwner
     created: int
-    scope: trio.CancelScope
     _template: ChatTemplate | None = None
 
     @property

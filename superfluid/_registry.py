@@ -1,11 +1,17 @@
 """The model registry: which models are loaded, which are known, and the
-nursery that owns every model owner.
+nursery that supervises every model's actor.
 
-Loading starts a model owner in the registry's nursery (its worker must
-handshake before ``load`` returns). Unloading fails every queued and running
-job of that model typed (503 ``model_unloaded``), then cancels the owner's
-scope, which shuts its worker down. An unloaded model stays *known* and is
-loaded again on demand by the next request that names it.
+Loading starts a model's supervisor in the registry's nursery, which runs the
+model's actor (``nursery/_owner.py``; its worker must handshake before
+``load`` returns). The supervisor is the model's failure boundary: an
+unexpected exception in the actor has already ended the model's jobs typed
+(503 ``model_failed``); the supervisor logs it (one traceback) and restarts
+the actor under the ``RestartPolicy``, and nothing else in the daemon (other
+models, the HTTP listener) sees it. A restart storm unloads the model.
+Unloading stops the actor: its jobs end typed (503 ``model_unloaded``), its
+sessions (resume-TTL watchers, turn owners) and its worker end with it. An
+unloaded model stays *known* and is loaded again on demand by the next
+request that names it.
 
 What a client may load (:meth:`ModelRegistry.lookup`): a known model (given at
 startup, or loaded before), a mock spec, or a ``*.gguf`` file, by name or by
@@ -29,7 +35,7 @@ from ._config import ModelSource, ServeConfig
 from ._metrics import Metrics
 from ._model import ServedModel
 from ._models import cache_dir, model_name, resolve_runtime
-from .nursery import ModelOwner, RestartPolicy, WorkerSpec
+from .nursery import ModelFailed, ModelOwner, RestartPolicy, RestartTracker, WorkerSpec
 from .sched import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -152,19 +158,13 @@ class ModelRegistry:
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms,
                               start_timeout_s=cfg.worker_start_timeout_s)
-            sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
-                                                               max_queue=cfg.max_queue,
-                                                               max_prompt_bytes=cfg.max_prompt_bytes),
-                              self.metrics, self.committer, cpu=self.cpu)
-            owner = ModelOwner(source.name, spec, sched,
-                               policy=RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s))
-            scope = trio.CancelScope()
+            policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
+            owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
 
-            async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
                 self._owners += 1
                 try:
-                    with scope:
-                        await owner.serve(task_status=task_status)
+                    await self._supervise(owner, task_status)
                 finally:
                     self._owners -= 1
                     self._owner_gone.set()
@@ -172,7 +172,7 @@ class ModelRegistry:
 
             await self.models_nursery.start(run_owner)
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
-                                created=int(time.time()), scope=scope)
+                                created=int(time.time()))
             self.loaded[source.name] = model
             self.known[source.name] = source
             if make_default or self.default is None:
@@ -195,10 +195,45 @@ class ModelRegistry:
             del self.loaded[name]
             if self.default == name:
                 self.default = next(iter(self.loaded))
-            model.scheduler.close(f"model '{name}' was unloaded", code="model_unloaded")
-            model.scope.cancel()
+            model.owner.stop(f"model '{name}' was unloaded", code="model_unloaded")
             log.info("model %s unloaded", name)
             return True
+
+    def _scheduler(self, name: str) -> Scheduler:
+        cfg = self.config
+        return Scheduler(name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
+                                               max_queue=cfg.max_queue, max_prompt_bytes=cfg.max_prompt_bytes),
+                         self.metrics, self.committer, cpu=self.cpu)
+
+    async def _supervise(self, owner: ModelOwner, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
+        """Run ``owner``'s actor; restart it after a failure (the model's boundary).
+
+        Raises:
+            WorkerLoadFailed: (and the like) the first worker did not start: ``load`` fails.
+        """
+        tracker = RestartTracker(owner.policy)
+        while True:
+            try:
+                await owner.serve(task_status=task_status)
+                return  # stopped (an unload)
+            except ModelFailed as exc:
+                log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
+                          exc_info=exc.__cause__ or exc)
+                self.metrics.inc("superfluid_model_failures_total")
+            if not tracker.allow(trio.current_time()):
+                log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
+                          owner.name, owner.policy.max_restarts, owner.policy.window_s)
+                if self.loaded.get(owner.name) is not None and self.loaded[owner.name].owner is owner:
+                    del self.loaded[owner.name]
+                    if self.default == owner.name:
+                        self.default = next(iter(self.loaded), None)
+                return
+            await trio.sleep(owner.policy.backoff_s)
+            if owner.stopped:  # unloaded while it was down
+                return
+            owner.renew(self._scheduler(owner.name))
+            task_status = trio.TASK_STATUS_IGNORED
+            log.warning("model %s: restarting its actor", owner.name)
 
     async def get(self, name: str) -> ServedModel | None:
         """A loaded model, loading a known one on demand; None if unknown.

@@ -4,7 +4,9 @@ Nursery tree (daemon)::
 
     root
     ├── signal watcher          SIGTERM/SIGINT: cancel root; SIGUSR1: drain
-    ├── model owner × N         worker supervisor + scheduler loop (nursery/_owner.py)
+    ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
+    │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
+    ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
 """
 
@@ -85,7 +87,7 @@ async def serve(
             turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
             for session in restored:
                 if session.id not in turns:
-                    root.start_soon(serve_resume_ttl, store, session)
+                    registry.loaded[session.model].owner.start_session(serve_resume_ttl, store, session)
             app_holder.append(app)
             hconfig = HypercornConfig()
             hconfig.bind = [f"{config.host}:{config.port}"]

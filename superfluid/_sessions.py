@@ -24,7 +24,7 @@ import trio
 from .journal import Journal, SessionStateError
 from .proto import Sampling
 from .proto._wal import body_cancelled, body_created, body_finished, body_generated, body_prompt
-from .sched import Job, QosClass
+from .sched import Job, QosClass, Unavailable
 
 if TYPE_CHECKING:
     from ._registry import ModelRegistry
@@ -178,7 +178,7 @@ class SessionStore:
             if len(job.tokens) >= job.max_new:
                 job.finish_with("length")   # it had produced everything; only its end went unlogged
                 continue
-            model.scheduler.submit(job)
+            await model.scheduler.queue(job)
             restored.append(session)
             log.info("session %s resumed after restart at token %d", slog.session, len(job.tokens))
         return restored
@@ -234,20 +234,36 @@ def _pieces(slog: Any) -> list[bytes]:
 
 
 async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
-    """Cancel a resumable generation that no client follows for ``resume_ttl_s``.
+    """Stop a resumable generation that no client follows for ``resume_ttl_s``.
 
-    Runs until the job ends; owned by the nursery that serves the session's
-    first request (or the daemon root, for sessions restored after a restart).
+    Waits for its job to end or a client to attach (under ``move_on_after(ttl)``
+    while nobody follows), and returns as soon as the job ended: it holds
+    nothing of the session after that. Owned by the model's sessions
+    sub-nursery (``ModelOwner.start_session``): unloading the model ends it.
     """
-    job = session.job
-    while not job.done:
+    while not session.job.done:
         if session.attached > 0:
-            await session.attach_changed.wait()
+            await _attach_changed_or_ended(session)
             continue
         with trio.move_on_after(store.resume_ttl_s) as scope:
-            await session.attach_changed.wait()
+            await _attach_changed_or_ended(session)
+        job = session.job
         if scope.cancelled_caught and session.attached == 0 and not job.done:
             log.info("session %s: nobody followed it for %.0fs; cancelling", session.id, store.resume_ttl_s)
             if job.scheduler is not None:
-                job.scheduler.cancel(job)
+                try:
+                    await job.scheduler.stop(job)
+                except Unavailable:
+                    pass  # the model is gone: its close ended the job
             return
+
+
+async def _attach_changed_or_ended(session: LiveSession) -> None:
+    """Wait until a client attaches or detaches, or the session's job ends."""
+    async with trio.open_nursery() as nursery:
+        async def first(wait: Any) -> None:
+            await wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(first, session.attach_changed.wait)
+        nursery.start_soon(first, session.job.ended.wait)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,20 @@ async def start_daemon(nursery: trio.Nursery, config: ServeConfig) -> Daemon:
 
     binds = await nursery.start(run)
     return Daemon(binds[0], scope)
+
+
+@asynccontextmanager
+async def open_daemon(config: ServeConfig) -> AsyncIterator[Daemon]:
+    """A daemon for the block; leaving it cancels ``serve`` and waits for it to end
+    (every model's actor, worker and session task gone)."""
+    async with trio.open_nursery() as nursery:
+        d = await start_daemon(nursery, config)
+        try:
+            yield d
+        finally:
+            with trio.move_on_after(5, shield=True):
+                await d.client.aclose()
+            d.scope.cancel()
 
 
 @pytest.fixture

@@ -89,7 +89,8 @@ def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
 class App:
     def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics,
                  sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
-        """``session_nursery`` owns what outlives one request (resumable sessions' TTL watchers)."""
+        """``session_nursery`` runs the short tasks that restore open conversation turns after
+        a restart (each hands its turn to its model's sessions sub-nursery)."""
         self.session_nursery = session_nursery
         self.config = config
         self.registry = registry

@@ -265,7 +265,7 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         if slog.open_turn < 0:
             raise ApiError(409, f"conversation '{public_id(cid)}' has no turn running", code="no_generation")
         generation = app.conversations.fold(cid).turns[slog.open_turn]["generation"]
-        cancel_generation(app, scope, generation)
+        await cancel_generation(app, scope, generation)
         await send_json(send, 200, {"id": public_id(cid), "object": "session.generation", "generation": generation,
                                     "cancelled": True})
     else:

@@ -1,18 +1,20 @@
 """The dialect-independent half of a generation request.
 
-``prepare`` turns rendered segments into a submitted :class:`Job`;
-:class:`Follower` turns the job's committed tokens into client text deltas
-(stop strings held back); ``watch_disconnect`` cancels the request's scope
-when the client goes away.
+``prepare`` turns rendered segments into a :class:`Job`; :func:`open_lane`
+is the scope a job runs in (reserved, logged, queued on entry; retired on
+exit, whatever the reason); :class:`Follower` turns the job's committed
+tokens into client text deltas (stop strings held back);
+``watch_disconnect`` cancels the request's scope when the client goes away.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from .._sessions import serve_resume_ttl
@@ -25,11 +27,12 @@ from ._http import ApiError, Receive
 if TYPE_CHECKING:
     from .._model import ServedModel
     from .._sessions import LiveSession
+    from ..sched import Scheduler
     from ._app import App
     from ._tenancy import Owner
 
-__all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "access_log",
-           "prepare", "prompt_limit", "watch_disconnect"]
+__all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane", "access_log",
+           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "watch_disconnect"]
 
 log = logging.getLogger("superfluid.access")
 
@@ -40,6 +43,7 @@ PROMPT_BYTES_PER_TOKEN = 64
 PROMPT_BYTES_FLOOR = 1 << 20
 # The most any setting allows: a Tokenize frame carries the prompt (16 MiB link frames).
 MAX_PROMPT_BYTES = 12 << 20
+RETIRE_S = 5.0   # bound on a lane's shielded retirement (the stop command, logging the session's end)
 
 
 def prompt_limit(model: ServedModel) -> int:
@@ -108,34 +112,86 @@ async def prepare(
                tenant=owner.tenant, cache_salt=owner.cache_salt, created=trio.current_time())
 
 
-async def start(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str],
-                resumable: bool = False) -> LiveSession:
-    """Log the session (``Created`` + ``Prompt``, fsynced) and queue the job.
+@attrs.define(eq=False)
+class Lane:
+    """A job inside its request's scope (:func:`open_lane`)."""
 
-    A resumable session's generation outlives its request: a watcher in the
-    daemon's session nursery cancels it after ``--resume-ttl`` with no follower.
+    job: Job
+    session: LiveSession
+    keep: bool = False   # set by the handler: the generation outlives the block (a resumable one, id delivered)
+
+
+@asynccontextmanager
+async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops: list[str],
+                    resumable: bool = False) -> AsyncIterator[Lane]:
+    """The scope of one generation: reserve its queue place, log the session
+    (``Created`` + ``Prompt``, fsynced), queue the job; leaving the block for
+    any reason (done, client gone, error, unload) retires it (:func:`retire`):
+    the job is stopped unless the handler set ``lane.keep``.
+
+    A resumable session's generation may outlive the block: a watcher in the
+    model's sessions sub-nursery stops it after ``--resume-ttl`` with no
+    follower (and ends with the job).
 
     Raises:
-        ApiError: 429 ``queue_full`` (nothing logged) when the job's class has ``--max-queue`` waiting.
+        ApiError: 429 ``queue_full`` (nothing logged) when the job's class has
+            ``--max-queue`` waiting; 503 when the model is gone; 507 when the log takes no writes.
     """
-    with queue_place(model, job):
-        session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
-        model.scheduler.submit(job)
-    if resumable:
-        app.session_nursery.start_soon(serve_resume_ttl, app.sessions, session)
-    return session
-
-
-@contextmanager
-def queue_place(model: ServedModel, job: Job) -> Iterator[None]:
-    """A place in the scheduler's queue for ``job``, held while its session is
-    logged; submit it in the block. Raises ApiError 429 ``queue_full``."""
+    sched = model.scheduler
+    lane: Lane | None = None
+    refused = False
     try:
-        with model.scheduler.reserve(job.klass):  # nothing in the block raises QueueFull
-            yield
+        try:
+            await reserve(sched, job)
+        except ApiError:
+            refused = True  # no place was taken: nothing to give back
+            raise
+        session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+        await sched.queue(job)
+        lane = Lane(job=job, session=session)
+        if resumable:
+            try:
+                model.owner.start_session(serve_resume_ttl, app.sessions, session)
+            except RuntimeError:
+                pass  # the model is going away: its close ends the job typed
+        yield lane
+    finally:
+        if not refused:
+            with trio.move_on_after(RETIRE_S, shield=True):
+                await retire(app, sched, job, keep=lane is not None and lane.keep)
+
+
+async def reserve(sched: Scheduler, job: Job) -> None:
+    """A place in ``sched``'s queue for ``job``; then log its session and ``queue`` it.
+
+    Raises:
+        ApiError: 429 ``queue_full``; 503 the model is gone.
+    """
+    try:
+        await sched.reserve(job)
     except QueueFull as exc:
         raise ApiError(429, str(exc), code="queue_full", type="rate_limit_error",
                        headers=((b"retry-after", str(exc.retry_after_s).encode()),)) from None
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), code=exc.code) from None
+
+
+async def retire(app: App, sched: Scheduler, job: Job, *, keep: bool = False) -> None:
+    """The request is over: stop its job unless ``keep`` (its reserved place
+    goes back too), and log how the session ended if the scheduler did not.
+    Shielded and bounded (``RETIRE_S``) itself, and called under such a shield
+    (it runs on every way out of a lane, cancelled ones too)."""
+    with trio.move_on_after(RETIRE_S, shield=True):
+        if not keep and not job.done:  # (a done job holds no lane and no place)
+            try:
+                await sched.stop(job)
+            except Unavailable:
+                pass  # the model is gone: its close ended the job
+        if job.done:
+            try:
+                await app.sessions.end(job)
+            except JournalWriteError:
+                pass  # the log takes no writes: it shows the session unfinished (cancelled on the next start)
 
 
 def check_log(app: App) -> None:
@@ -163,19 +219,6 @@ async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:
         raise log_refusal(exc) from None
-
-
-async def end(app: App, job: Job, *, resumable: bool = False) -> None:
-    """The request is over: cancel its job unless resumable, and log how it
-    ended if the scheduler did not. Shielded and bounded: runs in ``finally``."""
-    if not resumable and job.scheduler is not None:
-        job.scheduler.cancel(job)
-    with trio.move_on_after(5, shield=True):
-        if job.done:
-            try:
-                await app.sessions.end(job)
-            except JournalWriteError:
-                pass  # the log takes no writes: it shows the session unfinished (cancelled on the next start)
 
 
 def resumable_requested(scope: dict[str, Any]) -> bool:
@@ -234,7 +277,7 @@ async def watch_disconnect(receive: Receive) -> AsyncIterator[trio.CancelScope]:
         leaf: BaseException = typed
         while isinstance(leaf, BaseExceptionGroup):
             leaf = leaf.exceptions[0]  # split() never returns an empty group
-        raise leaf from None
+        raise leaf from None  # noqa: ASYNC123 - the ApiError is the whole answer; the group is the watcher's nursery
 
 
 @asynccontextmanager

@@ -28,7 +28,7 @@ from ..chat import (
 from ..proto import SSE_DONE, Sampling, encode_sse_json
 from ..sched import QosClass, parse_qos
 from ._sessions import run_resumable
-from ._generate import Follower, access_log, end, prepare, resumable_requested, start, watch_disconnect
+from ._generate import Follower, access_log, open_lane, prepare, resumable_requested, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
@@ -239,7 +239,7 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
             runtime without one); inside it, whatever the block raises.
 
     Cancellation: a client disconnect cancels the block; leaving the block
-    (normally, by error or cancellation) cancels the job in the scheduler.
+    (normally, by error or cancellation) retires the job's lane (stops it).
     """
     rendered = render_chat(model, req)
     sampling = req.sampling
@@ -250,12 +250,8 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
                         owner=owner, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
-    await start(app, model, job, kind="chat", stops=stops)
-    try:
-        async with watch_disconnect(receive):
-            yield Reply(model, job, Follower(job, stops), rendered.parser)
-    finally:
-        await end(app, job)
+    async with open_lane(app, model, job, kind="chat", stops=stops), watch_disconnect(receive):
+        yield Reply(model, job, Follower(job, stops), rendered.parser)
 
 
 def usage_of(job: Job) -> dict[str, Any]:
@@ -639,8 +635,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
     follower = Follower(job, stops)
-    await start(app, model, job, kind="completion", stops=stops)
-    try:
+    async with open_lane(app, model, job, kind="completion", stops=stops):
         async with watch_disconnect(receive):
             if stream:
                 await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
@@ -661,8 +656,6 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
                 await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(job.cached).encode())])
         # outside the disconnect scope: the server reports a finished exchange as a disconnect
         access_log("/v1/completions", model, job, 200)
-    finally:
-        await end(app, job)
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from ..proto import SSE_DONE, encode_sse_json
-from ._generate import Follower, end, start, watch_disconnect
+from ..sched import Unavailable
+from ._generate import Follower, open_lane, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
 from ._tenancy import public_id, resolve
 
@@ -108,15 +109,14 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
     Only once the client has its session id (the response's head and first
     event went out): a client gone before that could never resume, so its
     generation is cancelled as a plain request's is."""
-    session = await start(app, model, job, kind=kind, stops=stops, resumable=True)
-    delivered = False
+    async with open_lane(app, model, job, kind=kind, stops=stops, resumable=True) as lane:
+        session = lane.session
 
-    async def tracked(message: dict[str, Any]) -> None:
-        nonlocal delivered
-        await send(message)
-        delivered = delivered or message["type"] == "http.response.body"  # the head goes out with it
+        async def tracked(message: dict[str, Any]) -> None:
+            await send(message)
+            if message["type"] == "http.response.body":  # the head goes out with it
+                lane.keep = True
 
-    try:
         async with watch_disconnect(receive):
             await job.wait_started()
             if job.error is not None and not job.tokens:
@@ -124,8 +124,6 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
             await stream_live(tracked, session, Follower(job, stops), model=model.name,
                               rid=f"{prefix}-superfluid-{session.id}", first=True)
-    finally:
-        await end(app, job, resumable=delivered)
 
 
 def not_found(sid: str) -> ApiError:
@@ -186,7 +184,7 @@ async def get_session(app: App, scope: dict[str, Any], send: Send, sid: str) -> 
     await send_json(send, 200, session_info(app, scope, sid))
 
 
-def cancel_generation(app: App, scope: dict[str, Any], sid: str) -> None:
+async def cancel_generation(app: App, scope: dict[str, Any], sid: str) -> None:
     """Stop a live session's generation (``DELETE …/generation``, WebSocket ``cancel``).
 
     Raises:
@@ -196,9 +194,12 @@ def cancel_generation(app: App, scope: dict[str, Any], sid: str) -> None:
     if job.done:
         raise ApiError(409, f"session '{sid}' has no generation in flight", code="no_generation")
     if job.scheduler is not None:
-        job.scheduler.cancel(job)
+        try:
+            await job.scheduler.stop(job)
+        except Unavailable:
+            pass  # the model is gone: its close ended the job
 
 
 async def delete_generation(app: App, scope: dict[str, Any], send: Send, sid: str) -> None:
-    cancel_generation(app, scope, sid)
+    await cancel_generation(app, scope, sid)
     await send_json(send, 200, {"id": sid, "object": "session.generation", "cancelled": True})

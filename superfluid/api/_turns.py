@@ -6,10 +6,11 @@ model's chat template exactly as ``/v1/chat/completions`` does
 resumable generation session: ``Created`` and ``Prompt`` logged before it is
 queued, tokens logged before anyone sees them, followed by token cursor.
 
-Ownership: the turn's *owner* task (:func:`serve_turn`) runs in the daemon's
-session nursery, not in a request, so a client leaving never cancels it (nor
-does ``--resume-ttl``: the conversation keeps the reply, so the turn runs to
-its end). The owner reads the generation as the chat route does (a
+Ownership: the turn's *owner* task (:func:`serve_turn`) runs in its model's
+sessions sub-nursery (``ModelOwner.start_session``), not in a request, so a
+client leaving never cancels it (nor does ``--resume-ttl``: the conversation
+keeps the reply, so the turn runs to its end); unloading the model ends the
+generation typed, the owner lands that error, and the sub-nursery ends with it. The owner reads the generation as the chat route does (a
 :class:`~superfluid.api._openai.Reply`: content, reasoning, tool calls) and
 lands it in the conversation. ``DELETE …/generation`` stops it; what it had
 said lands with ``finish: "cancelled"``. A daemon restart resumes the
@@ -30,8 +31,8 @@ import trio
 from .._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
-from ..sched import QosClass, parse_qos
-from ._generate import Follower, check_log, end, open_session, prepare, queue_place, watch_disconnect
+from ..sched import QosClass, Unavailable, parse_qos
+from ._generate import RETIRE_S, Follower, check_log, open_session, prepare, reserve, retire, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
 from ._openai import (
     ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
@@ -159,7 +160,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
     generation was logged, in which case it is queued and owned as usual.
 
     Resource handling: the turn's owner task (:func:`serve_turn`) runs in
-    the daemon's session nursery and outlives this call.
+    the model's sessions sub-nursery and outlives this call.
     """
     store = app.conversations
     conversation_log(app, cid)
@@ -194,18 +195,24 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         job.session = "s-" + uuid.uuid4().hex
         turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
                     parser=rendered.parser)
-        with queue_place(model, job):  # 429 before the turn is logged
+        # as _generate.open_lane, without the --resume-ttl watcher: the turn's owner holds it to its end
+        sched = model.scheduler
+        await reserve(sched, job)  # 429 before the turn is logged
+        try:
             await store.begin(turn, params)
             try:
-                # as _generate.start, without the --resume-ttl watcher: the turn's owner holds it to its end
                 turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
                                                   resumable=True)
             except BaseException:
                 with trio.move_on_after(CLEANUP_S, shield=True):
                     await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
                 raise
-            model.scheduler.submit(job)
-        app.session_nursery.start_soon(serve_turn, app, turn)
+            await sched.queue(job)
+            model.owner.start_session(serve_turn, app, turn)
+        except BaseException:
+            with trio.move_on_after(RETIRE_S, shield=True):
+                await retire(app, sched, job)  # gives the place back (or stops the queued job)
+            raise
     return turn
 
 
@@ -243,7 +250,8 @@ async def serve_turn(app: App, turn: Turn) -> None:
     except Exception:  # noqa: BLE001 -- boundary: one turn; the daemon goes on
         log.exception("conversation %s: turn %d failed to land", turn.conversation, turn.event_id)
     finally:
-        await end(app, job, resumable=True)  # log how the generation ended if the scheduler did not
+        with trio.move_on_after(RETIRE_S, shield=True):
+            await retire(app, job.scheduler, job, keep=True)  # log how the generation ended if nobody did
 
 
 async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str, Any] | None]:
@@ -257,14 +265,18 @@ async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str,
         return None, "error", {"message": exc.message, "code": exc.code, "status": exc.status,
                                "type": exc.error_type}
     if not job.done and job.scheduler is not None:
-        job.scheduler.cancel(job)  # a stop string ended the reply before the generation did
+        try:
+            await job.scheduler.stop(job)  # a stop string ended the reply before the generation did
+        except Unavailable:
+            pass  # the model is gone: its close ended the job
     return assistant_message(content, reasoning, reply.calls), reply.finish or "stop", None
 
 
 def restore_turns(app: App) -> set[str]:
-    """After a restart: give every turn the log shows open an owner (in the
-    daemon's session nursery). Returns the generation session ids they hold
-    (the daemon starts no ``--resume-ttl`` watcher for them)."""
+    """After a restart: give every turn the log shows open an owner (loaded by
+    a short task in the daemon's session nursery, then owned by its model's
+    sessions sub-nursery). Returns the generation session ids they hold (the
+    daemon starts no ``--resume-ttl`` watcher for them)."""
     owned: set[str] = set()
     for cid, slog in list(app.sessions.journal.sessions.items()):
         if slog.conversation is not None and slog.open_turn >= 0:
@@ -290,7 +302,11 @@ async def _resume_turn(app: App, cid: str, turn_id: int) -> None:
         log.exception("conversation %s: turn %d could not be restored", cid, turn_id)
         return
     log.info("conversation %s: turn %d resumes with generation %s", cid, turn_id, turn.generation)
-    await serve_turn(app, turn)
+    try:
+        turn.model.owner.start_session(serve_turn, app, turn)
+    except RuntimeError:  # the model went away meanwhile: the turn stays open in the log
+        log.warning("conversation %s: turn %d could not resume: model %s is not running", cid, turn_id,
+                    turn.model.name)
 
 
 async def load_turn(app: App, cid: str, turn_id: int) -> Turn | None:

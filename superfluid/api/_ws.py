@@ -73,14 +73,14 @@ import json
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ..journal import JournalWriteError
-from ._generate import end, log_refusal, prepare, start
+from ._generate import RETIRE_S, Lane, log_refusal, open_lane, prepare
 from ._http import ApiError, Receive, Send, decode_json
 from ._openai import (
     ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
@@ -298,18 +298,21 @@ class _Socket:
             claims.add(sid)
         slot = ExitStack()  # the key's max_concurrent slot, held until the generation ends (``_own``)
         slot.enter_context(self.app.guard.slot(principal_of(self.scope).key))
+        scope = AsyncExitStack()  # the generation's lane, handed to ``_own``
         try:
             model, job, stops = await chat_job(self.app, self.scope, body)
             if sid is not None:
                 job.session = sid
-            session = await start(self.app, model, job, kind="chat", stops=stops, resumable=resumable)
+            lane = await scope.enter_async_context(
+                open_lane(self.app, model, job, kind="chat", stops=stops, resumable=resumable))
+            session = lane.session
         except BaseException:
             slot.close()
             raise
         finally:
             if sid is not None:
                 claims.discard(sid)
-        self.work.start_soon(self._own, job, resumable, slot)
+        self.work.start_soon(self._own, lane, resumable, slot, scope)
         await self._emit(_with_ref({"op": "started", "session": public_id(session.id), "model": model.name,
                                     "resumable": resumable}, ref))
         self._follow(session, 0, ack=None)
@@ -384,7 +387,7 @@ class _Socket:
 
     async def _op_cancel(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
-        cancel_generation(self.app, self.scope, sid)
+        await cancel_generation(self.app, self.scope, sid)
         await self._emit(_with_ref({"op": "cancelled", "session": sid}, ref))
 
     async def _op_get(self, msg: dict[str, Any], ref: Any) -> None:
@@ -438,10 +441,11 @@ class _Socket:
             if self.subs.get(sid) is scope:
                 del self.subs[sid]
 
-    async def _own(self, job: Job, resumable: bool, slot: ExitStack) -> None:
-        """Hold a generation started on this socket (and its key's slot) until it
-        ends or the socket closes. A resumable one whose ``started`` never reached
-        the client is cancelled too: nobody has its id to resume it."""
+    async def _own(self, lane: Lane, resumable: bool, slot: ExitStack, scope: AsyncExitStack) -> None:
+        """Hold a generation started on this socket (its lane, and its key's slot)
+        until it ends or the socket closes. A resumable one whose ``started`` never
+        reached the client is stopped too: nobody has its id to resume it."""
+        job = lane.job
         self.owned += 1
         with slot:
             try:
@@ -449,8 +453,9 @@ class _Socket:
                     await job.wait_beyond(len(job.tokens))
             finally:
                 self.owned -= 1
-                # cancels it unless resumable and announced; bounded and shielded
-                await end(self.app, job, resumable=resumable and job.session in self.announced)
+                lane.keep = resumable and job.session in self.announced
+                with trio.move_on_after(RETIRE_S, shield=True):
+                    await scope.aclose()  # retires the lane: stops the job unless kept
                 self.announced.discard(job.session)
 
 

@@ -1,33 +1,57 @@
-"""The model owner: a worker supervisor composed with a scheduler loop.
+"""The model actor: one nursery holding everything of one model.
 
-Nursery tree for one model::
+Nursery tree for one model (the registry runs it inside a supervisor,
+``_registry.py``)::
 
-    model owner (serve)
-    ├── scheduler.run_commits()                 the session log's group commits
-    └── worker generation N: open_worker(...)   process + link reader
-        └── scheduler.run(worker)               until the worker dies
+    model actor (ModelOwner.serve)
+    ├── sessions                          resume-TTL watchers, conversation-turn owners
+    └── core
+        ├── scheduler.run_commits()       the session log's group commits
+        └── generations (the actor task)  the only writer of the scheduler's state
+            └── worker generation N: open_worker(...)   process + link reader
+                └── scheduler.run(worker)                until the worker dies
+                    (between generations: scheduler.idle() applies commands)
 
 When a generation ends with :class:`WorkerDied`, the scheduler returns its
 running jobs to their queues, the restart policy is consulted, and the next
 generation starts; queued and resumed jobs are served by it without outside
 help. When the policy refuses (a restart storm), queued jobs fail typed (503)
 and the owner waits for the next request before trying again.
+
+:meth:`ModelOwner.stop` (an unload) ends the actor: the actor task fails every
+job typed (503 ``model_unloaded``) and leaves; the sessions sub-nursery gets a
+bounded moment to see its jobs end (a turn lands its error, a watcher
+returns), then the whole actor is cancelled. An unexpected exception in the
+core ends every job typed (503 ``model_failed``) the same way and leaves the
+actor with :class:`ModelFailed`, for the supervisor to log and restart.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from ..sched import Scheduler
+from ..sched import LinkLost, Scheduler
 from ._policy import RestartPolicy, RestartTracker
-from ._worker import WorkerDied, WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, first_leaf, open_worker
+from ._worker import (
+    WorkerLoadFailed,
+    WorkerSpawnFailed,
+    WorkerSpec,
+    first_leaf,
+    open_worker,
+)
 
-__all__ = ["ModelOwner"]
+__all__ = ["ModelFailed", "ModelOwner"]
 
 log = logging.getLogger("superfluid.owner")
+SESSIONS_GRACE_S = 2.0   # after its jobs ended, what a model's sessions get to finish (land a turn, log an end)
+
+
+class ModelFailed(Exception):
+    """The model's actor raised unexpectedly; its jobs ended typed (503 ``model_failed``)."""
 
 
 class ModelOwner:
@@ -40,35 +64,109 @@ class ModelOwner:
         self.ack: Any = None
         self.pid: int | None = None
         self.respawns = 0
+        self.started = False
+        self._stop: tuple[str, str] | None = None
+        self._main = trio.CancelScope()
+        self._sessions: trio.Nursery | None = None
+        self._session_tasks = 0
+        self._sessions_idle = trio.Event()
 
     @property
     def info(self) -> dict[str, Any]:
         return dict(self.ack.model) if self.ack is not None else {}
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run worker generations until cancelled.
+    def renew(self, scheduler: Scheduler) -> None:
+        """Ready the actor for a restart: a fresh scheduler, nothing of the failed run."""
+        self.scheduler = scheduler
+        self._main = trio.CancelScope()
+        self._sessions = None
+
+    def start_session(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the model's sessions sub-nursery (a resume-TTL watcher,
+        a conversation turn's owner): unloading or restarting the model cancels it.
+
+        Raises:
+            RuntimeError: the actor is not running (the caller's job has ended typed).
+        """
+        if self._sessions is None:
+            raise RuntimeError(f"model {self.name!r} is not running")
+        self._sessions.start_soon(self._session, fn, args)
+        self._session_tasks += 1
+
+    async def _session(self, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]) -> None:
+        try:
+            await fn(*args)
+        finally:
+            self._session_tasks -= 1
+            if not self._session_tasks:
+                self._sessions_idle.set()
+                self._sessions_idle = trio.Event()
+
+    @property
+    def session_tasks(self) -> int:
+        """How many session tasks the model holds now (tests: an unload leaves none)."""
+        return self._session_tasks
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop is not None
+
+    def stop(self, message: str, *, code: str = "model_unloaded") -> None:
+        """End the actor (an unload): every job of the model ends typed (503 ``code``)."""
+        self._stop = (message, code)
+        self._main.cancel()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on to the first generation
+        """Run the model until stopped or cancelled.
 
         Raises:
             WorkerLoadFailed: the *first* worker could not load the model
                 (surfaces from ``nursery.start``; later failures are retried).
+            ModelFailed: an unexpected exception in the actor after it started
+                (its jobs have ended typed, 503 ``model_failed``).
 
         Cancellation: cancelling ends the current worker (Shutdown, then the
-        kill ladder) and returns.
+        kill ladder) and returns; jobs are left as they are (a daemon shutdown:
+        the session log resumes them on the next start).
         """
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.scheduler.run_commits)
-                await self._generations(task_status)
-        except BaseExceptionGroup as group:
-            # hide the nursery: the first load's failure surfaces as itself
-            failures, rest = group.split((WorkerDied, WorkerLoadFailed, trio.TooSlowError))
-            if rest is not None or failures is None:
-                raise
-            raise first_leaf(failures) from group
+        failure: BaseException | None = None
+        async with trio.open_nursery() as actor:
+            self._sessions = await actor.start(self._serve_sessions)
+            try:
+                async with trio.open_nursery() as core:
+                    core.start_soon(self.scheduler.run_commits)
+                    with self._main:
+                        await self._generations(task_status)
+                    core.cancel_scope.cancel()
+            except Exception as exc:  # noqa: BLE001 - the model's boundary: contained, raised below
+                failure = _unwrap(exc)
+                if self.started:
+                    self.scheduler.close(f"model '{self.name}' failed ({type(failure).__name__}: {failure}); "
+                                         "it restarts", code="model_failed")
+            if self.started and (self._stop is not None or failure is not None):
+                with trio.move_on_after(SESSIONS_GRACE_S):
+                    while self._session_tasks:
+                        await self._sessions_idle.wait()
+            actor.cancel_scope.cancel()
+        if failure is not None:
+            if not self.started:
+                raise failure  # the first load's failure, as itself
+            raise ModelFailed(f"model '{self.name}': {type(failure).__name__}: {failure}") from failure
 
-    async def _generations(self, task_status: trio.TaskStatus[None]) -> None:
+    async def _serve_sessions(self, *, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+        async with trio.open_nursery() as sessions:
+            task_status.started(sessions)
+            await trio.sleep_forever()
+
+    async def _generations(self, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
+        try:
+            await self._run_generations(task_status)
+        finally:
+            if self._stop is not None:  # the actor task is the scheduler's writer: it ends the jobs
+                self.scheduler.close(self._stop[0], code=self._stop[1])
+
+    async def _run_generations(self, task_status: trio.TaskStatus[None]) -> None:
         tracker = RestartTracker(self.policy)
-        started = False
         spawn_failures = 0
         sched = self.scheduler
         while True:
@@ -78,13 +176,17 @@ class ModelOwner:
                     spawn_failures = 0
                     self.ack = worker.ack
                     self.pid = worker.pid
-                    if not started:
-                        started = True
+                    if not self.started:
+                        self.started = True
                         task_status.started()
                     log.info("model %s: worker pid %d ready (generation %d)", self.name, worker.pid, self.generation)
-                    await sched.run(worker)
+                    try:
+                        await sched.run(worker)
+                    finally:
+                        if self._stop is not None:  # fail the jobs now, not after the worker's shutdown
+                            sched.close(self._stop[0], code=self._stop[1])
             except WorkerSpawnFailed as exc:
-                if not started:
+                if not self.started:
                     raise
                 # not a crash loop of the worker: the daemon lacks descriptors, processes or memory.
                 # Requests fail typed until a spawn works; the restart intensity is not charged.
@@ -95,9 +197,10 @@ class ModelOwner:
                 sched.metrics.inc("superfluid_worker_spawn_failures_total")
                 sched.set_worker(None, unavailable=message, code="resources_exhausted")
                 sched.fail_queued(message, code="resources_exhausted")
-                await trio.sleep(delay)
-            except (WorkerDied, WorkerLoadFailed, trio.TooSlowError) as exc:
-                if not started:
+                with trio.move_on_after(delay):
+                    await sched.idle()
+            except (LinkLost, WorkerLoadFailed, trio.TooSlowError) as exc:
+                if not self.started:
                     raise
                 reason = str(exc) or type(exc).__name__
                 sched.set_worker(None)
@@ -107,19 +210,18 @@ class ModelOwner:
                     self.respawns += 1
                     sched.metrics.inc("superfluid_worker_respawns_total")
                     log.warning("model %s: engine worker died (%s); respawning a fresh one", self.name, reason)
-                    await trio.sleep(self.policy.backoff_s)
+                    with trio.move_on_after(self.policy.backoff_s):
+                        await sched.idle()
                     continue
                 message = f"engine worker unavailable (respawn failed): {reason}"
                 log.error("model %s: %s", self.name, message)
                 sched.set_worker(None, unavailable=message)
                 sched.fail_queued(message)
-                await self._wait_for_demand()
+                await sched.idle(until_demand=True)
                 sched.set_worker(None)
                 tracker.reset()
 
-    async def _wait_for_demand(self) -> None:
-        sched = self.scheduler
-        while True:
-            tag, _event = await sched.inbox.receive()
-            if tag is None:
-                return
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The first real failure inside nested nursery groups."""
+    return first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc

@@ -36,6 +36,7 @@ from ..proto import (
     Shutdown,
     WorkerLink,
 )
+from ..sched import LinkLost
 from ._kill import graceful_kill, kill_now, scrub_env
 
 __all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpawnFailed", "WorkerSpec", "open_worker",
@@ -44,7 +45,7 @@ __all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpawnFailed"
 READ_SIZE = 256 * 1024
 
 
-class WorkerDied(Exception):
+class WorkerDied(LinkLost):
     """The worker process exited, hung, or broke the link protocol."""
 
 
@@ -89,7 +90,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
 
 
 class WorkerHandle:
-    """A live worker. ``send`` writes one event; events arrive on the inbox the
+    """A live worker (a :class:`~superfluid.sched.LinkHandle`; the model's loop is
+    its only writer after the handshake). ``send`` writes one event; events arrive on the inbox the
     caller passed to :func:`open_worker`, tagged ``(generation, event)``; a
     lost worker is announced as ``(generation, WorkerDied)``."""
 
@@ -162,7 +164,10 @@ async def _serve_reader(handle: WorkerHandle, inbox: trio.MemorySendChannel[Any]
     try:
         while True:
             event = await _read_event(handle.process, handle.link)
-            await inbox.send((gen, event))
+            try:
+                await inbox.send((gen, event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the model's actor closed its inbox (an unload): the owner shuts this worker down
     except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         handle.dead = True
         kill_now(handle.process)  # a protocol error ends the worker; it is respawned
@@ -195,8 +200,8 @@ async def open_worker(
         async with _open_worker_nursery(spec, argv, child_env, link, inbox, generation) as handle:
             yield handle
     except BaseExceptionGroup as group:
-        # hide the nursery: a worker failure surfaces as one WorkerDied/WorkerLoadFailed
-        failures, rest = group.split((WorkerDied, WorkerLoadFailed, trio.TooSlowError))
+        # hide the nursery: a worker failure surfaces as one LinkLost (WorkerDied)/WorkerLoadFailed
+        failures, rest = group.split((LinkLost, WorkerLoadFailed, trio.TooSlowError))
         if rest is not None or failures is None:
             raise
         raise first_leaf(failures) from group
@@ -232,11 +237,14 @@ async def _open_worker_nursery(
                 assert process.stdin is not None
                 with trio.fail_after(spec.start_timeout_s):
                     await process.stdin.send_all(link.send(Hello()))
+                    broken: ProtocolError | None = None
                     try:
                         ack = await _read_event(process, link)
                     except ProtocolError as exc:
+                        broken = exc
+                    if broken is not None:  # (awaited outside the except: a cancel must not hide it)
                         rc = await process.wait()
-                        raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
+                        raise WorkerDied(f"worker died during startup (exit status {rc}): {broken}")
                 if isinstance(ack, LoadFailed):
                     raise WorkerLoadFailed(ack.message)
                 if not isinstance(ack, HelloAck):
@@ -249,8 +257,7 @@ async def _open_worker_nursery(
                     if process.returncode is None:
                         try:
                             if handle is not None:
-                                # through the send lock: a request handler may be mid-send (a
-                                # second writer on the pipe is a BusyResourceError)
+                                # through the send lock: the loop may have been cancelled mid-send
                                 await handle.send(Shutdown())
                             else:
                                 assert process.stdin is not None

@@ -14,6 +14,7 @@ from ._events import Admitted as Admitted
 from ._events import Cancel as Cancel
 from ._events import Emit as Emit
 from ._events import Event as Event
+from ._events import FAULT_BUG as FAULT_BUG
 from ._events import Fault as Fault
 from ._events import Hello as Hello
 from ._events import HelloAck as HelloAck

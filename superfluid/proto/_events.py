@@ -25,6 +25,7 @@ from ._errors import RemoteProtocolError
 
 __all__ = [
     "DROPPABLE_BASE",
+    "FAULT_BUG",
     "PROTOCOL_VERSION",
     "TOKENIZED_PIECE",
     "Admit",
@@ -302,12 +303,17 @@ class TickDone(Event):
 
 @attrs.frozen(kw_only=True)
 class Fault(Event):
-    """A lane (or, with ``lane == -1``, the engine) failed; the lane is closed."""
+    """A lane (or, with ``lane == -1``, the engine) failed; the lane is closed.
+    ``kind`` :data:`FAULT_BUG` is the injected fault (tests, the fuzzer): the
+    daemon's loop raises on it as it would on a bug of its own."""
 
     code: ClassVar[int] = 0x0D
     lane: int = -1
     kind: str = "engine"
     message: str = ""
+
+
+FAULT_BUG = "bug"
 
 
 @attrs.frozen(kw_only=True)

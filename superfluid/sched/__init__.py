@@ -5,6 +5,9 @@ from __future__ import annotations
 from ._job import Job as Job
 from ._job import JobError as JobError
 from ._job import JobState as JobState
+from ._loop import InjectedBug as InjectedBug
+from ._loop import LinkHandle as LinkHandle
+from ._loop import LinkLost as LinkLost
 from ._loop import QueueFull as QueueFull
 from ._loop import Scheduler as Scheduler
 from ._loop import SchedulerConfig as SchedulerConfig

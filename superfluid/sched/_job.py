@@ -101,6 +101,7 @@ class Job:
     admitted_at: float | None = None
     done_at: float | None = None
     _changed: trio.Event = attrs.field(factory=trio.Event)
+    ended: trio.Event = attrs.field(factory=trio.Event)   # set once, when the job is done
 
     @property
     def partition(self) -> str:
@@ -150,4 +151,5 @@ class Job:
         self.finish = finish
         self.error = error
         self.lane = None
+        self.ended.set()
         self.publish()

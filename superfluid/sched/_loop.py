@@ -14,28 +14,35 @@ commit), and only then shows their tokens and finishes to readers. The engine
 keeps running while the log syncs; a slow disk fills the channel and then
 holds the loop (back-pressure, never an unbounded buffer).
 
-Everything that reaches the loop arrives on one bounded inbox: worker events
-tagged with the worker generation, and *pokes* (``(None, None)``) from
-request handlers that submitted or cancelled a job. Pokes are best-effort:
-after any inbox item the loop re-reads job state, so a poke dropped on a full
-inbox loses nothing.
+One writer: everything that reaches the loop arrives on one bounded inbox,
+worker events tagged with the worker generation and *commands* from request
+handlers tagged ``None`` (:meth:`Scheduler.reserve`, :meth:`Scheduler.queue`,
+:meth:`Scheduler.stop`, :meth:`Scheduler.tokenize`). Only the model's actor
+task (the loop while a worker runs, :meth:`Scheduler.idle` between workers)
+applies them and changes the queues, and only it writes to the worker link
+(a :class:`LinkHandle`). A handler awaits its command's reply (an event and a
+slot); a handler cancelled while it waits leaves the command in the inbox,
+where the actor applies it as if the handler were there, and the handler's
+lane retirement (a ``stop`` sent after it, FIFO) undoes it. Commands are per
+request, never per token. The synchronous methods (``submit``, ``cancel``,
+``close``, ...) are the actor's side, called by its task only (and by tests
+that drive the loop step by step).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import math
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import trio
 
 from ..proto import (
-    MAX_TICKS_IN_FLIGHT, Admit, Admitted, Cancel, Emit, Fault, Interrupt, Tick, TickDone, Tokenize, Tokenized,
+    FAULT_BUG, MAX_TICKS_IN_FLIGHT, Admit, Admitted, Cancel, Emit, Event, Fault, Interrupt, Tick, TickDone, Tokenize,
+    Tokenized,
 )
 from ._job import Job, JobError, JobState
 from ._plan import JobView, LaneView, Planner, PlannerConfig
@@ -44,9 +51,9 @@ from ._qos import QosClass
 if TYPE_CHECKING:
     from .._cpu import CpuYield
     from .._metrics import Metrics
-    from ..nursery._worker import WorkerHandle
 
-__all__ = ["Committer", "QueueFull", "Scheduler", "SchedulerConfig", "Unavailable"]
+__all__ = ["Committer", "InjectedBug", "LinkHandle", "LinkLost", "QueueFull", "Scheduler", "SchedulerConfig",
+           "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
 INBOX_SIZE = 512
@@ -56,6 +63,36 @@ HOLD_MIN_SHARED = 1024      # a queued job sharing this many prompt tokens with 
 HOLD_MAX_TICKS = 400        # ticks a held job waits at most (~20 s of short ticks)
 RETRY_AFTER_S = 1           # a full queue's Retry-After: a lane frees every few hundred ms at full load
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
+TOKENIZE_ATTEMPTS = 3       # workers a tokenize is sent to before it fails (each died holding it)
+
+
+class LinkLost(Exception):
+    """The worker behind a :class:`LinkHandle` is gone: it exited, hung, or broke the protocol."""
+
+
+class InjectedBug(Exception):
+    """A fault injected for tests and the fuzzer (the mock's ``[[mock:bug_after=N]]``):
+    the worker reports it and the loop raises this, as a bug in the model's actor would."""
+
+
+@runtime_checkable
+class LinkHandle(Protocol):
+    """The loop's view of one worker generation. The loop is its only writer
+    (:meth:`send`); the worker's events arrive on :attr:`Scheduler.inbox_send`
+    as ``(generation, event)``, a lost worker as ``(generation, LinkLost)``."""
+
+    generation: int
+    dead: bool
+    send_timeout_s: float
+
+    @property
+    def pid(self) -> int: ...
+
+    async def send(self, *events: Event) -> None:
+        """Write ``events`` in order. Raises :class:`LinkLost` when the worker is gone."""
+
+    def kill(self) -> None:
+        """End the worker at once (it hung)."""
 
 
 class Unavailable(Exception):
@@ -104,9 +141,58 @@ class SchedulerConfig:
 
 
 @attrs.define(eq=False)
-class _Pending:
+class _Reply:
+    """A command's answer: one slot and the event that says it is filled."""
+
     event: trio.Event = attrs.field(factory=trio.Event)
-    result: list[int] | None = None
+    value: Any = None
+    error: BaseException | None = None
+
+    def set(self, value: Any = None) -> None:
+        if not self.event.is_set():
+            self.value = value
+            self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.event.is_set():
+            self.error = error
+            self.event.set()
+
+    async def wait(self) -> Any:
+        await self.event.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@attrs.frozen(eq=False)
+class _Reserve:
+    job: Job
+    reply: _Reply
+
+
+@attrs.frozen(eq=False)
+class _Queue:
+    job: Job
+
+
+@attrs.frozen(eq=False)
+class _Stop:
+    job: Job
+
+
+@attrs.frozen(eq=False)
+class _Tokenize:
+    segments: list[tuple[str, bool]]
+    add_special: bool
+    reply: _Reply
+
+
+@attrs.define(eq=False)
+class _Pending:
+    command: _Tokenize
+    sent: bool = False
+    attempts: int = 0
     parts: list[int] = attrs.field(factory=list)  # ids of the answer's pieces so far (Tokenized.more)
 
 
@@ -126,41 +212,157 @@ class Scheduler:
         self.inbox_send, self.inbox = trio.open_memory_channel[Any](INBOX_SIZE)
         self._commit_send, self._commit_recv = trio.open_memory_channel[_Round](COMMIT_QUEUE)
         self.tick_no = 0
-        self.worker: WorkerHandle | None = None
+        self.worker: LinkHandle | None = None
         self._lane_ids = itertools.count(1)
         self._seq = itertools.count(1)
         self._req_ids = itertools.count(1)
         self._tokenize: dict[int, _Pending] = {}
+        self._places: dict[int, QosClass] = {}      # job id -> the class whose queue place it holds
+        self._frames: list[Any] = []                # for the worker, sent with the loop's next write
+        self._demand = False
         self._prefill_rate = 0.0
-        self.worker_changed = trio.Event()
         self.last_tick: dict[str, float] = {}
 
-    # -- called by request handlers ---------------------------------------------
+    # -- commands: what request handlers call (each one a message to the actor) ---------------
 
-    @contextlib.contextmanager
-    def reserve(self, klass: QosClass) -> Iterator[None]:
-        """Hold a place in ``klass``'s queue while a request logs its session,
-        then :meth:`submit` in the block. The bound counts new requests only:
-        jobs coming back (a preempted or orphaned one) always requeue.
+    async def _command(self, command: Any) -> None:
+        """Put ``command`` on the inbox (waits while it is full: bounded).
+
+        Raises:
+            Unavailable: the model is gone (its actor closed the inbox).
+        """
+        try:
+            await self.inbox_send.send((None, command))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            closed = self.closed
+            raise Unavailable(closed.message if closed else f"model {self.name!r} is gone",
+                              code=closed.code or "model_unloaded" if closed else "model_unloaded") from None
+
+    async def reserve(self, job: Job) -> None:
+        """Hold a place in ``job``'s class queue while its request logs the session;
+        then :meth:`queue` it (or :meth:`stop` it to give the place back). The bound
+        counts new requests only: jobs coming back (preempted, orphaned) always requeue.
 
         Raises:
             QueueFull: ``max_queue`` jobs of the class wait (or hold a place) already.
+            Unavailable: the model was unloaded or failed.
+
+        Cancellation: the place may still be taken after the caller left; the
+        caller's ``stop`` (sent after, applied after) gives it back.
         """
+        reply = _Reply()
+        await self._command(_Reserve(job, reply))
+        await reply.wait()
+
+    async def queue(self, job: Job) -> None:
+        """Queue ``job`` (a place reserved for it is used up). A model that is
+        gone ends it typed (503), as its actor would have. No reply: follow the job."""
+        try:
+            await self._command(_Queue(job))
+        except Unavailable as exc:
+            job.finish_with(error=self.closed or JobError(status=503, message=str(exc), code=exc.code))
+
+    async def stop(self, job: Job) -> None:
+        """Stop ``job`` (idempotent): a queued one ends now, a running one at the
+        next engine step, a reserved place is given back. No reply."""
+        await self._command(_Stop(job))
+
+    async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
+        """Tokenize in the worker, retried on the next worker if one dies holding it.
+
+        Raises:
+            Unavailable: no worker could take the request.
+
+        Cancellation: the worker still answers; the answer is dropped.
+        """
+        reply = _Reply()
+        await self._command(_Tokenize(list(segments), add_special, reply))
+        result: list[int] = await reply.wait()
+        return result
+
+    # -- the actor's side: applying commands -------------------------------------------
+
+    def _apply(self, command: Any) -> None:
+        """Apply one handler command (no checkpoint: the loop's state stays consistent)."""
+        if isinstance(command, _Queue):
+            self._unreserve(command.job)
+            self._demand = True
+            self.submit(command.job)
+        elif isinstance(command, _Stop):
+            job = command.job
+            if self._unreserve(job) and not job.done:
+                job.cancelled = True
+                job.finish_with("cancelled")
+            self.cancel(job)
+        elif isinstance(command, _Reserve):
+            try:
+                self._reserve(command.job)
+            except (QueueFull, Unavailable) as exc:
+                command.reply.fail(exc)
+            else:
+                command.reply.set()
+        elif isinstance(command, _Tokenize):
+            if self.closed is not None:
+                command.reply.fail(Unavailable(self.closed.message, code=self.closed.code or "model_unloaded"))
+                return
+            req = next(self._req_ids)
+            self._tokenize[req] = pending = _Pending(command)
+            self._demand = True
+            if self.worker is not None and not self.worker.dead:
+                self._frames.append(self._tokenize_frame(req, pending))
+            self._note_cpu()
+
+    def _reserve(self, job: Job) -> None:
+        if self.closed is not None:
+            raise Unavailable(self.closed.message, code=self.closed.code or "model_unloaded")
+        klass = job.klass
         waiting = len(self.queues[klass]) + self._reserved[klass]
         if waiting >= self.config.max_queue:
             self.metrics.inc("superfluid_queue_full_total", **{"class": klass.label})
             raise QueueFull(f"model {self.name!r}: {waiting} {klass.label} requests are waiting already "
                             f"(--max-queue {self.config.max_queue}); retry later", retry_after_s=RETRY_AFTER_S)
         self._reserved[klass] += 1
-        try:
-            yield
-        finally:
-            self._reserved[klass] -= 1
+        self._places[job.id] = klass
+        job.scheduler = self
+
+    def _unreserve(self, job: Job) -> bool:
+        klass = self._places.pop(job.id, None)
+        if klass is None:
+            return False
+        self._reserved[klass] -= 1
+        return True
+
+    def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize:
+        pending.sent = True
+        pending.attempts += 1
+        cmd = pending.command
+        return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special)
+
+    def _fail_tokenizes(self, error: Unavailable, *, unsent_only: bool = False) -> None:
+        for req, pending in list(self._tokenize.items()):
+            if not (unsent_only and pending.sent):
+                del self._tokenize[req]
+                pending.command.reply.fail(error)
+        self._note_cpu()
+
+    async def idle(self, *, until_demand: bool = False) -> None:
+        """Apply commands while no worker runs (a respawn's back-off, a model
+        that cannot start). With ``until_demand``, return once a request wants
+        a worker (a job queued or a tokenize asked): the owner tries again."""
+        self._demand = False
+        while not (until_demand and self._demand):
+            tag, item = await self.inbox.receive()
+            if tag is None and item is not None:
+                self._apply(item)
+
+    # -- the actor's side: job state ----------------------------------------------------
 
     def submit(self, job: Job) -> None:
         job.scheduler = self
         if self.closed is not None:  # the request resolved the model before it was unloaded
             job.finish_with(error=self.closed)
+            return
+        if job.done:  # stopped before it was queued
             return
         job.state = JobState.QUEUED
         job.queued_tick = self.tick_no
@@ -170,11 +372,10 @@ class Scheduler:
             job.prefix_key = hash((job.partition, tuple(job.prompt[:HOLD_MIN_SHARED])))
         self.queues[job.klass].append(job)
         self._gauges()
-        self._poke()
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` (idempotent). A queued job ends now; a running one at
-        the next engine step."""
+        the next engine step (the loop sends its ``Cancel``)."""
         if job.done or job.cancelled:
             return
         job.cancelled = True
@@ -185,81 +386,41 @@ class Scheduler:
                 pass
             job.finish_with("cancelled")
             self._gauges()
-        self._poke()
-
-    async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
-        """Tokenize in the worker, retrying across a worker respawn.
-
-        Raises:
-            Unavailable: no worker could take the request.
-        """
-        for _attempt in range(3):
-            worker = await self.wait_worker()
-            req = next(self._req_ids)
-            pending = self._tokenize[req] = _Pending()
-            self._note_cpu()
-            try:
-                await worker.send(Tokenize(req=req, segments=segments, add_special=add_special))
-                with trio.move_on_after(self.config.hang_timeout_s) as waited:
-                    await pending.event.wait()
-                if waited.cancelled_caught:  # no answer: hung (an idle model has no tick timer running)
-                    log.warning("model %s: worker pid %d did not answer a tokenize within %gs; killing it",
-                                self.name, worker.pid, self.config.hang_timeout_s)
-                    worker.kill()
-            except Exception as exc:  # noqa: BLE001 - WorkerDied or a link error: retry on the next worker
-                log.debug("tokenize retry after %r", exc)
-            finally:
-                self._tokenize.pop(req, None)
-                self._note_cpu()
-            if pending.result is not None:
-                return pending.result
-        raise Unavailable(f"model {self.name!r}: no worker could tokenize the request")
-
-    async def wait_worker(self) -> WorkerHandle:
-        """Wait for a live worker. If the model is unavailable, ask the owner
-        for one more try (a poke is demand) before giving up.
-
-        Raises:
-            Unavailable: the retry failed too.
-        """
-        retried = False
-        while self.worker is None or self.worker.dead:
-            if self.closed is not None:
-                raise Unavailable(self.closed.message)
-            if self.unavailable is not None:
-                if retried:
-                    raise Unavailable(self.unavailable, code=self.unavailable_code)
-                retried = True
-                self._poke()
-            await self.worker_changed.wait()
-        return self.worker
 
     unavailable: str | None = None
     unavailable_code = "worker_unavailable"
-    closed: JobError | None = None      # set by close(): the model was unloaded
+    closed: JobError | None = None      # set by close(): the model was unloaded or failed
 
-    def set_worker(self, worker: WorkerHandle | None, *, unavailable: str | None = None,
+    def set_worker(self, worker: LinkHandle | None, *, unavailable: str | None = None,
                    code: str = "worker_unavailable") -> None:
         """``unavailable``: why no worker can be had now (requests fail 503 ``code``)."""
         self.worker = worker
         self.unavailable = unavailable
         self.unavailable_code = code
-        event, self.worker_changed = self.worker_changed, trio.Event()
-        event.set()
+        if worker is not None:  # tokenizes that waited for a worker go to this one
+            self._frames += [self._tokenize_frame(req, p) for req, p in self._tokenize.items() if not p.sent]
 
     def _poke(self) -> None:
+        """Wake the loop (the commit task failed a running job: its Cancel must go out)."""
         try:
             self.inbox_send.send_nowait((None, None))
-        except trio.WouldBlock:
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the loop re-reads job state after every inbox item
 
     # -- worker generations --------------------------------------------------------
 
     def worker_lost(self, reason: str) -> None:
         """Return running jobs to the head of their queues (or fail the ones that
-        keep killing workers), and release tokenize waiters."""
-        for pending in self._tokenize.values():
-            pending.event.set()
+        keep killing workers); tokenizes it held go to the next worker (or fail
+        after ``TOKENIZE_ATTEMPTS``)."""
+        for req, pending in list(self._tokenize.items()):
+            pending.sent = False
+            pending.parts = []
+            if pending.attempts >= TOKENIZE_ATTEMPTS:
+                del self._tokenize[req]
+                pending.command.reply.fail(Unavailable(f"model {self.name!r}: no worker could tokenize the "
+                                                       f"request ({reason})"))
+        self._frames.clear()
         for job in sorted(self.running.values(), key=lambda j: j.seq, reverse=True):
             job.lane = None
             if job.cancelled:
@@ -293,28 +454,43 @@ class Scheduler:
         self._gauges()
 
     def close(self, message: str, *, code: str) -> None:
-        """The model is going away for good: fail every job (503 ``code``) and every
-        later submission, and release tokenize waiters (they raise :class:`Unavailable`).
-        Its owner is cancelled next, so nothing else would ever wake them."""
+        """The model is going away for good (unloaded, or its actor failed): fail
+        every job (503 ``code``), every command waiting in the inbox and every later
+        one (they raise :class:`Unavailable`), and close the inbox. Idempotent."""
+        if self.closed is not None:
+            return
         self.closed = JobError(status=503, message=message, code=code)
         self.fail_all(message, code=code)
-        for pending in self._tokenize.values():
-            pending.event.set()
+        error = Unavailable(message, code=code)
+        self._fail_tokenizes(error)
+        while True:
+            try:
+                tag, item = self.inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if tag is None and item is not None:
+                self._apply(item)  # with ``closed`` set, each command ends typed
+        self.inbox.close()
+        self._places.clear()
+        self._reserved.clear()
         self.set_worker(None, unavailable=message)
 
     def fail_queued(self, message: str, *, code: str = "worker_unavailable") -> None:
+        """No worker can be had: fail queued jobs and tokenizes that wait for one (503 ``code``)."""
         for q in self.queues.values():
             while q:
                 q.popleft().finish_with(error=JobError(status=503, message=message, code=code))
+        self._fail_tokenizes(Unavailable(message, code=code), unsent_only=True)
         self._gauges()
 
     # -- the loop -----------------------------------------------------------------
 
-    async def run(self, worker: WorkerHandle) -> None:
-        """Serve jobs on ``worker`` until it dies.
+    async def run(self, worker: LinkHandle) -> None:
+        """Serve jobs on ``worker`` until it dies, applying commands as they come.
 
         Raises:
-            WorkerDied: the worker exited, hung past ``hang_timeout_s`` or broke the link.
+            LinkLost: the worker exited, hung past ``hang_timeout_s`` or broke the link.
+            InjectedBug: the worker reported the injected fault.
         """
         gen = worker.generation
         worker.send_timeout_s = self.config.hang_timeout_s  # a full pipe is a hang too
@@ -329,7 +505,7 @@ class Scheduler:
             while await self._plan_and_send(worker, send_tick=in_flight < MAX_TICKS_IN_FLIGHT):
                 in_flight += 1
                 interrupted = False
-            batch = await self._next_events(gen, timed=in_flight > 0, worker=worker)
+            batch = await self._next_events(gen, timed=in_flight > 0 or bool(self._tokenize), worker=worker)
             # in order, but consecutive rounds commit together (one fsync)
             rounds: list[Emit] = []
             for event in [*batch, None]:
@@ -349,7 +525,7 @@ class Scheduler:
                 interrupted = True
                 await worker.send(Interrupt())
 
-    async def _plan_and_send(self, worker: WorkerHandle, *, send_tick: bool) -> bool:
+    async def _plan_and_send(self, worker: LinkHandle, *, send_tick: bool) -> bool:
         """Plan, send the plan's preemptions and admissions, and (if
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
         plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
@@ -382,20 +558,19 @@ class Scheduler:
             await worker.send(*frames)
         return ticked
 
-    async def _next_events(self, gen: int, *, timed: bool, worker: WorkerHandle) -> list[Any]:
+    async def _next_events(self, gen: int, *, timed: bool, worker: LinkHandle) -> list[Any]:
         """Wait for the next inbox item, then take whatever else is already
         there (up to a bound), so a backlog of rounds commits with one fsync.
+        Commands among them are applied here, in order.
 
         Raises:
-            WorkerDied: the worker died, or (``timed``) went silent past ``hang_timeout_s``.
+            LinkLost: the worker died, or (``timed``) went silent past ``hang_timeout_s``.
         """
-        from ..nursery._worker import WorkerDied
-
         with trio.move_on_after(self.config.hang_timeout_s if timed else math.inf) as scope:
             first = await self.inbox.receive()
         if scope.cancelled_caught:
             worker.kill()
-            raise WorkerDied(f"worker hung: no answer within {self.config.hang_timeout_s:g}s of a tick")
+            raise LinkLost(f"worker hung: no answer within {self.config.hang_timeout_s:g}s of a tick or tokenize")
         items = [first]
         while len(items) < DRAIN_BATCH:
             try:
@@ -404,9 +579,13 @@ class Scheduler:
                 break
         out = []
         for tag, event in items:
-            if tag is not None and tag != gen:
-                continue  # a dead generation's leftovers, or a poke
-            if isinstance(event, WorkerDied):
+            if tag is None:
+                if event is not None:
+                    self._apply(event)
+                continue
+            if tag != gen:
+                continue  # a dead generation's leftovers
+            if isinstance(event, LinkLost):
                 raise event
             if event is not None:
                 out.append(event)
@@ -447,11 +626,15 @@ class Scheduler:
         urgent = self.queues[QosClass.INTERACTIVE] or self.queues[QosClass.COMPLETION]
         return bool(urgent) and any(j.klass > QosClass.COMPLETION and not j.preempted for j in self.running.values())
 
-    async def _send_cancels(self, worker: WorkerHandle) -> None:
+    async def _send_cancels(self, worker: LinkHandle) -> None:
+        """Send what commands left for the worker (tokenizes) and the Cancels of stopped jobs, in one write."""
+        frames, self._frames = self._frames, []
         for lane, job in list(self.running.items()):
             if job.cancelled and not job.cancel_sent:
                 job.cancel_sent = True
-                await worker.send(Cancel(lane=lane, publish=True))
+                frames.append(Cancel(lane=lane, publish=True))
+        if frames:
+            await worker.send(*frames)
 
     def _admit(self, job: Job, lane: int) -> Admit:
         job.state = JobState.RUNNING
@@ -518,6 +701,8 @@ class Scheduler:
                     job.started = True
                 job.publish()
         elif isinstance(event, Fault):
+            if event.kind == FAULT_BUG:
+                raise InjectedBug(f"model {self.name!r}: injected fault: {event.message}")
             job = self.running.pop(event.lane, None) if event.lane >= 0 else None
             if job is not None:
                 status = 400 if event.kind == "admit" else 500
@@ -532,8 +717,9 @@ class Scheduler:
             if pending is not None:
                 pending.parts += event.tokens
                 if not event.more:
-                    pending.result, pending.parts = pending.parts, []
-                    pending.event.set()
+                    del self._tokenize[event.req]
+                    pending.command.reply.set(pending.parts)
+                    self._note_cpu()
 
     async def _emit(self, events: list[Emit]) -> None:
         """Apply engine rounds: stage their tokens, free the lanes that ended,

@@ -34,6 +34,7 @@ import trio
 
 from ..proto import (
     DEFAULT_MAX_FRAME,
+    FAULT_BUG,
     NEED_DATA,
     PROTOCOL_VERSION,
     WORKER,
@@ -58,6 +59,9 @@ from ..proto import (
 from .._cpu import reset_policy
 from ._engine import Engine
 from ._executor import Executor
+from ._mock import InjectedBug
+
+INJECTED_BUG = InjectedBug.__name__ + ":"  # how the executor words a lane fault of that type
 
 __all__ = ["load_engine", "main"]
 
@@ -280,7 +284,8 @@ class _Worker:
                 self.emit(res.emits, hold=ending)
             for tag, message in res.faults:
                 self._ended(tag)
-                self.send(Fault(lane=tag, kind="lane", message=message))
+                kind = FAULT_BUG if message.startswith(INJECTED_BUG) else "lane"
+                self.send(Fault(lane=tag, kind=kind, message=message))
             if res.prefill_tokens >= 32:
                 per_token = (time.monotonic() - t_step) / res.prefill_tokens
                 old = self.prefill_s_per_token

@@ -15,7 +15,10 @@ Faults, asked for inside a prompt: ``[[mock:crash_after=N]]`` SIGKILLs the
 worker when the lane would draw generated token N; ``[[mock:hang_after=N]]``
 blocks the engine thread; ``[[mock:fault_after=N]]`` fails just that lane;
 ``[[mock:garbage_after=N]]`` writes an oversized frame header onto the link
-(a malformed frame, which the daemon must answer by restarting the worker).
+(a malformed frame, which the daemon must answer by restarting the worker);
+``[[mock:bug_after=N]]`` reports the injected fault (``Fault`` kind ``bug``),
+which the daemon's loop raises on as on a bug of its own: the model's actor
+fails and restarts, the other models never notice.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ..proto import Sampling
 from ._engine import BatchRow, ModelInfo
 from ._executor import counter_seed
 
-__all__ = ["LaneError", "MockEngine", "parse_mock_spec"]
+__all__ = ["InjectedBug", "LaneError", "MockEngine", "parse_mock_spec"]
 
 SPECIALS = {"<pad>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
 BYTE0 = 5
@@ -54,11 +57,15 @@ CHATML = (
 )
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _WORD_RE = re.compile(b"|".join(re.escape(w.encode()) for w in sorted(WORDS, key=len, reverse=True)))
-_FAULT_RE = re.compile(r"\[\[mock:(crash_after|hang_after|fault_after|garbage_after)=(\d+)\]\]")
+_FAULT_RE = re.compile(r"\[\[mock:(crash_after|hang_after|fault_after|garbage_after|bug_after)=(\d+)\]\]")
 
 
 class LaneError(Exception):
     """One lane failed; the others go on."""
+
+
+class InjectedBug(LaneError):
+    """``[[mock:bug_after=N]]``: the worker reports it as a ``Fault`` of kind ``bug``."""
 
 
 def parse_mock_spec(spec: str) -> dict[str, float]:
@@ -107,6 +114,8 @@ class _MockSampler:
             elif kind == "garbage_after":
                 os.write(int(os.environ["SUPERFLUID_LINK_FD"]), b"\xff\xff\xff\xff garbage")
                 time.sleep(3600)
+            elif kind == "bug_after":
+                raise InjectedBug(f"mock bug injected at token {k}")
             raise LaneError(f"mock fault injected at token {k}")
         every = max(2, int(self.engine.opts["eos_every"]))
         banned = {tok for tok, bias in self.sampling.logit_bias if bias == -math.inf}
