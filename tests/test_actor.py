@@ -247,10 +247,15 @@ async def stream(client: httpx.AsyncClient, payload: dict[str, Any], headers: di
     return 200, "".join(text), error
 
 
-def _app() -> Any:
+def _app(url: str) -> Any:
+    """The daemon's App (the test's window on its registry and sessions)."""
     from superfluid.api import App
 
-    [app] = [o for o in gc.get_objects() if isinstance(o, App)]
+    gc.collect()
+    port = int(url.rsplit(":", 1)[1])
+    [app] = [o for o in gc.get_objects() if isinstance(o, App) and o.config.port in (0, port)
+             and o.registry.loaded and not getattr(o, "_seen_by_test", False)]
+    app._seen_by_test = True
     return app
 
 
@@ -297,13 +302,33 @@ async def test_a_fault_in_one_model_ends_only_its_requests_and_it_restarts() -> 
         assert float(failures.split()[1]) == 1
 
 
+async def test_a_ttl_watcher_ends_with_its_job_not_with_its_ttl() -> None:
+    cfg = attrs.evolve(mock_config(SPEC), resume_ttl_s=600.0)
+    async with open_daemon(cfg) as d:
+        app = _app(d.url)
+        owner = app.registry.loaded["mock"].owner
+        async with d.client.stream("POST", "/v1/chat/completions", json={**body("mock", "short", max_tokens=30),
+                                                                          "stream": True},
+                                   headers={"x-superfluid-resumable": "true"}) as r:
+            sid = r.headers["x-superfluid-session"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break   # the client leaves: the generation runs on, watched
+        assert owner.session_tasks == 1
+        job = app.sessions.live[sid].job
+        with trio.fail_after(30):
+            await job.ended.wait()
+            await owner.sessions_idle()   # long before --resume-ttl
+        assert job.finish == "length" and job.error is None
+
+
 # --- unload releases everything -------------------------------------------------------------------
 
 async def test_unload_ends_the_models_sessions_turns_and_watchers_and_releases_their_jobs() -> None:
     cfg = attrs.evolve(two_models(), resume_ttl_s=600.0)
     async with open_daemon(cfg) as d:
         c = d.client
-        app = _app()
+        app = _app(d.url)
         ref = (await stream(c, body("mock", "calm")))[1]
         # a resumable stream on m2 whose client left (its TTL watcher alive) ...
         async with c.stream("POST", "/v1/chat/completions", json={**body("m2", "left", max_tokens=100000),
@@ -345,7 +370,8 @@ async def test_unload_ends_the_models_sessions_turns_and_watchers_and_releases_t
         events = (await c.get(f"/v1/sessions/{cid}/events")).json()["events"]
         assert events[-1]["type"] == "turn_end" and "model_unloaded" in json.dumps(events[-1]), events[-1]
         # and nothing of the model holds them: no session task, no frame or coroutine refers to a job
-        assert owner.session_tasks == 0
+        with trio.fail_after(10):
+            await owner.sessions_idle()
         gc.collect()
         for job in jobs:
             holders = [h for h in gc.get_referrers(job) if inspect.isframe(h) or inspect.iscoroutine(h)]

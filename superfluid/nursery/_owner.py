@@ -107,6 +107,11 @@ class ModelOwner:
         """How many session tasks the model holds now (tests: an unload leaves none)."""
         return self._session_tasks
 
+    async def sessions_idle(self) -> None:
+        """Wait until the model holds no session task."""
+        while self._session_tasks:
+            await self._sessions_idle.wait()
+
     @property
     def stopped(self) -> bool:
         return self._stop is not None
@@ -145,8 +150,7 @@ class ModelOwner:
                                          "it restarts", code="model_failed")
             if self.started and (self._stop is not None or failure is not None):
                 with trio.move_on_after(SESSIONS_GRACE_S):
-                    while self._session_tasks:
-                        await self._sessions_idle.wait()
+                    await self.sessions_idle()
             actor.cancel_scope.cancel()
         if failure is not None:
             if not self.started:
