@@ -155,7 +155,7 @@ class ModelRegistry:
             sched = Scheduler(source.name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
                                                                max_queue=cfg.max_queue,
                                                                max_prompt_bytes=cfg.max_prompt_bytes),
-                              self.metrics, self.committer, cpu=self.cpu)
+                              self.metrics.for_model(source.name), self.committer, cpu=self.cpu)
             owner = ModelOwner(source.name, spec, sched,
                                policy=RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s))
             scope = trio.CancelScope()
