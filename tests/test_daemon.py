@@ -249,6 +249,32 @@ async def test_request_that_keeps_killing_its_worker_fails_typed(nursery: trio.N
         d.scope.cancel()
 
 
+async def test_a_lane_fault_ends_only_its_request(daemon: Daemon) -> None:
+    """A fault inside one lane (its sampler raised) ends that request typed (500); the
+    worker lives on and a stream beside it completes with its uninterrupted text."""
+    body = {**CHAT, "max_tokens": 120, "ignore_eos": True, "stream": True}
+    async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        reference = stream_text(await sse_events(r))
+    [pid] = worker_pids()
+    got: list[str] = []
+
+    async def bystander() -> None:
+        async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = await sse_events(r)
+        assert not any("error" in e for e in events), events[-1]
+        got.append(stream_text(events))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(bystander)
+        faulty = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:fault_after=3]] go"}],
+                  "max_tokens": 50, "ignore_eos": True}
+        r = await daemon.client.post("/v1/chat/completions", json=faulty)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert got == [reference]
+    assert worker_pids() == [pid]
+    assert await metric(daemon, "superfluid_worker_respawns_total") == 0
+
+
 async def test_malformed_worker_frames_restart_the_worker(daemon: Daemon) -> None:
     [pid] = worker_pids()
     bad = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:garbage_after=1]] go"}],

@@ -8,7 +8,6 @@ raw body, not only through the SDK's lenient construction.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import httpx

@@ -205,7 +205,7 @@ class _SlowWorker:
         for event in events:
             self.sent.append(event)
             self.on_send(event)
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
 
 async def test_a_job_cancelled_while_the_plan_is_sent_is_cancelled_after() -> None:
@@ -260,7 +260,7 @@ async def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
 
     class UnloadDuringCommit:
         async def commit(self, spans: object, ended: object) -> None:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             sched.fail_all("model 'm' was unloaded", code="model_unloaded")
 
     sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), UnloadDuringCommit())

@@ -20,7 +20,7 @@ class _Worker:
 
     async def send(self, *events: object) -> None:
         self.sent += events
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
     def admitted(self) -> list[int]:
         return [e.lane for e in self.sent if isinstance(e, Admit)]

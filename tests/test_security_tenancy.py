@@ -9,7 +9,6 @@ key names them (then per tenant); conversations are bounded (413)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 

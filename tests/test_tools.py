@@ -4,7 +4,6 @@ append-stable prompts, and a 200-turn synthetic agent session."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest

@@ -10,7 +10,6 @@ chat route buffered and streamed, on Anthropic Messages and on Responses.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
@@ -191,7 +190,7 @@ async def test_truncation_ladder_on_the_chat_route(nursery: trio.Nursery) -> Non
     rungs = await trio.to_thread.run_sync(_chat_ladder, d.url)
     assert check_runner_property(rungs) == [], rungs
     # buffered and streamed agree rung by rung
-    for whole, streamed in zip(rungs[::2], rungs[1::2]):
+    for whole, streamed in zip(rungs[::2], rungs[1::2], strict=True):
         assert whole["calls"] == streamed["calls"] and whole["finish"] == streamed["finish"]
     d.scope.cancel()
 
