@@ -195,7 +195,7 @@ class Reply:
         await self.job.wait_started()
         error = self.job.error
         if error is not None and not self.job.tokens:
-            raise ApiError(error.status, error.message, code=error.code, type=error.type)
+            raise ApiError.of_job(error)
 
     async def collect(self) -> tuple[str, str, list[Any]]:
         """Run to the end: ``(content, reasoning, logprob rows)``."""
@@ -255,7 +255,7 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
         async with watch_disconnect(receive):
             yield Reply(model, job, Follower(job, stops), rendered.parser)
     finally:
-        await end(app, job)
+        await end(app, job)  # noqa: ASYNC102 - end() shields itself, bounded
 
 
 def usage_of(job: Job) -> dict[str, Any]:
@@ -662,7 +662,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
         # outside the disconnect scope: the server reports a finished exchange as a disconnect
         access_log("/v1/completions", model, job, 200)
     finally:
-        await end(app, job)
+        await end(app, job)  # noqa: ASYNC102 - end() shields itself, bounded
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,
@@ -681,7 +681,7 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
 
     await job.wait_started()
     if job.error is not None and not job.tokens:
-        raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+        raise ApiError.of_job(job.error)
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     try:
         while True:

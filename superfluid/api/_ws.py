@@ -447,7 +447,7 @@ class _Socket:
             finally:
                 self.owned -= 1
                 # cancels it unless resumable and announced; bounded and shielded
-                await end(self.app, job, resumable=resumable and job.session in self.announced)
+                await end(self.app, job, resumable=resumable and job.session in self.announced)  # noqa: ASYNC102 - end() shields itself, bounded
                 self.announced.discard(job.session)
 
 
