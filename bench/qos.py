@@ -19,6 +19,7 @@ Prints numbers side by side and the pass conditions from the issue.
 from __future__ import annotations
 
 import argparse
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, s
 def max_stall(r: dict[str, Any]) -> float:
     """The longest gap between two content chunks (time to the first token excluded)."""
     stamps = list(r.get("stamps", []))
-    return max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(stamps)), default=0.0)
 
 
 async def part_agents(url: str, model: str, qos: bool) -> dict[str, Any]:

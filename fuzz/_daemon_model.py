@@ -30,7 +30,7 @@ Invariants (each violation is one line of the :class:`InvariantViolation`):
     A session id can be resumed from the last ``id:`` its client saw, also
     after a daemon SIGKILL: never a 400 for a cursor the client was shown.
 ``max_batch``
-    ``superfluid_lanes_active`` (polled every few ms) never exceeds ``--max-batch``.
+    ``superfluid_lanes_active`` of each model (polled every few ms) never exceeds ``--max-batch``.
 ``quiescent``
     After the last request: ``superfluid_lanes_active`` and every queue depth are
     0; a normal request to each model succeeds with the reference text; exactly
@@ -65,6 +65,8 @@ import attrs
 import httpx
 import psutil
 import trio
+
+from superfluid.suite._client import metric_sum
 
 __all__ = [
     "Action", "FreezeWorker", "InvariantViolation", "KillDaemon", "KillWorker", "Load", "Resume", "Sleep", "Start",
@@ -863,13 +865,12 @@ class Harness:
     # -- background checks ------------------------------------------------------------------------
 
     async def metrics(self) -> dict[str, float]:
+        """Each series summed over its labels, plus ``max_lanes_per_model``: the largest
+        ``superfluid_lanes_active`` of one model (``--max-batch`` is per model)."""
         assert self.client is not None
         text = (await self.client.get("/metrics")).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name = line.split("{", 1)[0].split(" ", 1)[0]
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        out = {name: metric_sum(text, name) or 0.0 for name in ("superfluid_lanes_active", "superfluid_queue_depth")}
+        out["max_lanes_per_model"] = max(metric_sum(text, "superfluid_lanes_active", model=m) or 0.0 for m in MODELS)
         return out
 
     async def poll_metrics(self, scope: trio.CancelScope) -> None:
@@ -877,7 +878,7 @@ class Harness:
             while True:
                 if not self.killing:
                     try:
-                        lanes = (await self.metrics()).get("superfluid_lanes_active", 0.0)
+                        lanes = (await self.metrics())["max_lanes_per_model"]
                         if lanes > self.max_lanes:
                             self.max_lanes = lanes
                             self.max_lanes_at = f"step {self.step}"

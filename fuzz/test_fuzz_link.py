@@ -131,7 +131,7 @@ def _well_typed(value: Any, tp: Any, where: str) -> None:
                 _well_typed(item, args[0], f"{where}[{i}]")
         else:
             assert len(value) == len(args), f"{where} = {value!r} has the wrong length"
-            for i, (item, arg) in enumerate(zip(value, args)):
+            for i, (item, arg) in enumerate(zip(value, args, strict=True)):
                 _well_typed(item, arg, f"{where}[{i}]")
     elif origin is dict:
         assert isinstance(value, dict), f"{where} = {value!r} is not a map"

@@ -224,7 +224,7 @@ class ThreadDaemon:
 
         try:
             trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported by the tests
+        except BaseException as exc:  # noqa: BLE001, ASYNC103 - after trio.run: reported by the tests
             self.error = exc
         finally:
             self.ready.set()

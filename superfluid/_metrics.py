@@ -1,112 +1,84 @@
-"""Counters, gauges and histograms, rendered as Prometheus text (0.0.4).
+"""The daemon's metrics, exported through ``prometheus-client`` (text format 0.0.4).
 
-A deliberately small writer: the daemon owns every metric it exports, so
-labels are fixed tuples and rendering is one pass.
+Every series is per model: a scheduler writes through the view
+``metrics.for_model(name)`` (made where the scheduler is), which adds the
+``model`` label, so two models never overwrite each other's gauges. Extra
+labels (``outcome``, ``class``) are keyword arguments of ``inc``/``set``.
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
-__all__ = ["Metrics", "TTFT_BUCKETS"]
+__all__ = ["Metrics", "ModelMetrics", "TTFT_BUCKETS"]
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
-_HELP = {
-    "superfluid_lanes_active": ("gauge", "Lanes currently admitted in a worker."),
-    "superfluid_queue_depth": ("gauge", "Jobs waiting for a lane, by QoS class."),
-    "superfluid_preemptions_total": ("counter", "Lanes stopped to make room for a more urgent class."),
-    "superfluid_prefill_tokens_total": ("counter", "Prompt tokens prefilled by workers."),
-    "superfluid_decode_tokens_total": ("counter", "Tokens decoded by workers."),
-    "superfluid_warm_prefix_tokens_total": ("counter", "Prompt tokens seeded from the prefix cache."),
-    "superfluid_ticks_total": ("counter", "Scheduler ticks run."),
-    "superfluid_worker_respawns_total": ("counter", "Worker processes respawned after a death."),
-    "superfluid_worker_spawn_failures_total": ("counter", "Worker processes that could not be started (no fds)."),
-    "superfluid_model_failures_total": ("counter", "Model actors that failed unexpectedly and were restarted."),
-    "superfluid_requests_total": ("counter", "Generation requests, by outcome."),
-    "superfluid_batched_rounds_total": ("counter", "Decode rounds that carried more than one lane."),
-    "superfluid_engine_rounds_total": ("counter", "Decode rounds run by workers (one forward pass each)."),
-    "superfluid_engine_busy_seconds_total": ("counter", "Seconds workers spent inside ticks."),
-    "superfluid_kv_used_tokens": ("gauge", "KV cells held by live lanes."),
-    "superfluid_kv_total_tokens": ("gauge", "KV cells in the worker's pool."),
-    "superfluid_ttft_seconds": ("histogram", "Time from request to first token."),
-    "superfluid_queue_full_total": ("counter", "Requests refused with 429 because their class's queue was full."),
+prometheus_client.disable_created_metrics()  # no ``*_created`` series beside every counter
+
+# name: (kind, help, labels besides ``model``)
+_FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
+    "superfluid_lanes_active": (Gauge, "Lanes currently admitted in a worker.", ()),
+    "superfluid_queue_depth": (Gauge, "Jobs waiting for a lane, by QoS class.", ("class",)),
+    "superfluid_preemptions_total": (Counter, "Lanes stopped to make room for a more urgent class.", ()),
+    "superfluid_prefill_tokens_total": (Counter, "Prompt tokens prefilled by workers.", ()),
+    "superfluid_decode_tokens_total": (Counter, "Tokens decoded by workers.", ()),
+    "superfluid_warm_prefix_tokens_total": (Counter, "Prompt tokens seeded from the prefix cache.", ()),
+    "superfluid_ticks_total": (Counter, "Scheduler ticks run.", ()),
+    "superfluid_worker_respawns_total": (Counter, "Worker processes respawned after a death.", ()),
+    "superfluid_worker_spawn_failures_total": (Counter, "Worker processes that could not be started (no fds).", ()),
+    "superfluid_model_failures_total": (Counter, "Model actors that failed unexpectedly and were restarted.", ()),
+    "superfluid_requests_total": (Counter, "Generation requests, by outcome.", ("outcome",)),
+    "superfluid_batched_rounds_total": (Counter, "Decode rounds that carried more than one lane.", ()),
+    "superfluid_engine_rounds_total": (Counter, "Decode rounds run by workers (one forward pass each).", ()),
+    "superfluid_engine_busy_seconds_total": (Counter, "Seconds workers spent inside ticks.", ()),
+    "superfluid_kv_used_tokens": (Gauge, "KV cells held by live lanes.", ()),
+    "superfluid_kv_total_tokens": (Gauge, "KV cells in the worker's pool.", ()),
+    "superfluid_ttft_seconds": (Histogram, "Time from request to first token.", ()),
+    "superfluid_queue_full_total": (Counter, "Requests refused with 429 because their class's queue was full.",
+                                    ("class",)),
 }
 
 
 class Metrics:
+    """Every metric the daemon exports, in a registry of its own (not the process-global one)."""
+
     def __init__(self) -> None:
-        self.values: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
-        self.hist: dict[str, dict[tuple[tuple[str, str], ...], list[float]]] = defaultdict(dict)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._families: dict[str, MetricWrapperBase] = {}
+        for name, (kind, text, labels) in _FAMILIES.items():
+            extra: dict[str, object] = {"buckets": TTFT_BUCKETS} if kind is Histogram else {}
+            self._families[name] = kind(name, text, ("model", *labels), registry=self.registry, **extra)
 
-    @staticmethod
-    def _key(labels: dict[str, str] | None) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted((labels or {}).items()))
+    def for_model(self, model: str) -> ModelMetrics:
+        """The view a model's scheduler and owner write through. Its series without other
+        labels are exported (at 0) from now on."""
+        for name, (_kind, _text, labels) in _FAMILIES.items():
+            if not labels:
+                self._series(name, model, {})
+        return ModelMetrics(self, model)
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        series = self.values[name]
-        key = self._key(labels)
-        series[key] = series.get(key, 0.0) + amount
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        self.values[name][self._key(labels)] = value
-
-    def get(self, name: str, **labels: str) -> float:
-        return self.values.get(name, {}).get(self._key(labels), 0.0)
-
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        series = self.hist[name]
-        key = self._key(labels)
-        row = series.get(key)
-        if row is None:
-            row = series[key] = [0.0] * (len(TTFT_BUCKETS) + 2)  # buckets..., count, sum
-        for i, bound in enumerate(TTFT_BUCKETS):
-            if value <= bound:
-                row[i] += 1
-        row[-2] += 1
-        row[-1] += value
+    def _series(self, name: str, model: str, labels: dict[str, str]) -> MetricWrapperBase:
+        return self._families[name].labels(model=model, **labels)
 
     def render(self) -> str:
-        out: list[str] = []
-        names = sorted(set(self.values) | set(self.hist) | set(_HELP))
-        for name in names:
-            kind, text = _HELP.get(name, ("untyped", name))
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} {kind}")
-            if kind == "histogram":
-                for key, row in sorted(self.hist.get(name, {}).items()):
-                    for i, bound in enumerate(TTFT_BUCKETS):
-                        out.append(f"{name}_bucket{_labels(key, le=_num(bound))} {_num(row[i])}")
-                    out.append(f'{name}_bucket{_labels(key, le="+Inf")} {_num(row[-2])}')
-                    out.append(f"{name}_count{_labels(key)} {_num(row[-2])}")
-                    out.append(f"{name}_sum{_labels(key)} {_num(row[-1])}")
-                continue
-            series = self.values.get(name) or ({(): 0.0} if name in _HELP and not _labelled(name) else {})
-            for key, value in sorted(series.items()):
-                out.append(f"{name}{_labels(key)} {_num(value)}")
-        return "\n".join(out) + "\n"
+        return prometheus_client.generate_latest(self.registry).decode()
 
 
-def _labelled(name: str) -> bool:
-    return name in ("superfluid_queue_depth", "superfluid_requests_total", "superfluid_queue_full_total")
+class ModelMetrics:
+    """One model's series: ``inc``/``set``/``observe`` with ``model`` filled in."""
 
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
 
-def _labels(key: tuple[tuple[str, str], ...], **extra: str) -> str:
-    items = list(key) + sorted(extra.items())
-    if not items:
-        return ""
-    body = ",".join(f'{k}="{_escape(v)}"' for k, v in items)
-    return "{" + body + "}"
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        self.metrics._series(name, self.model, labels).inc(amount)  # type: ignore[attr-defined]
 
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self.metrics._series(name, self.model, labels).set(value)  # type: ignore[attr-defined]
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value == int(value):
-        return str(int(value))
-    return repr(value)
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self.metrics._series(name, self.model, labels).observe(value)  # type: ignore[attr-defined]

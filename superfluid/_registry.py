@@ -203,7 +203,7 @@ class ModelRegistry:
         cfg = self.config
         return Scheduler(name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
                                                max_queue=cfg.max_queue, max_prompt_bytes=cfg.max_prompt_bytes),
-                         self.metrics, self.committer, cpu=self.cpu)
+                         self.metrics.for_model(name), self.committer, cpu=self.cpu)
 
     async def _supervise(self, owner: ModelOwner, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
         """Run ``owner``'s actor; restart it after a failure (the model's boundary).
@@ -219,7 +219,7 @@ class ModelRegistry:
             except ModelFailed as exc:
                 log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
                           exc_info=exc.__cause__ or exc)
-                self.metrics.inc("superfluid_model_failures_total")
+                self.metrics.for_model(owner.name).inc("superfluid_model_failures_total")
             if not tracker.allow(trio.current_time()):
                 log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
                           owner.name, owner.policy.max_restarts, owner.policy.window_s)

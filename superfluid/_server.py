@@ -23,7 +23,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from ._config import ServeConfig
 from ._metrics import Metrics
 from ._config import default_sessions_dir
-from ._cpu import CpuYield
+from ._cpu import CpuYield, unyielding
 from ._registry import ModelRegistry
 from ._sessions import SessionStore, serve_resume_ttl
 from .journal import JournalConfig, open_journal
@@ -50,7 +50,9 @@ async def _serve_signals(root: trio.CancelScope, drain: trio.Event, app_holder: 
 
 
 def journal_config() -> JournalConfig:
-    return JournalConfig(full_fsync=os.environ.get("SUPERFLUID_FULLFSYNC") == "1")
+    # a commit's thread may have been started while the event loop ran SCHED_BATCH
+    # (superfluid/_cpu.py): it never waits for a scheduler tick
+    return JournalConfig(full_fsync=os.environ.get("SUPERFLUID_FULLFSYNC") == "1", in_thread=unyielding)
 
 
 async def serve(

@@ -16,6 +16,25 @@ from superfluid.sched import PlannerConfig
 
 REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 GEMMA_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GEMMA", cache_dir() / "gemma-3-270m-q4_k_m.gguf"))
+REQUIRE_REAL = os.environ.get("SUPERFLUID_REQUIRE_REAL") == "1"  # CI: what a real test needs must be there
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.real`` (optionally ``real(GEMMA_GGUF, ...)``, the models it needs; SmolLM2
+    by default): skipped when llama-cpp-python or a model is missing, failed under
+    ``SUPERFLUID_REQUIRE_REAL=1``."""
+    marker = item.get_closest_marker("real")
+    if marker is None:
+        return
+    import importlib.util
+
+    missing = [] if importlib.util.find_spec("llama_cpp") else ["llama-cpp-python"]
+    missing += [str(path) for path in (marker.args or (REAL_GGUF,)) if not Path(path).exists()]
+    if missing:
+        why = f"missing {', '.join(missing)} (pip install -e '.[llamacpp]'; python -m superfluid._models)"
+        if REQUIRE_REAL:
+            pytest.fail(f"SUPERFLUID_REQUIRE_REAL=1 and {why}", pytrace=False)
+        pytest.skip(why)
 
 
 class Daemon:

@@ -8,7 +8,6 @@ raw body, not only through the SDK's lenient construction.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import httpx
@@ -272,10 +271,6 @@ async def test_disconnect_cancels_on_every_dialect(nursery: trio.Nursery) -> Non
 
 # --- the real model ----------------------------------------------------------------------------------------
 
-real = pytest.mark.skipif(not REAL_GGUF.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
-                          reason=f"no model at {REAL_GGUF}")
-
-
 def _real_clients(url: str) -> None:
     from anthropic.types import Message
     from ollama import ChatResponse
@@ -336,9 +331,8 @@ def _real_clients(url: str) -> None:
     assert set(json.loads(resp.output_text)) == {"city", "population"}
 
 
-@real
+@pytest.mark.real
 async def test_every_client_on_the_real_model(nursery: trio.Nursery) -> None:
-    pytest.importorskip("llama_cpp")
     from .test_real_daemon import real_config
 
     d = await start_daemon(nursery, real_config(REAL_GGUF, "smol"))

@@ -16,10 +16,11 @@ import pytest
 import trio
 
 from superfluid._config import ModelSource
-from superfluid._metrics import Metrics
+from superfluid._metrics import Metrics, ModelMetrics
 from superfluid.proto import Admit, Cancel, Sampling, Tick
 from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig, Unavailable
 from superfluid.sched._plan import PlannerConfig
+from superfluid.suite._client import metric_sum
 
 from .conftest import mock_config, start_daemon
 
@@ -45,12 +46,8 @@ def live_workers(name: str | None = None) -> list[int]:
     return out
 
 
-async def metric(client: httpx.AsyncClient, name: str) -> float:
-    total = 0.0
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
+    return metric_sum((await client.get("/metrics")).text, name, **labels) or 0.0
 
 
 def pipe_fds() -> int:
@@ -97,14 +94,14 @@ async def test_a_dead_workers_pipes_are_closed_without_waiting_for_gc(nursery: t
 async def test_lanes_active_never_exceeds_max_batch_during_preemption(nursery: trio.Nursery,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[float] = []
-    real_set = Metrics.set
+    real_set = ModelMetrics.set
 
-    def spy(self: Metrics, name: str, value: float, **labels: str) -> None:
+    def spy(self: ModelMetrics, name: str, value: float, **labels: str) -> None:
         if name == "superfluid_lanes_active":
             seen.append(value)
         real_set(self, name, value, **labels)
 
-    monkeypatch.setattr(Metrics, "set", spy)
+    monkeypatch.setattr(ModelMetrics, "set", spy)
     d = await start_daemon(nursery, mock_config("mock?step_ms=3", max_batch=2,
                                                 planner=PlannerConfig(max_batch=2)))
     long = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -137,7 +134,7 @@ async def test_lanes_active_never_exceeds_max_batch_during_preemption(nursery: t
 # tokenize waiter (503).
 
 async def test_close_releases_tokenize_waiters_and_refuses_later_jobs() -> None:
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     result: list[BaseException] = []
 
     async def tokenize() -> None:
@@ -208,11 +205,11 @@ class _SlowWorker:
         for event in events:
             self.sent.append(event)
             self.on_send(event)
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
 
 async def test_a_job_cancelled_while_the_plan_is_sent_is_cancelled_after() -> None:
-    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=4)), Metrics())
+    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=4)), Metrics().for_model("m"))
     jobs = [Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.AGENT) for _ in range(3)]
     for job in jobs:
         sched.submit(job)
@@ -231,7 +228,7 @@ async def test_a_job_cancelled_while_the_plan_is_sent_is_cancelled_after() -> No
 
 
 async def test_a_victim_gone_while_the_plan_is_sent_is_skipped() -> None:
-    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=2)), Metrics())
+    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=2)), Metrics().for_model("m"))
     background = [Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.BACKGROUND) for _ in range(2)]
     for job in background:
         sched.submit(job)
@@ -263,10 +260,10 @@ async def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
 
     class UnloadDuringCommit:
         async def commit(self, spans: object, ended: object) -> None:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             sched.fail_all("model 'm' was unloaded", code="model_unloaded")
 
-    sched = Scheduler("m", SchedulerConfig(), Metrics(), UnloadDuringCommit())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), UnloadDuringCommit())
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4)
     sched.submit(job)
     await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
@@ -296,7 +293,7 @@ async def test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends
             committed.extend(tokens for _job, tokens, _pieces in spans)
 
     slow = SlowLog()
-    sched = Scheduler("m", SchedulerConfig(), Metrics(), slow)
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), slow)
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=8)
     sched.submit(job)
     await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
@@ -524,22 +521,25 @@ async def test_a_frozen_idle_worker_is_replaced_on_the_next_request(nursery: tri
     d.scope.cancel()
 
 
-# --- not fixed ---------------------------------------------------------------------------------------
-
-@pytest.mark.xfail(reason="superfluid_lanes_active is one unlabelled gauge every model's scheduler sets: with "
-                          "two models it shows whichever wrote last (needs a model label or a sum)", strict=True)
 async def test_lanes_active_counts_every_models_lanes(nursery: trio.Nursery) -> None:
+    """Was: one unlabelled gauge every model's scheduler set (the last writer won). Now a
+    series per model (``model`` label)."""
     d = await start_daemon(nursery, two_models("mock?step_ms=5"))
     async with d.client.stream("POST", "/v1/chat/completions",
                                json={**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
-        async for _line in r.aiter_lines():
-            break
+        lines = r.aiter_lines()  # held: an abandoned generator is finalized, closing the stream
+        await lines.__anext__()
         assert await metric(d.client, "superfluid_lanes_active") == 1
         assert (await d.client.post("/v1/chat/completions",
                                     json={**CHAT, "model": "m2", "max_tokens": 2})).status_code == 200
         assert await metric(d.client, "superfluid_lanes_active") == 1  # mock's lane is still running
+        assert await metric(d.client, "superfluid_lanes_active", model="mock") == 1
+        assert await metric(d.client, "superfluid_lanes_active", model="m2") == 0
+        assert await metric(d.client, "superfluid_requests_total", model="m2", outcome="ok") == 1
     d.scope.cancel()
 
+
+# --- not fixed ---------------------------------------------------------------------------------------
 
 @pytest.mark.xfail(reason="hypercorn 0.18 (trio): a connection the client closes while it is idle in keep-alive "
                           "stays open (CLOSE_WAIT, one fd) until keep_alive_timeout (75 s here)", strict=False)

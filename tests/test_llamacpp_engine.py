@@ -28,8 +28,6 @@ from superfluid.worker._hostcache import HOST_MIN_TOKENS
 pytestmark = pytest.mark.real
 
 REQUIRE_REAL = os.environ.get("SUPERFLUID_REQUIRE_REAL") == "1"  # CI: a missing model fails, never skips
-if not REQUIRE_REAL:
-    pytest.importorskip("llama_cpp")
 
 SMOL = os.environ.get("SUPERFLUID_TEST_GGUF", str(cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 GEMMA = os.environ.get("SUPERFLUID_TEST_GEMMA", str(cache_dir() / "gemma-3-270m-q4_k_m.gguf"))

@@ -15,11 +15,6 @@ from .conftest import GEMMA_GGUF, REAL_GGUF, Daemon, sse_events, start_daemon, s
 
 pytestmark = pytest.mark.real
 
-if os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1":
-    pytest.importorskip("llama_cpp")
-    if not REAL_GGUF.exists():
-        pytest.skip(f"no model at {REAL_GGUF} (python -m superfluid._models fetches it)", allow_module_level=True)
-
 
 def real_config(path: os.PathLike[str], name: str, *, max_batch: int = 4, max_context: int = 2048) -> ServeConfig:
     return ServeConfig(models=(ModelSource(spec=str(path), runtime="llamacpp", name=name),), port=0,
@@ -117,8 +112,7 @@ async def test_json_schema_output_parses_and_validates(smol: Daemon) -> None:
         assert "grammar" in r.json()["error"]["message"]
 
 
-@pytest.mark.skipif(not GEMMA_GGUF.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
-                    reason="Gemma 3 270M not fetched")
+@pytest.mark.real(GEMMA_GGUF)
 async def test_gemma_shared_pool(nursery: trio.Nursery) -> None:
     d = await start_daemon(nursery, real_config(GEMMA_GGUF, "gemma", max_batch=2, max_context=1024))
     info = (await d.client.get("/v1/models")).json()["data"][0]

@@ -23,11 +23,6 @@ from .test_sessions import RESUMABLE, _content, _free_port, _reap, _wait_ready, 
 
 pytestmark = pytest.mark.real
 
-if os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1":
-    pytest.importorskip("llama_cpp")
-    if not REAL_GGUF.exists():
-        pytest.skip(f"no model at {REAL_GGUF} (python -m superfluid._models fetches it)", allow_module_level=True)
-
 MAX_TOKENS = 64
 HEAD_EVENTS = 8  # content events each stream must have seen before the kill
 MODEL = model_name(str(REAL_GGUF), "llamacpp")

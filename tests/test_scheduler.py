@@ -20,7 +20,7 @@ class _Worker:
 
     async def send(self, *events: object) -> None:
         self.sent += events
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
     def admitted(self) -> list[int]:
         return [e.lane for e in self.sent if isinstance(e, Admit)]
@@ -34,7 +34,7 @@ def _burst(shared: int, n: int) -> list[Job]:
 
 async def _submitted_burst(n: int) -> tuple[Scheduler, _Worker, list[Job]]:
     """A scheduler that took a burst of ``n`` jobs on one 1,500-token prefix and planned once."""
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     worker = _Worker()
     jobs = _burst(1500, n)
     for job in jobs:
@@ -65,7 +65,7 @@ async def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> Non
 
 
 async def test_urgent_classes_never_wait_for_a_shared_prefix() -> None:
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     worker = _Worker()
     leader, follower = _burst(1500, 2)
     follower.klass = QosClass.INTERACTIVE
@@ -111,7 +111,7 @@ async def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -
     from superfluid.proto import Emit
 
     cpu = _Cpu()
-    sched = Scheduler("m", SchedulerConfig(), Metrics(), cpu=cpu)  # type: ignore[arg-type]
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), cpu=cpu)  # type: ignore[arg-type]
     worker = _Worker()
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.INTERACTIVE)
     sched.submit(job)
@@ -141,7 +141,7 @@ async def test_a_requests_last_commit_runs_with_the_daemon_responsive() -> None:
         async def commit(self, spans: object, ended: object) -> None:
             during.append(cpu.urgent[-1])
 
-    sched = Scheduler("m", SchedulerConfig(), Metrics(), _Committer(), cpu=cpu)  # type: ignore[arg-type]
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), _Committer(), cpu=cpu)  # type: ignore[arg-type]
     worker = _Worker()
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=3, klass=QosClass.AGENT)
     sched.submit(job)

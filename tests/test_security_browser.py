@@ -126,7 +126,7 @@ async def visit(chromium: Chromium, url: str, daemon: Daemon, *, rebind: bool = 
             if screenshot is not None:
                 answers = [f"{x.method} {x.url} -> {x.status}" for x in exchanges]
                 await page.evaluate(f"showAnswers({json.dumps(answers)})")
-                screenshot.write_bytes(await page.screenshot())
+                await trio.Path(screenshot).write_bytes(await page.screenshot())
     return Visit(read, exchanges)
 
 

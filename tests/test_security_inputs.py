@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -242,11 +241,6 @@ def test_any_template_failure_is_a_template_error() -> None:
 
 # --- the real tokenizers -------------------------------------------------------------------------------------
 
-def _real(path: Any) -> Any:
-    return pytest.mark.skipif(not path.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
-                              reason=f"no model at {path}")
-
-
 def _served(path: Any, template: str) -> tuple[ServedModel, Any]:
     """A ServedModel over the real vocabulary of ``path`` whose template renders
     ``name``, ``reasoning_content`` and a kwarg (the models' own render none)."""
@@ -259,8 +253,8 @@ def _served(path: Any, template: str) -> tuple[ServedModel, Any]:
     return ServedModel("real", "llamacpp", str(path), owner, 0, trio.CancelScope()), engine  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("path,turn", [pytest.param(REAL_GGUF, "<|im_start|>", marks=_real(REAL_GGUF)),
-                                       pytest.param(GEMMA_GGUF, "<start_of_turn>", marks=_real(GEMMA_GGUF))])
+@pytest.mark.parametrize("path,turn", [pytest.param(REAL_GGUF, "<|im_start|>", marks=pytest.mark.real(REAL_GGUF)),
+                                       pytest.param(GEMMA_GGUF, "<start_of_turn>", marks=pytest.mark.real(GEMMA_GGUF))])
 def test_turn_tokens_in_client_fields_are_plain_text_on_real_models(path: Any, turn: str) -> None:
     close = "<|im_end|>" if turn == "<|im_start|>" else "<end_of_turn>"
     template = NAMED.replace("<|im_start|>", turn).replace("<|im_end|>", close)

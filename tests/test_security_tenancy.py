@@ -9,7 +9,6 @@ key names them (then per tenant); conversations are bounded (413)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -365,17 +364,9 @@ async def test_conversation_limits_are_413_before_anything_is_logged(nursery: tr
 # -- the real model ------------------------------------------------------------------------------------------------
 
 
-def _real_model() -> None:
-    if os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1":
-        pytest.importorskip("llama_cpp")
-        if not REAL_GGUF.exists():
-            pytest.skip(f"no model at {REAL_GGUF} (python -m superfluid._models fetches it)")
-
-
 @pytest.mark.real
 async def test_real_model_another_key_sees_no_cached_tokens(nursery: trio.Nursery) -> None:
     """SmolLM2 on llama.cpp: the cross-key probe sees no cached tokens; the same key does."""
-    _real_model()
     config = ServeConfig(models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),), port=0,
                          max_batch=2, max_context=2048, planner=PlannerConfig(max_batch=2), hang_timeout_s=120.0,
                          api_keys=KEYS)

@@ -4,7 +4,6 @@ append-stable prompts, and a 200-turn synthetic agent session."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import pytest
@@ -261,10 +260,8 @@ def _real_session(url: str) -> list[dict]:
     return log
 
 
-@pytest.mark.skipif(not REAL_GGUF.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
-                    reason=f"no model at {REAL_GGUF}")
+@pytest.mark.real
 async def test_short_tool_session_on_the_real_model(nursery: trio.Nursery) -> None:
-    pytest.importorskip("llama_cpp")
     from .test_real_daemon import real_config
 
     d = await start_daemon(nursery, real_config(REAL_GGUF, "smol"))

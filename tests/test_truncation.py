@@ -10,7 +10,6 @@ chat route buffered and streamed, on Anthropic Messages and on Responses.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
@@ -113,12 +112,7 @@ def test_forced_parser_recovers_every_cut_and_marks_it() -> None:
 
 # --- the ladder on the real model ---------------------------------------------------------------------------
 
-real = pytest.mark.skipif(not REAL_GGUF.exists() and os.environ.get("SUPERFLUID_REQUIRE_REAL") != "1",
-                          reason=f"no model at {REAL_GGUF}")
-
-
 async def _smol(nursery: trio.Nursery) -> Daemon:
-    pytest.importorskip("llama_cpp")
     from .test_real_daemon import real_config
 
     return await start_daemon(nursery, real_config(REAL_GGUF, "smol"))
@@ -190,13 +184,13 @@ def test_the_property_catches_broken_ladders() -> None:
         assert check_runner_property([{**good, **broken}]), broken
 
 
-@real
+@pytest.mark.real
 async def test_truncation_ladder_on_the_chat_route(nursery: trio.Nursery) -> None:
     d = await _smol(nursery)
     rungs = await trio.to_thread.run_sync(_chat_ladder, d.url)
     assert check_runner_property(rungs) == [], rungs
     # buffered and streamed agree rung by rung
-    for whole, streamed in zip(rungs[::2], rungs[1::2]):
+    for whole, streamed in zip(rungs[::2], rungs[1::2], strict=True):
         assert whole["calls"] == streamed["calls"] and whole["finish"] == streamed["finish"]
     d.scope.cancel()
 
@@ -234,7 +228,7 @@ def _other_surfaces(url: str) -> list[str]:
     return problems
 
 
-@real
+@pytest.mark.real
 async def test_truncation_ladder_on_messages_and_responses(nursery: trio.Nursery) -> None:
     d = await _smol(nursery)
     assert await trio.to_thread.run_sync(_other_surfaces, d.url) == []

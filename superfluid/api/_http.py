@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import attrs
 import trio
+
+if TYPE_CHECKING:
+    from ..sched import JobError
 
 __all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "decode_json", "read_json", "send_json", "send_text"]
 
@@ -33,6 +36,11 @@ class ApiError(Exception):
     param: str | None = None
     type: str = ""
     headers: tuple[tuple[bytes, bytes], ...] = ()  # sent with the error response (Retry-After, Connection)
+
+    @classmethod
+    def of_job(cls, error: JobError) -> ApiError:
+        """A job's typed failure (the scheduler's ``JobError``) as the API's error: the one mapping."""
+        return cls(error.status, error.message, code=error.code, type=error.type)
 
     @property
     def error_type(self) -> str:

@@ -195,7 +195,7 @@ class Reply:
         await self.job.wait_started()
         error = self.job.error
         if error is not None and not self.job.tokens:
-            raise ApiError(error.status, error.message, code=error.code, type=error.type)
+            raise ApiError.of_job(error)
 
     async def collect(self) -> tuple[str, str, list[Any]]:
         """Run to the end: ``(content, reasoning, logprob rows)``."""
@@ -674,7 +674,7 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
 
     await job.wait_started()
     if job.error is not None and not job.tokens:
-        raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+        raise ApiError.of_job(job.error)
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     try:
         while True:

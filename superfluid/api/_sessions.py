@@ -120,7 +120,7 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
         async with watch_disconnect(receive):
             await job.wait_started()
             if job.error is not None and not job.tokens:
-                raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+                raise ApiError.of_job(job.error)
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
             await stream_live(tracked, session, Follower(job, stops), model=model.name,
                               rid=f"{prefix}-superfluid-{session.id}", first=True)

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -70,7 +70,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._cpu import unyielding
 from ..proto._errors import LocalProtocolError
 from ..proto._wal import (
     CONVERSATION, CONVERSATION_EVENTS, CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record,
@@ -125,6 +124,9 @@ class JournalConfig:
     close_timeout_s: float = 10.0
     probe_backoff_s: float = 0.25  # degraded (a write failed): first wait before probing the disk again...
     probe_max_backoff_s: float = 10.0  # ...doubling up to this
+    # runs a commit handed to a thread: the daemon's CPU policy (superfluid/_cpu.py ``unyielding``) is
+    # injected by the server, so the journal knows nothing of it
+    in_thread: Callable[[Callable[[], float]], float] = attrs.field(default=lambda fn: fn(), eq=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -502,9 +504,7 @@ class Journal:
                 if inline and len(data) <= INLINE_MAX_BYTES:
                     took = sync()
                 else:
-                    # the thread may have been started while the event loop ran SCHED_BATCH
-                    # (superfluid/_cpu.py): a commit never waits for a scheduler tick
-                    took = await trio.to_thread.run_sync(unyielding, sync)
+                    took = await trio.to_thread.run_sync(self.config.in_thread, sync)
             except OSError as exc:
                 log.error("session log %s: write/fsync failed (%s); refusing appends until the disk takes "
                           "writes again", self.path, exc)

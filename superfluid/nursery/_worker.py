@@ -13,6 +13,7 @@ Nursery tree inside ``open_worker``::
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -38,6 +39,8 @@ from ..proto import (
 )
 from ..sched import LinkLost
 from ._kill import graceful_kill, kill_now, scrub_env
+
+log = logging.getLogger(__name__)
 
 __all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpawnFailed", "WorkerSpec", "open_worker",
            "worker_argv"]
@@ -268,6 +271,8 @@ async def _open_worker_nursery(
                 nursery.cancel_scope.cancel()
     finally:
         if process is not None:
+            log.debug("worker pid %d (generation %d) reaped: exit status %s", process.pid, generation,
+                      process.returncode)
             # run_process leaves the pipes of stdin/stdout=PIPE to the caller: close them when
             # the generation ends, not when the garbage collector breaks a cycle that holds them
             with trio.move_on_after(1, shield=True):  # closing two pipe fds; bounded all the same

@@ -372,7 +372,7 @@ def _type_ok(value: Any, ann: Any) -> bool:
             if args[0] is int:  # token ids
                 return _all_ints(value)
             return all(_type_ok(v, args[0]) for v in value)
-        return len(value) == len(args) and all(_type_ok(v, a) for v, a in zip(value, args))
+        return len(value) == len(args) and all(_type_ok(v, a) for v, a in zip(value, args, strict=True))
     return False
 
 
@@ -411,7 +411,7 @@ def from_wire(body: bytes, *, max_len: int) -> Event | None:
             max_map_len=max_len,
             max_ext_len=0,
         )
-    except Exception as exc:  # msgpack raises many types; all mean "bad bytes"
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types; all mean "bad bytes"
         raise RemoteProtocolError(f"undecodable frame: {exc}") from None
     if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], dict)):
         raise RemoteProtocolError("a frame must be [code, {fields}]")

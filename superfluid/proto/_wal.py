@@ -307,7 +307,7 @@ def _decode_payload(payload: bytes, offset: int) -> WalRecord:
     try:
         obj = msgpack.unpackb(payload, raw=False, max_bin_len=n, max_str_len=n, max_array_len=n,
                               max_map_len=n, max_ext_len=0)
-    except Exception as exc:  # msgpack raises many types; all mean "bad bytes"
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types; all mean "bad bytes"
         raise WalCorrupt(f"the record's checksum matches but it does not decode ({exc})", offset=offset) from None
     if not isinstance(obj, dict) or set(obj) != {"session", "event_id", "epoch", "ts", "body"}:
         raise WalCorrupt("the record's checksum matches but it is not a session-log record", offset=offset)

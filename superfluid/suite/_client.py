@@ -25,11 +25,17 @@ READ_SIZE = 65536
 MAX_WHOLE_BODY = 64 * 1024 * 1024
 
 
-def metric_sum(text: str, name: str) -> float | None:
-    """Sum of every sample of ``name`` (any labels) in Prometheus text; None if absent."""
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)\s*$", re.M)
-    values = [float(m.group(2)) for m in pattern.finditer(text)]
+def metric_sum(text: str, name: str, **labels: str) -> float | None:
+    """Sum of the samples of ``name`` in Prometheus text whose labels include
+    ``labels`` (any others summed over); None if there is none."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})?\s+(\S+)\s*$", re.M)
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    values = [float(m.group(2)) for m in pattern.finditer(text)
+              if want <= set(_LABEL.findall(m.group(1) or ""))]
     return sum(values) if values else None
+
+
+_LABEL = re.compile(r'\w+="(?:[^"\\]|\\.)*"')
 
 
 class Client:

@@ -36,7 +36,7 @@ def _fail(why: str) -> Check:
 
 def _diverges(a: str, b: str) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # up to the shorter
         if x != y:
             break
         n += 1

@@ -19,6 +19,7 @@ A request the client closed on purpose (the disconnect scenarios) is
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Callable
 
@@ -84,7 +85,7 @@ class Reply:
     @property
     def max_gap(self) -> float:
         times = self.chunk_times
-        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
     @property
     def prompt_tokens(self) -> int | None:

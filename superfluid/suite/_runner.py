@@ -137,7 +137,7 @@ async def _cell(ctx: Context, scenario: str) -> dict[str, Any]:
                 "reason": f"did not start: {exc}", "numbers": {}}
     except ScenarioError as exc:
         return {"verdict": "error", "headline": f"error: {exc}"[:300], "reason": str(exc), "numbers": {}}
-    except Exception as exc:  # boundary: one cell; the suite goes on to the next
+    except Exception as exc:  # noqa: BLE001 - boundary: one cell; the suite goes on to the next
         return {"verdict": "error", "headline": f"error: {exc!r}"[:300], "reason": repr(exc),
                 "error": repr(exc), "trace": traceback.format_exc(), "numbers": {}}
 

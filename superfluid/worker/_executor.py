@@ -393,7 +393,7 @@ class Executor:
         owners = [owners[i] for i in order_idx]
         outs = self.engine.decode(rows)
         self.stats["steps"] += 1
-        for row, ln, out, decoding in zip(rows, owners, outs, is_decode):
+        for row, ln, out, decoding in zip(rows, owners, outs, is_decode, strict=True):
             ln.n_past += len(row.tokens)
             self.slots[ln.seq].tokens = ln.tokens[: ln.n_past]
             if decoding:
@@ -403,7 +403,7 @@ class Executor:
             if row.want_logits:
                 try:
                     res.emits.append(self._sample(ln, out))
-                except Exception as exc:  # boundary: one lane's sampler failed; the batch goes on
+                except Exception as exc:  # noqa: BLE001 - boundary: one lane's sampler failed; the batch goes on
                     res.faults.append((ln.lane, f"{type(exc).__name__}: {exc}"))
         for tag, _msg in res.faults:
             self._release(self.lanes.pop(tag), publish=False)

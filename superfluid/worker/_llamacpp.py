@@ -424,7 +424,7 @@ def to_gbnf(grammar: str) -> str:
     if grammar.startswith("json_schema:"):
         try:
             return llama_grammar.json_schema_to_gbnf(grammar[len("json_schema:"):])
-        except Exception as exc:  # the converter raises many types for unsupported schemas
+        except Exception as exc:  # noqa: BLE001 - the converter raises many types for unsupported schemas
             raise ValueError(f"JSON schema cannot be compiled to a grammar: {exc}") from None
     return grammar
 

@@ -320,7 +320,7 @@ class _Worker:
             for i, (text, parse_special) in enumerate(event.segments):
                 toks += self.engine.tokenize(text, add_special=event.add_special and i == 0,
                                              parse_special=parse_special)
-        except Exception as exc:  # boundary: answer with an empty list and a fault
+        except Exception as exc:  # noqa: BLE001 - boundary: answer with an empty list and a fault
             return [Fault(lane=-1, kind="tokenize", message=str(exc)), Tokenized(req=event.req, tokens=[])]
         return tokenized_pieces(event.req, toks)
 
@@ -388,7 +388,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads)
         )
-    except Exception as exc:  # boundary: any load failure is reported, typed, then exit 3
+    except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
         await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
         return 3
@@ -458,6 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)  # stray prints from C libraries land on stderr, never on the link
     try:
         return trio.run(_serve, args, link_fd)
-    except Exception as exc:  # boundary: the process; any failure here is a link failure
+    except Exception as exc:  # noqa: BLE001 - boundary: the process; any failure here is a link failure
         print(f"superfluid worker: link failure: {exc!r}", file=sys.stderr)
         return 1
