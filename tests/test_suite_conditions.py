@@ -354,7 +354,7 @@ def judge_prefills(n: dict[str, Any]) -> float | None:
 
 
 def test_prefilled_tokens_prefer_server_counters_then_timings_then_token_counts() -> None:
-    from superfluid.suite._load import _prefilled
+    from superfluid.suite._load import prefilled_tokens as _prefilled
 
     def reply(prompt: int, cached: int, prompt_n: int | None) -> Reply:
         r = Reply(stream=True, status=200, usage={"prompt_tokens": prompt,

@@ -17,7 +17,7 @@ from ._corpus import document, percentile
 from ._process import Context
 from ._reply import Reply
 
-__all__ = ["agents_interactive", "burst", "kv_exhaustion", "shared_prefix"]
+__all__ = ["agents_interactive", "burst", "kv_exhaustion", "prefilled_tokens", "shared_prefix"]
 
 CHAT_QUESTION = "What is the capital of France? One word."
 
@@ -137,7 +137,7 @@ async def kv_exhaustion(ctx: Context) -> dict[str, Any]:
     return result("kv_exhaustion", numbers, headline)
 
 
-def _prefilled(hot: list[Reply], before: float | None, after: float | None) -> tuple[int | None, str | None]:
+def prefilled_tokens(hot: list[Reply], before: float | None, after: float | None) -> tuple[int | None, str | None]:
     """Prompt tokens the server prefilled for the burst: its own counter, its per-response
     ``timings.prompt_n`` (llama-server), else prompt − cached per request; and which it was."""
     if before is not None and after is not None:
@@ -177,7 +177,7 @@ async def shared_prefix(ctx: Context) -> dict[str, Any]:
         chill, cold_wall = await burst(n, cold)
     prompts = sorted(r.prompt_tokens for r in hot if r.prompt_tokens)
     cached = [r.cached_tokens for r in hot if r.ok]
-    prefilled, source = _prefilled(hot, before, after)
+    prefilled, source = prefilled_tokens(hot, before, after)
     numbers: dict[str, Any] = {
         "lanes": sz["lanes"], "ctx": sz["ctx"], "requests": n, "max_tokens": sz["max_tokens"],
         "shared_failed": sum(1 for r in hot if not r.ok), "cold_failed": sum(1 for r in chill if not r.ok),
