@@ -44,6 +44,13 @@ from superfluid.suite._load import prefilled_tokens  # noqa: E402
 from superfluid.suite._reply import Reply  # noqa: E402
 
 LANES, CTX = 8, 4096
+KV_REPLY = 150
+SIZE = {"factor": 1.0}  # --size: prompts and replies scaled for a smoke test (counts and lanes stay)
+
+
+def sized(n: int) -> int:
+    return max(8, round(n * SIZE["factor"]))
+
 SETUPS: dict[str, dict[str, Any]] = {  # name -> which server, its slots, whether requests carry QoS headers
     "superfluid + QoS headers": {"kind": "superfluid", "qos": True},
     "superfluid, no headers": {"kind": "superfluid", "qos": False},
@@ -78,8 +85,8 @@ async def part_agents(url: str, model: str, qos: bool) -> dict[str, Any]:
 
         async def agent(i: int) -> None:
             msgs = [{"role": "system", "content": "You are a code agent."},
-                    {"role": "user", "content": document(1300, 50 + i) + "\nList five risks in these notes."}]
-            agents.append(await chat(c, model, msgs, 64, hdr_agent, ignore_eos=True))
+                    {"role": "user", "content": document(sized(1300), 50 + i) + "\nList five risks in these notes."}]
+            agents.append(await chat(c, model, msgs, sized(64), hdr_agent, ignore_eos=True))
 
         async def interactive() -> None:
             await trio.sleep(2.0)
@@ -111,7 +118,7 @@ async def _metric(c: httpx.AsyncClient, name: str) -> float | None:
 
 
 async def part_shared(url: str, model: str) -> dict[str, Any]:
-    shared = document(1720, 900)
+    shared = document(sized(1720), 900)
     out: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
         async def burst(system_of: Any) -> list[dict[str, Any]]:
@@ -130,7 +137,7 @@ async def part_shared(url: str, model: str) -> dict[str, Any]:
         before = await _metric(c, "superfluid_prefill_tokens_total")
         shared_rs = await burst(lambda i: shared)
         after = await _metric(c, "superfluid_prefill_tokens_total")
-        distinct_rs = await burst(lambda i: f"Batch {i}. " + document(1720, 1000 + i))
+        distinct_rs = await burst(lambda i: f"Batch {i}. " + document(sized(1720), 1000 + i))
     replies = [_reply(r) for r in shared_rs]
     prefilled, source = prefilled_tokens(replies, before, after)
     counted = {"requests": len(replies), "prompt_tokens_per_request": [r.prompt_tokens for r in replies],
@@ -154,9 +161,9 @@ async def part_kv(url: str, model: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
         async def one(i: int) -> None:
             msgs = [{"role": "system", "content": "Be thorough."},
-                    {"role": "user", "content": document(2750, 300 + i) + "\nExplain these notes in detail."}]
+                    {"role": "user", "content": document(sized(2750), 300 + i) + "\nExplain these notes in detail."}]
             try:
-                outcomes.append(await chat(c, model, msgs, 150, ignore_eos=True))
+                outcomes.append(await chat(c, model, msgs, sized(KV_REPLY), ignore_eos=True))
             except httpx.HTTPError as exc:  # an untyped failure: reset, truncation
                 outcomes.append({"error": f"transport: {exc!r}", "untyped": True, "tokens": 0})
 
@@ -169,7 +176,7 @@ async def part_kv(url: str, model: str) -> dict[str, Any]:
     ok = sum(1 for r in outcomes if not r["error"])
     untyped = sum(1 for r in outcomes if r.get("untyped"))
     prompts = [(r.get("usage") or {}).get("prompt_tokens") for r in outcomes]
-    demand = sum(min(p + 150, CTX) for p in prompts if p) if all(prompts) else None
+    demand = sum(min(p + sized(KV_REPLY), CTX) for p in prompts if p) if all(prompts) else None
     return {"ok": ok, "typed_errors": len(outcomes) - ok - untyped, "untyped": untyped, "wall_s": wall,
             "demand_over_kv_cells": None if demand is None else round(demand / kv_cells(LANES, CTX), 2),
             "fresh_ok": fresh["error"] is None, "pass": untyped == 0 and fresh["error"] is None}
@@ -226,7 +233,10 @@ def main() -> None:
     p.add_argument("--order-seed", type=int, default=None,
                    help="seed of each part's random order of the systems (default: drawn, and printed)")
     p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
+    p.add_argument("--size", type=float, default=1.0,
+                   help="scale prompt and reply lengths (default 1.0, the published sizes; e.g. 0.02 to smoke-test)")
     args = p.parse_args()
+    SIZE["factor"] = args.size
     parts = [x for x in args.parts.split(",") if x]
     unknown = [x for x in parts if x not in ROWS]
     if unknown:
@@ -246,7 +256,8 @@ def main() -> None:
     if args.only:
         return
     print()
-    print(f"commit {commit()}; model {Path(args.model).name}; greedy; {LANES} lanes x {CTX} context; "
+    scaled = "" if args.size == 1.0 else f"; SIZES x {args.size} (a smoke test, not the published setup)"
+    print(f"commit {commit()}; model {Path(args.model).name}; greedy; {LANES} lanes x {CTX} context{scaled}; "
           f"{kv_cells(LANES, CTX)} KV cells for every server (llama-server -c {kv_cells(LANES, CTX)}); "
           f"superfluid --host-cache-mb 0")
     print(f"system order (seed {order_seed}): " + "; ".join(f"{part}: {', '.join(o)}" for part, o in orders.items()))
