@@ -4,7 +4,8 @@ it, stream completions with timestamps, stop it. Loopback only.
 Equal setups: :func:`llama_server_argv` gives llama-server the KV cells our
 worker allocates for the same lanes and context (``kv_cells``: ``max(4,
 lanes + 2)`` sequences of ``ctx``), and :func:`superfluid_argv` runs ours
-with ``--host-cache-mb 0`` unless a script says otherwise in its table.
+with ``--host-cache-mb 0`` unless a script says otherwise in its table (llama-server
+with ``--cache-ram 0``: neither keeps prompts in host memory).
 :func:`commit` and :func:`round_orders` name what each printed table ran on.
 """
 
@@ -48,9 +49,10 @@ def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
 def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: int, threads: int,
                       slots: int | None = None) -> list[str]:
     """llama-server with as many KV cells as our worker allocates for ``lanes`` x ``ctx``,
-    split over ``slots`` (default ``lanes``) parallel slots."""
+    split over ``slots`` (default ``lanes``) parallel slots, and no host-memory prompt cache
+    (``--cache-ram 0``; its default is 8 GiB), as ours runs with ``--host-cache-mb 0``."""
     return [binary, "-m", model, "-c", str(kv_cells(lanes, ctx)), "-np", str(slots or lanes), "-t", str(threads),
-            "--metrics", "--host", "127.0.0.1", "--port", str(port)]
+            "--cache-ram", "0", "--metrics", "--host", "127.0.0.1", "--port", str(port)]
 
 
 def free_port() -> int:

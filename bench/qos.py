@@ -16,7 +16,7 @@
     request; the demand is printed against the real KV cells. Outcomes must be ok or typed errors.
 
 Equal memory: every llama-server gets the KV cells our worker allocates for 8 lanes x 4,096
-(``max(4, lanes + 2)`` sequences: 40,960), split over its slots; ours runs with
+(``max(4, lanes + 2)`` sequences: 40,960), split over its slots, and ``--cache-ram 0``; ours runs with
 ``--host-cache-mb 0``. Each part runs its systems in a seeded random order (printed); the
 table names the commit. Prompt sizes are in SmolLM2 tokens (``document(n)`` gives about 1.4 n).
 """
@@ -258,8 +258,8 @@ def main() -> None:
     print()
     scaled = "" if args.size == 1.0 else f"; SIZES x {args.size} (a smoke test, not the published setup)"
     print(f"commit {commit()}; model {Path(args.model).name}; greedy; {LANES} lanes x {CTX} context{scaled}; "
-          f"{kv_cells(LANES, CTX)} KV cells for every server (llama-server -c {kv_cells(LANES, CTX)}); "
-          f"superfluid --host-cache-mb 0")
+          f"{kv_cells(LANES, CTX)} KV cells for every server (llama-server -c {kv_cells(LANES, CTX)} "
+          f"--cache-ram 0); superfluid --host-cache-mb 0")
     print(f"system order (seed {order_seed}): " + "; ".join(f"{part}: {', '.join(o)}" for part, o in orders.items()))
     for part in parts:
         cols = PART_SETUPS[part]

@@ -14,8 +14,8 @@ alike; the ratio is the median of the per-round ratios (ours against llama-serve
 same index), which cancels drift slower than a round.
 
 Equal memory: llama-server gets ``-c`` = the KV cells our worker allocates for 8 lanes x 4,096
-(``max(4, lanes + 2)`` sequences) and ours runs with ``--host-cache-mb 0`` (``--host-cache-mb``
-to price it; the table says which). Also runs the in-process executor (bench/in_process.py:
+(``max(4, lanes + 2)`` sequences) and ``--cache-ram 0``, and ours runs with ``--host-cache-mb 0``
+(``--host-cache-mb`` to price it; the table says which). Also runs the in-process executor (bench/in_process.py:
 Executor + LlamaEngine, no daemon, no HTTP) with the same sampling. Every table names the commit
 it ran on.
 
@@ -251,7 +251,7 @@ def main() -> None:
     print(f"commit {commit()}; model {Path(args.model).name}; {said}; {args.tokens}-token replies, 8 prompts, "
           f"median of {args.rounds} rounds; ratio: median of per-round ratios")
     print(f"memory: {kv_cells(LANES, CTX)} KV cells each (ours --max-batch {LANES} --max-context {CTX}, "
-          f"llama-server -c {kv_cells(LANES, CTX)} -np {LANES}); ours --host-cache-mb {args.host_cache_mb}")
+          f"llama-server -c {kv_cells(LANES, CTX)} -np {LANES} --cache-ram 0); ours --host-cache-mb {args.host_cache_mb}")
     print(f"round order (seed {order_seed}): " + "; ".join(
         f"{c} concurrent: " + " | ".join(",".join(o) for o in orders[c]) for c in orders))
     # rounds below 1.00 says how far the median is from noise (one round varies ~6% here)

@@ -408,7 +408,7 @@ def test_every_system_gets_the_kv_cells_a_superfluid_worker_allocates(tmp_path: 
     box = Box(name="t", root=tmp_path, data={"llama_server": "bin/llama-server", "models": {"gguf": "m.gguf"}})
     theirs = Server(system_spec("llama-server", box, mock_spec="mock"), lanes=4, ctx=1024, run_dir=tmp_path).argv()
     assert theirs[theirs.index("-c") + 1] == str(kv_cells(4, 1024)) == str(6 * 1024)
-    assert theirs[theirs.index("-np") + 1] == "4"
+    assert theirs[theirs.index("-np") + 1] == "4" and theirs[theirs.index("--cache-ram") + 1] == "0"
     ours = Server(system_spec("superfluid-mock", box, mock_spec="mock"), lanes=4, ctx=1024, run_dir=tmp_path).argv()
     assert ours[ours.index("--host-cache-mb") + 1] == "0"
     assert ours[ours.index("--max-batch") + 1] == "4"

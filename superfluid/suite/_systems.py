@@ -23,8 +23,8 @@ Placeholders: ``{python} {root} {run_dir} {name} {port} {lanes} {ctx}
 
 Equal memory: ``{kv_tokens}`` is :func:`kv_cells`, the KV cells a superfluid
 worker allocates for ``lanes`` x ``ctx``, so llama-server gets as many (``-c
-{kv_tokens} -np {lanes}``); superfluid runs with ``--host-cache-mb 0`` (no host
-memory for evicted prefixes, which llama-server does not have either).
+{kv_tokens} -np {lanes}``); neither keeps prompts in host memory (superfluid
+``--host-cache-mb 0``, llama-server ``--cache-ram 0``; their defaults are 2 and 8 GiB).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         gguf = box.path("gguf", models=True) or _default_gguf()
         if binary is None or gguf is None:
             raise ValueError("llama-server needs llama_server and models.gguf in the box file")
-        argv = (binary, "-m", "{gguf}", "-c", "{kv_tokens}", "-np", "{lanes}", "--metrics", "--jinja",
+        argv = (binary, "-m", "{gguf}", "-c", "{kv_tokens}", "-np", "{lanes}", "--cache-ram", "0", "--metrics", "--jinja",
                 *[str(a) for a in box.data.get("llama_args") or []], "--host", "127.0.0.1", "--port", "{port}")
         env = {}
         if box.path("llama_lib"):
