@@ -130,6 +130,12 @@ def test_scores_are_passes_over_applicable_cells(tmp_path: Path) -> None:
         (tmp_path / f"{scenario}--peer.json").write_text(json.dumps(res))
     text = compare([tmp_path])
     assert "| **passes / applicable** | 3/6 (2 n/a) |" in text
+    n = fixture("tool_session--pass")
+    n.update(parsed=0, emitted=0)
+    res = result("tool_session", n, "no calls")
+    res.update(scenario="tool_session", system="peer")
+    (tmp_path / "tool_session--peer.json").write_text(json.dumps(res))
+    assert "| **passes / applicable** | 3/6 (2 n/a, 1 inconclusive) |" in compare([tmp_path])  # a fail became inconclusive
 
 
 def test_a_tool_session_without_a_single_call_is_inconclusive() -> None:

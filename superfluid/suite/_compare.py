@@ -124,7 +124,9 @@ def compare(dirs: list[Path], *, notes: str = "") -> str:
         mine = [grid[(s, col)] for s in scenarios if (s, col) in grid]
         passed = sum(1 for c in mine if c["verdict"] == "pass")
         na = sum(1 for c in mine if c["verdict"] == "unsupported")
-        totals.append(f"{passed}/{len(mine) - na}" + (f" ({na} n/a)" if na else ""))
+        unsure = sum(1 for c in mine if c["verdict"] == "inconclusive")  # ran, showed nothing: not a pass
+        beside = [f"{na} n/a"] * bool(na) + [f"{unsure} inconclusive"] * bool(unsure)
+        totals.append(f"{passed}/{len(mine) - na}" + (f" ({', '.join(beside)})" if beside else ""))
     out.append("| **passes / applicable** | " + " | ".join(totals) + " |")
     out += _features(cells, columns)
     for s in scenarios:

@@ -16,7 +16,8 @@ folder)::
      "versions": {"llama.cpp": "b1234"}, "ports": {"llama-server": 18611},
      "extra_systems": {"name": {"argv": ["{root}/srv", "--port", "{port}"],
         "env": {}, "probe": "/v1/models", "port": 18620, "worker": "pattern",
-        "model_id": "m", "qos": false, "busy": "slots", "unload": null}}}
+        "model_id": "m", "qos": false, "busy": "slots", "unload": null,
+        "resume": false}}}
 
 Placeholders: ``{python} {root} {run_dir} {name} {port} {lanes} {ctx}
 {kv_tokens} {gguf} {small_gguf} {model}``.
