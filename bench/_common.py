@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,11 @@ class Server:
 
 
 def superfluid_argv(model: str, port: int, *extra: str, host_cache_mb: int = 0) -> list[str]:
+    """Our daemon; its own fresh sessions directory unless ``extra`` names one (the default
+    directory may be held by another server on a shared machine)."""
+    sessions = [] if "--sessions" in extra else ["--sessions", tempfile.mkdtemp(prefix="bench-sessions-")]
     return [sys.executable, "-m", "superfluid", "serve", model, "--http", f"127.0.0.1:{port}", "--no-tui",
-            "--log-level", "WARNING", "--host-cache-mb", str(host_cache_mb), *extra]
+            "--log-level", "WARNING", "--host-cache-mb", str(host_cache_mb), *sessions, *extra]
 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any],

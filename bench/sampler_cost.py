@@ -60,7 +60,7 @@ def main() -> None:
         for seq in range(1, args.lanes):
             eng.decode([BatchRow(seq=seq, tokens=tuple(toks), pos0=0, want_logits=False)])
         rows = [BatchRow(seq=s, tokens=(toks[-1],), pos0=len(toks), want_logits=True) for s in range(args.lanes)]
-        steps = 20
+        steps = 5
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.decode(rows)
