@@ -1,14 +1,24 @@
 """Shared benchmark plumbing: start a server in its own process group, wait for
-it, stream completions with timestamps, stop it. Loopback only."""
+it, stream completions with timestamps, stop it. Loopback only.
+
+Equal setups: :func:`llama_server_argv` gives llama-server the KV cells our
+worker allocates for the same lanes and context (``kv_cells``: ``max(4,
+lanes + 2)`` sequences of ``ctx``), and :func:`superfluid_argv` runs ours
+with ``--host-cache-mb 0`` unless a script says otherwise in its table (llama-server
+with ``--cache-ram 0``: neither keeps prompts in host memory).
+:func:`commit` and :func:`round_orders` name what each printed table ran on.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +27,33 @@ import httpx
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from superfluid.suite._systems import kv_cells  # noqa: E402  (one sizing rule, shared with the suite)
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD`` of this checkout, ``-dirty`` with uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    rev = git("rev-parse", "--short", "HEAD") or "unknown"
+    return rev + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
+    """A seeded random order of ``names`` for each round (no side always goes first)."""
+    rng = random.Random(seed)
+    return [rng.sample(names, len(names)) for _ in range(rounds)]
+
+
+def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: int, threads: int,
+                      slots: int | None = None) -> list[str]:
+    """llama-server with as many KV cells as our worker allocates for ``lanes`` x ``ctx``,
+    split over ``slots`` (default ``lanes``) parallel slots, and no host-memory prompt cache
+    (``--cache-ram 0``; its default is 8 GiB), as ours runs with ``--host-cache-mb 0``."""
+    return [binary, "-m", model, "-c", str(kv_cells(lanes, ctx)), "-np", str(slots or lanes), "-t", str(threads),
+            "--cache-ram", "0", "--metrics", "--host", "127.0.0.1", "--port", str(port)]
 
 
 def free_port() -> int:
@@ -59,16 +96,19 @@ class Server:
             self.proc.wait()
 
 
-def superfluid_argv(model: str, port: int, *extra: str) -> list[str]:
+def superfluid_argv(model: str, port: int, *extra: str, host_cache_mb: int = 0) -> list[str]:
+    """Our daemon; its own fresh sessions directory unless ``extra`` names one (the default
+    directory may be held by another server on a shared machine)."""
+    sessions = [] if "--sessions" in extra else ["--sessions", tempfile.mkdtemp(prefix="bench-sessions-")]
     return [sys.executable, "-m", "superfluid", "serve", model, "--http", f"127.0.0.1:{port}", "--no-tui",
-            "--log-level", "WARNING", *extra]
+            "--log-level", "WARNING", "--host-cache-mb", str(host_cache_mb), *sessions, *extra]
 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any],
                          headers: dict[str, str] | None = None) -> dict[str, Any]:
     """Stream one request; returns ttft, wall, tokens (chunks with text), usage, error."""
     t0 = trio.current_time()
-    out: dict[str, Any] = {"ttft": None, "tokens": 0, "usage": None, "error": None, "stamps": []}
+    out: dict[str, Any] = {"ttft": None, "tokens": 0, "usage": None, "timings": None, "error": None, "stamps": []}
     async with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as r:
         if r.status_code != 200:
             out["error"] = f"http {r.status_code}: {(await r.aread())[:200]!r}"
@@ -82,6 +122,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                 continue
             if obj.get("usage"):
                 out["usage"] = obj["usage"]
+            if obj.get("timings"):  # llama-server: prompt_n = prompt tokens it prefilled
+                out["timings"] = obj["timings"]
             for ch in obj.get("choices") or []:
                 text = ch.get("text") or (ch.get("delta") or {}).get("content")
                 if text:

@@ -1,25 +1,34 @@
 """Aggregate throughput, superfluid vs llama-server on the same llama.cpp build and model.
 
     python bench/throughput.py [--model PATH] [--llama-server PATH] [--rounds 5] [--tokens 128]
+        [--temperature 0.8 --seed S] [--order-seed N]
 
 8 distinct prompts, 128-token replies on /v1/completions with ignore_eos, at 1, 2, 4 and 8
 concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
 (all tokens / wall time of the round) and median TTFT, side by side with the ratio ours/theirs.
-Both servers stay up and rounds alternate between them, so drift hits both alike; the ratio
-is the median of the per-round ratios (each round of ours against the llama-server round
-right after it), which cancels drift slower than a round (this machine's speed wanders by
-up to a third over minutes; a ratio of two medians carries that noise).
-Also runs the raw engine ceiling (bench/engine_ceiling.py: Executor + LlamaEngine, no server).
+Greedy by default; ``--temperature T --seed S`` samples, with the same sampler settings sent to
+both servers (``--top-k``, ``--top-p``, ``--min-p``; llama-server's defaults) and seed ``S + i``
+for prompt ``i``. Both servers stay up; within each round the order of the systems is drawn
+at random from ``--order-seed`` (printed), so neither side always runs first and drift hits both
+alike; the ratio is the median of the per-round ratios (ours against llama-server's round of the
+same index), which cancels drift slower than a round.
+
+Equal memory: llama-server gets ``-c`` = the KV cells our worker allocates for 8 lanes x 4,096
+(``max(4, lanes + 2)`` sequences) and ``--cache-ram 0``, and ours runs with ``--host-cache-mb 0``
+(``--host-cache-mb`` to price it; the table says which). Also runs the in-process executor (bench/in_process.py:
+Executor + LlamaEngine, no daemon, no HTTP) with the same sampling. Every table names the commit
+it ran on.
 
     python bench/throughput.py --log-cost 5
 
 prices the session log instead: two daemons, sessions on disk and on tmpfs, 8-concurrent
-rounds alternating between them, medians and their ratio.
+rounds in a seeded random order per round, medians and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import subprocess
 import sys
 from functools import partial
@@ -30,13 +39,26 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, Server, free_port, median, stream_request, superfluid_argv  # noqa: E402
+from _common import (ROOT, Server, commit, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
+                     round_orders, stream_request, superfluid_argv)
 
 Rounds = dict[int, dict[str, list[tuple[float, float]]]]
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
+LANES, CTX = 8, 4096
+EXECUTOR = "in-process executor"
+GREEDY: dict[str, Any] = {"temperature": 0}
 
 
-async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float, float]:
+def sampling_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields both servers get (``seed`` is offset per prompt)."""
+    if args.temperature <= 0:
+        return dict(GREEDY)
+    return {"temperature": args.temperature, "seed": args.seed, "top_k": args.top_k, "top_p": args.top_p,
+            "min_p": args.min_p}
+
+
+async def one_round(url: str, model: str, conc: int, tokens: int,
+                    sampling: dict[str, Any] | None = None) -> tuple[float, float]:
     results: list[dict] = []
     # no keep-alive: llama-server drops idle connections between rounds, and both get the same client
     async with httpx.AsyncClient(base_url=url, timeout=600,
@@ -45,8 +67,10 @@ async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float
 
         async def one(i: int) -> None:
             async with limiter:
-                body = {"model": model, "prompt": PROMPTS[i], "max_tokens": tokens, "temperature": 0,
+                body = {"model": model, "prompt": PROMPTS[i], "max_tokens": tokens, **(sampling or GREEDY),
                         "ignore_eos": True, "stream_options": {"include_usage": True}}
+                if "seed" in body:
+                    body["seed"] += i
                 results.append(await stream_request(client, "/v1/completions", body))
 
         t0 = trio.current_time()
@@ -62,43 +86,49 @@ async def one_round(url: str, model: str, conc: int, tokens: int) -> tuple[float
     return total / wall, median([r["ttft"] for r in results])
 
 
-async def measure(url: str, model: str, rounds: int, tokens: int) -> dict[int, tuple[float, float]]:
+async def measure(url: str, model: str, rounds: int, tokens: int,
+                  sampling: dict[str, Any]) -> dict[int, tuple[float, float]]:
     out = {}
-    await one_round(url, model, 8, 16)  # warm-up
+    await one_round(url, model, 8, 16, sampling)  # warm-up
     for conc in (1, 2, 4, 8):
-        runs = [await one_round(url, model, conc, tokens) for _ in range(rounds)]
+        runs = [await one_round(url, model, conc, tokens, sampling) for _ in range(rounds)]
         out[conc] = (median([r[0] for r in runs]), median([r[1] for r in runs]))
         print(f"  {conc} concurrent: {out[conc][0]:.1f} tok/s, ttft {out[conc][1] * 1000:.0f} ms", flush=True)
     return out
 
 
-async def measure_alternating(servers: dict[str, Server], rounds: int, tokens: int,
-                              ceiling: Any = None) -> tuple[dict[str, dict[int, tuple[float, float]]], Rounds]:
-    """Rounds alternate between the servers (and, given ``ceiling(conc) -> tok/s``,
-    the in-process engine ceiling: blocking, while the servers idle). Returns
-    the medians (name -> conc -> (tok/s, ttft)) and every round (conc -> name -> rounds)."""
+async def measure_rounds(servers: dict[str, Server], rounds: int, tokens: int, sampling: dict[str, Any],
+                         order_seed: int, executor: Any = None,
+                         ) -> tuple[dict[str, dict[int, tuple[float, float]]], Rounds, dict[int, list[list[str]]]]:
+    """Rounds run every system once each, in a seeded random order per round (and, given
+    ``executor(conc) -> tok/s``, the in-process executor: blocking, while the servers idle).
+    Returns the medians (name -> conc -> (tok/s, ttft)), every round (conc -> name -> rounds)
+    and the order each round ran in (conc -> rounds -> names)."""
     ids = {}
     for name, srv in servers.items():
         srv.wait_ready()
         ids[name] = model_id(srv.url)
-        await one_round(srv.url, ids[name], 8, 16)  # warm-up
-    names = [*servers, *(["ceiling"] if ceiling else [])]
+        await one_round(srv.url, ids[name], 8, 16, sampling)  # warm-up
+    names = [*servers, *([EXECUTOR] if executor else [])]
     out: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
     every: Rounds = {}
-    for conc in (1, 2, 4, 8):
+    orders: dict[int, list[list[str]]] = {}
+    for k, conc in enumerate((1, 2, 4, 8)):
+        orders[conc] = round_orders(names, rounds, order_seed + k)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-        for _ in range(rounds):
-            for name, srv in servers.items():
-                runs[name].append(await one_round(srv.url, ids[name], conc, tokens))
-            if ceiling:
-                runs["ceiling"].append((ceiling(conc), 0.0))
+        for order in orders[conc]:
+            for name in order:
+                if name == EXECUTOR:
+                    runs[name].append((executor(conc), 0.0))
+                else:
+                    runs[name].append(await one_round(servers[name].url, ids[name], conc, tokens, sampling))
         every[conc] = runs
         for name, got in runs.items():
             out[name][conc] = (median([r[0] for r in got]), median([r[1] for r in got]))
         print(f"  {conc} concurrent: " + ", ".join(
             f"{name} {out[name][conc][0]:.1f} tok/s (rounds {' '.join(f'{r[0]:.0f}' for r in runs[name])})"
             for name in names), flush=True)
-    return out, every
+    return out, every, orders
 
 
 def log_cost(args: argparse.Namespace) -> None:
@@ -111,20 +141,25 @@ def log_cost(args: argparse.Namespace) -> None:
         for name, where in (("disk", disk), ("tmpfs", shm)):
             port = free_port()
             servers[name] = Server(f"superfluid-{name}", superfluid_argv(
-                args.model, port, "--threads", str(args.threads), "--sessions", where), port)
+                args.model, port, "--threads", str(args.threads), "--sessions", where,
+                host_cache_mb=args.host_cache_mb), port)
         try:
             rates: dict[str, list[float]] = {name: [] for name in servers}
             for srv in servers.values():
                 srv.wait_ready()
                 trio.run(one_round, srv.url, model_id(srv.url), 8, 16)  # warm-up
-            for _ in range(args.log_cost):
-                for name, srv in servers.items():
+            order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
+            orders = round_orders(list(servers), args.log_cost, order_seed)
+            for order in orders:
+                for name in order:
+                    srv = servers[name]
                     rates[name].append(trio.run(one_round, srv.url, model_id(srv.url), 8, args.tokens)[0])
         finally:
             for srv in servers.values():
                 srv.stop()
     med = {name: median(r) for name, r in rates.items()}
-    print(f"8 concurrent, {args.tokens}-token replies, median of {args.log_cost} alternating rounds")
+    print(f"commit {commit()}; 8 concurrent, {args.tokens}-token replies, median of {args.log_cost} rounds; "
+          f"round order (seed {order_seed}): " + " | ".join(",".join(o) for o in orders))
     print("| log on disk tok/s | log on tmpfs tok/s | disk/tmpfs |")
     print("|---|---|---|")
     print(f"| {med['disk']:.1f} | {med['tmpfs']:.1f} | {med['disk'] / med['tmpfs']:.3f} |")
@@ -142,7 +177,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--skip-ceiling", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--seed", type=int, default=1, help="sampling seed S (prompt i gets S + i; default 1)")
+    p.add_argument("--top-k", type=int, default=40, help="sampled runs, both servers (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="sampled runs, both servers (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="sampled runs, both servers (default 0.05)")
+    p.add_argument("--order-seed", type=int, default=None,
+                   help="seed of the per-round random order of the systems (default: drawn, and printed)")
+    p.add_argument("--host-cache-mb", type=int, default=0,
+                   help="superfluid's host cache for evicted prefixes (default 0: llama-server has none)")
+    p.add_argument("--skip-executor", action="store_true", help="do not run the in-process executor")
     p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
     p.add_argument("--sessions", default="", help="superfluid's sessions dir (e.g. on tmpfs, to price fsync)")
     p.add_argument("--log-cost", type=int, default=0, metavar="N",
@@ -152,43 +196,46 @@ def main() -> None:
     if args.log_cost:
         log_cost(args)
         return
+    sampling = sampling_body(args)
     if args.only == "superfluid":
         port = free_port()
         extra = ["--sessions", args.sessions] if args.sessions else []
-        ours = Server("superfluid", superfluid_argv(args.model, port, "--threads", str(args.threads), *extra), port)
+        ours = Server("superfluid", superfluid_argv(args.model, port, "--threads", str(args.threads), *extra,
+                                                    host_cache_mb=args.host_cache_mb), port)
         try:
             ours.wait_ready()
-            trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens)
+            trio.run(measure, ours.url, model_id(ours.url), args.rounds, args.tokens, sampling)
         finally:
             ours.stop()
         return
     binary = args.llama_server or subprocess.run(
         ["bash", str(ROOT / "bench/build_llama_server.sh")], capture_output=True, text=True, check=True
     ).stdout.strip().splitlines()[-1]
-    # both servers stay up (an idle one costs nothing) and rounds alternate between them, so the
-    # machine's drift (this one's speed moves 10-20% over minutes) hits both alike
+    order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
     port = free_port()
     servers = {"superfluid": Server("superfluid", superfluid_argv(
-        args.model, port, "--max-batch", "8", "--max-context", "4096", "--threads", str(args.threads)), port)}
+        args.model, port, "--max-batch", str(LANES), "--max-context", str(CTX), "--threads", str(args.threads),
+        host_cache_mb=args.host_cache_mb), port)}
     port = free_port()
-    servers["llama-server"] = Server("llama-server", [
-        binary, "-m", args.model, "-c", "32768", "-np", "8", "-t", str(args.threads), "--host", "127.0.0.1",
-        "--port", str(port)], port, env={"LD_LIBRARY_PATH": str(Path(binary).parent)})
+    servers["llama-server"] = Server("llama-server", llama_server_argv(
+        binary, args.model, port, lanes=LANES, ctx=CTX, threads=args.threads), port,
+        env={"LD_LIBRARY_PATH": str(Path(binary).parent)})
     engine = None
     try:
         level = None
-        if not args.skip_ceiling:
-            from engine_ceiling import Ceiling  # type: ignore[import-not-found]
+        if not args.skip_executor:
+            from in_process import InProcess  # type: ignore[import-not-found]
 
-            engine = Ceiling(args.model, max_lanes=8, threads=args.threads)
+            engine = InProcess(args.model, max_lanes=LANES, threads=args.threads, sampling=sampling)
             level = partial(engine.level, tokens=args.tokens)
-        results, every = trio.run(measure_alternating, servers, args.rounds, args.tokens, level)
+        results, every, orders = trio.run(measure_rounds, servers, args.rounds, args.tokens, sampling, order_seed,
+                                          level)
     finally:
         for srv in servers.values():
             srv.stop()
         if engine is not None:
             engine.close()
-    ceiling = {c: tok_s for c, (tok_s, _ttft) in results.get("ceiling", {}).items()}
+    executor = {c: tok_s for c, (tok_s, _ttft) in results.get(EXECUTOR, {}).items()}
 
     def per_round(c: int, theirs: str) -> list[float]:
         runs = every[c]
@@ -197,20 +244,27 @@ def main() -> None:
     def paired(c: int, theirs: str) -> float:
         return median(per_round(c, theirs))
 
+    said = ("greedy" if not args.temperature else
+            f"sampled: temperature {args.temperature}, seed {args.seed}+i, top_k {args.top_k}, top_p {args.top_p}, "
+            f"min_p {args.min_p} (same on both)")
     print()
-    print(f"model: {Path(args.model).name}, {args.tokens}-token replies, 8 prompts, median of {args.rounds} "
-          "alternating rounds; ratio: median of per-round ratios")
+    print(f"commit {commit()}; model {Path(args.model).name}; {said}; {args.tokens}-token replies, 8 prompts, "
+          f"median of {args.rounds} rounds; ratio: median of per-round ratios")
+    print(f"memory: {kv_cells(LANES, CTX)} KV cells each (ours --max-batch {LANES} --max-context {CTX}, "
+          f"llama-server -c {kv_cells(LANES, CTX)} -np {LANES} --cache-ram 0); ours --host-cache-mb {args.host_cache_mb}")
+    print(f"round order (seed {order_seed}): " + "; ".join(
+        f"{c} concurrent: " + " | ".join(",".join(o) for o in orders[c]) for c in orders))
     # rounds below 1.00 says how far the median is from noise (one round varies ~6% here)
     print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | rounds below 1.00 | superfluid TTFT ms "
-          "| llama-server TTFT ms |" + (" engine ceiling tok/s | ours/ceiling |" if ceiling else ""))
-    print("|---|---|---|---|---|---|---|" + ("---|---|" if ceiling else ""))
+          "| llama-server TTFT ms |" + (f" {EXECUTOR} tok/s | ours/executor |" if executor else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if executor else ""))
     for c in (1, 2, 4, 8):
         o, t = results["superfluid"][c], results["llama-server"][c]
         ratios = per_round(c, "llama-server")
         row = (f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {paired(c, 'llama-server'):.2f} | "
                f"{sum(r < 1 for r in ratios)} of {len(ratios)} | {o[1] * 1000:.0f} | {t[1] * 1000:.0f} |")
-        if ceiling:
-            row += f" {ceiling[c]:.1f} | {paired(c, 'ceiling'):.2f} |"
+        if executor:
+            row += f" {executor[c]:.1f} | {paired(c, EXECUTOR):.2f} |"
         print(row)
 
 

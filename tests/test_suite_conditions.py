@@ -67,9 +67,11 @@ MUTATIONS: list[tuple[str, str, Callable[[dict[str, Any]], None], str]] = [
      "differs from the reference"),
     ("daemon_restart", "no restart", lambda n: n.update(restarted=False, start_error="exit 1"), "did not restart"),
     ("daemon_restart", "first failed", _set("first.outcome", "http"), "failed"),
-    ("agents_interactive", "agent failed", _set("passes.qos.agents_failed", 1), "agent request"),
-    ("agents_interactive", "stall", _set("passes.qos.max_stall_s", 31.0), "stalled"),
-    ("agents_interactive", "chat slow", _set("passes.qos.chat.ttft_s", 1.01), "exceeds"),
+    ("agents_interactive", "agent failed", _set("passes.plain.agents_failed", 1), "agent request"),
+    ("agents_interactive", "stall", _set("passes.plain.max_stall_s", 31.0), "stalled"),
+    ("agents_interactive", "chat slow", _set("passes.plain.chat.ttft_s", 1.01), "exceeds"),
+    ("agents_interactive", "no chat lane", _set("agents", 4), "no lane for the chat"),
+    ("agents_interactive", "no plain pass", lambda n: n["passes"].pop("plain"), "plain pass was not run"),
     ("kv_exhaustion", "timeout", _set("outcomes", {"ok": 15, "timeout": 1}), "untyped"),
     ("kv_exhaustion", "fresh failed", _set("fresh.outcome", "transport"), "fresh request"),
     ("kv_exhaustion", "missing", _set("outcomes", {"ok": 3}), "recorded"),
@@ -112,9 +114,9 @@ def test_disconnect_latency_branch_when_lanes_are_unobservable() -> None:
     assert not judge("client_disconnect", n).passed
 
 
-def test_shared_prefix_latency_branch_without_cached_report() -> None:
+def test_shared_prefix_latency_branch_without_a_prefilled_count() -> None:
     n = fixture("shared_prefix--pass")
-    n.update(cached_reported=False, shared_ttft_p50=1.0, cold_ttft_p50=2.5)
+    n.update(prefilled_tokens=None, shared_ttft_p50=1.0, cold_ttft_p50=2.5)
     assert judge("shared_prefix", n).passed
     n["cold_ttft_p50"] = 1.9
     assert not judge("shared_prefix", n).passed
@@ -128,6 +130,12 @@ def test_scores_are_passes_over_applicable_cells(tmp_path: Path) -> None:
         (tmp_path / f"{scenario}--peer.json").write_text(json.dumps(res))
     text = compare([tmp_path])
     assert "| **passes / applicable** | 3/6 (2 n/a) |" in text
+    n = fixture("tool_session--pass")
+    n.update(parsed=0, emitted=0)
+    res = result("tool_session", n, "no calls")
+    res.update(scenario="tool_session", system="peer")
+    (tmp_path / "tool_session--peer.json").write_text(json.dumps(res))
+    assert "| **passes / applicable** | 3/6 (2 n/a, 1 inconclusive) |" in compare([tmp_path])  # a fail became inconclusive
 
 
 def test_a_tool_session_without_a_single_call_is_inconclusive() -> None:
@@ -291,3 +299,192 @@ async def test_client_aborts_after_n_chunks() -> None:
 def test_client_refuses_non_loopback_hosts() -> None:
     with pytest.raises(ValueError):
         Client("10.1.2.3", 80)
+
+
+# -- issue #16: one judged pass for everyone, feature rows beside, counted prefills, equal memory -------------------
+
+
+def test_agents_every_system_is_judged_on_the_plain_pass_and_qos_is_a_feature_row() -> None:
+    n = fixture("agents_interactive--pass")
+    assert n["judged"] == "plain" and n["agents"] < n["lanes"]
+    n["passes"]["plain"]["chat"]["ttft_s"] = 1.5  # a great QoS pass must not rescue a slow plain one
+    n["passes"]["qos"]["chat"]["ttft_s"] = 0.05
+    res = result("agents_interactive", n, "h")
+    assert res["verdict"] == "fail" and "[plain]" in res["reason"]
+    assert res["features"]["with QoS headers"]["verdict"] == "pass"
+    n["passes"]["qos"]["chat"]["ttft_s"] = 1.5
+    assert result("agents_interactive", n, "h")["features"]["with QoS headers"]["verdict"] == "fail"
+    del n["passes"]["qos"]  # a server without QoS headers: the feature row is n/a, not a fail
+    n["passes"]["plain"]["chat"]["ttft_s"] = 0.2
+    res = result("agents_interactive", n, "h")
+    assert res["verdict"] == "pass" and res["features"]["with QoS headers"]["verdict"] == "unsupported"
+
+
+def test_daemon_restart_resume_by_id_is_a_separate_row_a_stateless_server_cannot_pass() -> None:
+    n = fixture("daemon_restart--pass")
+    res = result("daemon_restart", n, "h")
+    assert res["verdict"] == "pass" and res["features"]["resume by id"]["verdict"] == "pass"
+    broken = copy.deepcopy(n)
+    broken["resume"]["text"] = broken["resume"]["text"][:-5]
+    assert result("daemon_restart", broken, "h")["features"]["resume by id"]["verdict"] == "fail"
+    broken = copy.deepcopy(n)
+    broken["resume"].update(outcome="http", error="HTTP 404: unknown session")
+    assert "failed" in result("daemon_restart", broken, "h")["features"]["resume by id"]["why"]
+    stateless = copy.deepcopy(n)
+    del stateless["resume"]  # llama-server: no resumable sessions
+    res = result("daemon_restart", stateless, "h")
+    assert res["verdict"] == "pass" and res["features"]["resume by id"]["verdict"] == "unsupported"
+
+
+def test_shared_prefix_prefills_come_from_server_counts_and_are_at_least_one() -> None:
+    n = fixture("shared_prefix--pass")
+    assert n["prefilled_source"] == "superfluid_prefill_tokens_total"
+    assert 1.0 <= n["prefix_prefills"] == judge_prefills(n) < 1.1
+    # llama-server shape: 12 requests on 4 slots, each slot prefills the prefix once (timings.prompt_n)
+    prefix, tail = 1300, 20
+    slots = dict(requests=12, prompt_tokens_per_request=[prefix + tail] * 12, prefix_tokens=prefix,
+                 prefilled_tokens=4 * prefix + 12 * tail, prefilled_source="timings.prompt_n",
+                 shared_failed=0)
+    assert judge_prefills(slots) == 4.0
+    assert not judge("shared_prefix", slots).passed and "prefilled 4.00 times" in judge("shared_prefix", slots).why
+    # no reuse reported at all: every request prefilled the whole prompt
+    assert judge_prefills({**slots, "prefix_tokens": 0, "prefilled_tokens": 12 * (prefix + tail)}) == 12.0
+    # one request per burst must be counted: a missing prompt count is no count
+    assert judge_prefills({**slots, "prompt_tokens_per_request": [prefix + tail] * 11}) is None
+
+
+def judge_prefills(n: dict[str, Any]) -> float | None:
+    from superfluid.suite._conditions import prefix_prefills
+
+    return prefix_prefills(n)
+
+
+def test_prefilled_tokens_prefer_server_counters_then_timings_then_token_counts() -> None:
+    from superfluid.suite._load import prefilled_tokens as _prefilled
+
+    def reply(prompt: int, cached: int, prompt_n: int | None) -> Reply:
+        r = Reply(stream=True, status=200, usage={"prompt_tokens": prompt,
+                                                  "prompt_tokens_details": {"cached_tokens": cached}})
+        r.timings = None if prompt_n is None else {"prompt_n": prompt_n, "cache_n": cached}
+        return r
+
+    hot = [reply(100, 0, 100), reply(100, 90, 12)]
+    assert _prefilled(hot, 1000.0, 1111.0) == (111, "superfluid_prefill_tokens_total")
+    assert _prefilled(hot, None, None) == (112, "timings.prompt_n")
+    assert _prefilled([reply(100, 0, None), reply(100, 90, None)], None, None) == (110, "usage: prompt - cached")
+    hot[1].error_kind = "http"
+    assert _prefilled(hot, None, None) == (None, None)
+
+
+def test_compare_shows_feature_rows_and_the_commits_the_cells_ran_on(tmp_path: Path) -> None:
+    for scenario, rev in (("agents_interactive", "abc1234"), ("daemon_restart", "abc1234")):
+        res = result(scenario, fixture(f"{scenario}--pass"), "h")
+        res.update(scenario=scenario, system="ours", rev=rev)
+        (tmp_path / f"{scenario}--ours.json").write_text(json.dumps(res))
+    res = unsupported("daemon_restart", "stateless")
+    res.update(scenario="daemon_restart", system="theirs", rev="abc1234")
+    (tmp_path / "daemon_restart--theirs.json").write_text(json.dumps(res))
+    text = compare([tmp_path])
+    assert "All 3 cells ran at commit `abc1234`." in text
+    assert "| agents_interactive: with QoS headers | pass |  |" in text
+    assert "| daemon_restart: resume by id | pass | n/a |" in text
+    assert "| **passes / applicable** | 2/2 | 0/0 (1 n/a) |" in text  # feature rows are not in the totals
+    res.update(rev="def5678-dirty")
+    (tmp_path / "daemon_restart--theirs.json").write_text(json.dumps(res))
+    assert "**Mixed commits**: `abc1234` (2 cells), `def5678-dirty` (1 cell)" in compare([tmp_path])
+
+
+def test_cells_without_their_own_commit_take_the_manifests(tmp_path: Path) -> None:
+    res = result("kv_exhaustion", fixture("kv_exhaustion--pass"), "h")
+    res.update(scenario="kv_exhaustion", system="ours")
+    (tmp_path / "kv_exhaustion--ours.json").write_text(json.dumps(res))
+    (tmp_path / "manifest.json").write_text(json.dumps({"versions": {"superfluid_rev": "245d9af"}}))
+    assert "All 1 cells ran at commit `245d9af`." in compare([tmp_path])
+
+
+def test_sse_event_id_counts_only_once_its_data_was_read() -> None:
+    reply = read(b"id: 3\n" + CHUNK % b"a" + b"id: 4\n" + CHUNK % b"b" + b"id: 5\n")
+    assert reply.content == "ab" and reply.last_event_id == "4"
+
+
+def test_every_system_gets_the_kv_cells_a_superfluid_worker_allocates(tmp_path: Path) -> None:
+    from superfluid.suite._process import Server
+    from superfluid.suite._systems import Box, kv_cells, system_spec
+
+    box = Box(name="t", root=tmp_path, data={"llama_server": "bin/llama-server", "models": {"gguf": "m.gguf"}})
+    theirs = Server(system_spec("llama-server", box, mock_spec="mock"), lanes=4, ctx=1024, run_dir=tmp_path).argv()
+    assert theirs[theirs.index("-c") + 1] == str(kv_cells(4, 1024)) == str(6 * 1024)
+    assert theirs[theirs.index("-np") + 1] == "4" and theirs[theirs.index("--cache-ram") + 1] == "0"
+    ours = Server(system_spec("superfluid-mock", box, mock_spec="mock"), lanes=4, ctx=1024, run_dir=tmp_path).argv()
+    assert ours[ours.index("--host-cache-mb") + 1] == "0"
+    assert ours[ours.index("--max-batch") + 1] == "4"
+    # and it is what the worker really allocates: the recorded mock run's KV gauge
+    kv = fixture("kv_exhaustion--pass")
+    assert kv["kv_tokens"] == kv_cells(kv["lanes"], kv["ctx"]) and kv["kv_tokens_source"] == "superfluid_kv_total_tokens"
+    assert kv["demand_ratio"] == round(kv["demand_tokens"] / kv["kv_tokens"], 2)
+
+
+# -- tool_session forces the call: a fake server that calls the tool only when told to --------------------------
+
+def _sse(*objs: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
+
+
+async def _tool_server(stream: trio.SocketStream, seen: list[Any], refuse_forcing: bool) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")),
+                  0)
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    if head.startswith(b"GET /v1/models"):
+        payload = json.dumps({"data": [{"id": "fake"}]}).encode()
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                              % (len(payload), payload))
+        await stream.aclose()
+        return
+    req = json.loads(body)
+    choice = req.get("tool_choice")
+    seen.append(choice)
+    if choice == "required" and refuse_forcing:
+        err = b'{"error":{"message":"constrained output is not available","code":"unsupported_parameter"}}'
+        await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(err), err))
+    elif choice == "required":
+        account = req["messages"][-1]["content"].split()[-1].rstrip("?")
+        call = {"index": 0, "id": "c1", "function": {"name": "lookup_code", "arguments": json.dumps({"account": account})}}
+        await stream.send_all(SSE_HEAD + _chunked(_sse({"choices": [{"delta": {"tool_calls": [call]}}]},
+                                                       {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})))
+    else:  # unforced: answers in words (with the tool result, when there is one)
+        last = req["messages"][-1]
+        text = f"The code is {last['content']}." if last["role"] == "tool" else "I cannot look that up."
+        await stream.send_all(SSE_HEAD + _chunked(_sse({"choices": [{"delta": {"content": text}}]},
+                                                       {"choices": [{"delta": {}, "finish_reason": "stop"}]})))
+    await stream.aclose()
+
+
+@pytest.mark.parametrize("refuse_forcing", [False, True])
+async def test_tool_session_forces_the_call_so_calls_are_shown(tmp_path: Path, refuse_forcing: bool) -> None:
+    from superfluid.suite._behaviour import tool_session
+    from superfluid.suite._corpus import SCALES
+    from superfluid.suite._process import Context
+    from superfluid.suite._systems import attached_spec
+
+    seen: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, lambda s: _tool_server(s, seen, refuse_forcing), 0,
+                                                host="127.0.0.1"))
+        port = int(listeners[0].socket.getsockname()[1])
+        ctx = Context(spec=attached_spec("fake", port), scale=SCALES["quick"], run_dir=tmp_path, url_port=port,
+                      note=lambda line: None)
+        res = await tool_session(ctx)
+        nursery.cancel_scope.cancel()
+    n = res["numbers"]
+    if refuse_forcing:  # the server refuses to force: asked with auto, no call shown, so no verdict either way
+        assert res["verdict"] == "inconclusive" and n["forced"] is False and "constrained" in n["forced_refused"]
+        assert n["parsed"] == 0 and "forcing refused" in res["headline"]
+    else:
+        assert seen[0] == "required" and seen[1] == "auto"
+        assert res["verdict"] == "pass", res["reason"]
+        assert n["parsed"] == n["turns"] == n["answers_correct"] and n["bad_args"] == 0 and n["leaks"] == 0

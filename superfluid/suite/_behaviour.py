@@ -58,14 +58,24 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
     rng = random.Random(20240611)
     s: dict[str, Any] = {"turns": sz["turns"], "turns_done": 0, "errors": 0, "first_error": None, "leaks": 0,
                          "emitted": 0, "parsed": 0, "bad_args": 0, "no_call": 0, "answers_correct": 0,
-                         "answers_checked": 0}
+                         "answers_checked": 0, "forced": True, "forced_refused": None, "answer_calls": 0}
     rows: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = [{"role": "system", "content": TOOL_SYSTEM}]
 
-    async def ask(max_tokens: int, deadline: float) -> Reply:
+    async def ask(max_tokens: int, deadline: float, choice: str) -> Reply:
         left = max(1.0, deadline - trio.current_time())
-        return await client.chat(messages, max_tokens=max_tokens, tools=[LOOKUP_TOOL], timeout=min(300.0, left),
-                                 limit=left)
+        return await client.chat(messages, max_tokens=max_tokens, tools=[LOOKUP_TOOL], tool_choice=choice,
+                                 timeout=min(300.0, left), limit=left)
+
+    async def ask_forced(deadline: float) -> Reply:
+        """A forced call (one tool declared, so ``required`` is the lookup); a server that
+        refuses to force (a typed 400) is asked with ``auto`` from then on, and that is recorded."""
+        if s["forced"]:
+            reply = await ask(96, deadline, "required")
+            if reply.status != 400:
+                return reply
+            s.update(forced=False, forced_refused=reply.error[:300])
+        return await ask(96, deadline, "auto")
 
     async with ctx.launch(lanes=sz["lanes"], ctx=sz["ctx"]) as target:
         client = target.client
@@ -76,7 +86,7 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
                 break
             account = f"acct-{rng.randrange(10000):04d}"
             messages.append({"role": "user", "content": f"What is the access code for {account}?"})
-            first = await ask(96, deadline)
+            first = await ask_forced(deadline)
             rows.append({"ttft_s": first.ttft, "prompt": first.prompt_tokens, "cached": first.cached_tokens})
             if not first.ok:
                 s["errors"] += 1
@@ -103,11 +113,15 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
                 results.append({"role": "tool", "tool_call_id": call_id, "content": code})
             messages.append({"role": "assistant", "content": first.content or None, "tool_calls": calls})
             messages.extend(results)
-            answer = await ask(64, deadline)
+            answer = await ask(64, deadline, "auto")
             if not answer.ok:
                 s["errors"] += 1
                 s["first_error"] = f"{answer.outcome}: {answer.error}"[:300]
                 break
+            if answer.tool_calls:  # a second call instead of an answer: parsed, counted, not followed
+                s["emitted"] += 1
+                s["parsed"] += 1
+                s["answer_calls"] += 1
             s["answers_checked"] += 1
             s["answers_correct"] += int(results[0]["content"] in answer.content)
             s["leaks"] += int(_leaked(answer.content))
@@ -122,7 +136,8 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
         cached_ratio=round(sum(r["cached"] or 0 for r in rows) / prompt_sum, 4) if prompt_sum else None,
         final_prompt_tokens=rows[-1]["prompt"] if rows else None,
     )
-    headline = (f"{s['turns_done']}/{s['turns']} turns; {s['parsed']} parsed calls, {s['no_call']} no-call, "
+    forced = "forced tool_choice" if s["forced"] else "tool_choice auto (forcing refused)"
+    headline = (f"{s['turns_done']}/{s['turns']} turns, {forced}; {s['parsed']} parsed calls, {s['no_call']} no-call, "
                 f"{s['leaks']} leaks, {s['errors']} errors; cached ratio {s['cached_ratio']}")
     return result("tool_session", s, headline)
 

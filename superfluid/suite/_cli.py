@@ -5,7 +5,7 @@
     python -m superfluid.suite run --systems superfluid-mock[,llama-server,...]
         [--box BOX.json] [--url URL] [--scenarios a,b] [--scale quick|small|full]
         [--out DIR] [--cooldown S]
-    python -m superfluid.suite compare DIR [DIR ...]
+    python -m superfluid.suite compare DIR [DIR ...] [--notes SETUP.md] > docs/suite-results.md
     python -m superfluid.suite systems [--box BOX.json]
     python -m superfluid.suite conditions
 
@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cooldown", type=float, default=None, help="idle seconds between cells (default by scale)")
     c = sub.add_parser("compare", help="Markdown grid and per-scenario sections from result directories")
     c.add_argument("dirs", nargs="+", type=Path)
+    c.add_argument("--notes", type=Path, help="Markdown to put under the header (the setup: box, models, flags); "
+                                              "default none")
     sub.add_parser("conditions", help="print each scenario's pass condition")
     y = sub.add_parser("systems", help="show how each system would be started on this box")
     y.add_argument("--box", help="box JSON")
@@ -83,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"not a directory: {', '.join(map(str, missing))}", file=sys.stderr)
             return 2
-        sys.stdout.write(compare(args.dirs))
+        try:
+            notes = args.notes.read_text() if args.notes else ""
+        except OSError as exc:
+            print(f"--notes: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(compare(args.dirs, notes=notes))
         return 0
     if args.command == "systems":
         return _show_systems(args.box, args.scale)

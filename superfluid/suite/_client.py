@@ -125,6 +125,7 @@ class Client:
                     continue
                 if isinstance(event, h11.Response):
                     reply.status = event.status_code
+                    reply.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
                     ctype = dict(event.headers).get(b"content-type", b"")
                     sse = event.status_code == 200 and ctype.startswith(b"text/event-stream")
                 elif isinstance(event, h11.Data):
@@ -162,12 +163,13 @@ class Client:
     async def chat(self, messages: list[dict[str, Any]] | str, *, max_tokens: int, stream: bool = True,
                    qos: str | None = None, timeout: float = 120.0, limit: float | None = None,
                    abort_after_chunks: int | None = None, abort_after_s: float | None = None,
-                   on_chunk: Callable[[Reply], Any] | None = None, **extra: Any) -> Reply:
+                   on_chunk: Callable[[Reply], Any] | None = None, headers: list[tuple[str, str]] | None = None,
+                   **extra: Any) -> Reply:
         """``POST /v1/chat/completions``, greedy, thinking off. A ``qos`` class
         is sent only to servers that take the header."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        headers = [("x-superfluid-qos", qos)] if qos and self.qos else []
+        headers = [*(headers or []), *([("x-superfluid-qos", qos)] if qos and self.qos else [])]
         body = self.chat_body(messages, max_tokens=max_tokens, stream=stream, **extra)
         return await self.call("POST", "/v1/chat/completions", body, headers=headers, stream=stream,
                                timeout=timeout, limit=limit, abort_after_chunks=abort_after_chunks,

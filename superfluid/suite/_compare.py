@@ -1,9 +1,13 @@
-"""``compare``: result directories -> one Markdown report.
+"""``compare``: result directories -> one Markdown report (docs/suite-results.md is this output,
+regenerated, never edited by hand).
 
-A manifest bullet per directory, a grid (scenario x system: ``pass``,
+The commit(s) the cells ran on (each cell records its own; older cells fall
+back to their directory's manifest), flagged when they differ; a manifest
+bullet per directory; a grid (scenario x system: ``pass``,
 ``**FAIL**``, ``n/a``, ``error``, ``inconclusive``) with passes over applicable
-cells per system (``n/a`` is not applicable and is counted beside), then one
-section per scenario: its pass condition, and per system the mark, the
+cells per system (``n/a`` is not applicable and is counted beside); the feature
+rows (reported beside the scored grid, never in its totals: ``agents_interactive``
+with QoS headers, ``daemon_restart`` resume by id); then one section per scenario: its pass condition, and per system the mark, the
 headline, the one-line reason when it did not pass, and the result file.
 """
 
@@ -15,7 +19,7 @@ from typing import Any
 
 from ._conditions import CONDITIONS
 
-__all__ = ["MARKS", "compare", "load_results"]
+__all__ = ["MARKS", "cell_commits", "compare", "load_results"]
 
 MARKS = {"pass": "pass", "fail": "**FAIL**", "unsupported": "n/a", "error": "error", "inconclusive": "inconclusive"}
 _ORDER = list(CONDITIONS)
@@ -42,6 +46,7 @@ def load_results(dirs: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str,
             cell.setdefault("system", system)
             cell["_file"] = str(f)
             cell["_dir"] = d.name
+            cell.setdefault("rev", (manifest.get("versions") or {}).get("superfluid_rev"))
             cells.append(cell)
     systems_per_dir: dict[str, set[str]] = {}
     for c in cells:
@@ -63,7 +68,38 @@ def _manifest_line(m: dict[str, Any]) -> str:
     return "- " + "; ".join(p for p in parts if p)
 
 
-def compare(dirs: list[Path]) -> str:
+def cell_commits(cells: list[dict[str, Any]]) -> str:
+    """One line: the commit every cell ran on, or each commit with its cell count, marked mixed."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        rev = str(c.get("rev") or "unknown")
+        counts[rev] = counts.get(rev, 0) + 1
+    if not counts:
+        return "No cells."
+    if len(counts) == 1:
+        rev = next(iter(counts))
+        dirty = " (uncommitted changes: not reproducible from the commit)" if rev.endswith("-dirty") else ""
+        return f"All {len(cells)} cells ran at commit `{rev}`{dirty}."
+    parts = ", ".join(f"`{rev}` ({n} cell{'s' if n != 1 else ''})" for rev, n in sorted(counts.items()))
+    return f"**Mixed commits**: {parts}; these cells did not all run on one code version."
+
+
+def _features(cells: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for c in cells:
+        for label, f in (c.get("features") or {}).items():
+            rows.setdefault((c["scenario"], label), {})[c["_column"]] = f
+    if not rows:
+        return []
+    out = ["", "Feature rows (reported beside the grid, not counted in its totals):", "",
+           "| feature | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for (scenario, label), by_col in rows.items():
+        marks = [MARKS.get(by_col[col]["verdict"], "?") if col in by_col else "" for col in columns]
+        out.append(f"| {scenario}: {label} | " + " | ".join(marks) + " |")
+    return out
+
+
+def compare(dirs: list[Path], *, notes: str = "") -> str:
     manifests, cells = load_results(dirs)
     columns: list[str] = []
     for c in cells:
@@ -72,7 +108,12 @@ def compare(dirs: list[Path]) -> str:
     scenarios = [s for s in _ORDER if any(c["scenario"] == s for c in cells)]
     scenarios += sorted({c["scenario"] for c in cells} - set(scenarios))
     grid = {(c["scenario"], c["_column"]): c for c in cells}
-    out = ["# Serving-semantics suite", ""]
+    dirs_said = " ".join(Path(m["_dir"]).name for m in manifests)
+    out = ["# Serving-semantics suite", "",
+           f"Generated from result files by `python -m superfluid.suite compare {dirs_said}`; do not edit by hand.",
+           "", cell_commits(cells), ""]
+    if notes:
+        out += [notes.strip(), ""]
     out += [_manifest_line(m) for m in manifests]
     out += ["", "| scenario | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for s in scenarios:
@@ -83,8 +124,11 @@ def compare(dirs: list[Path]) -> str:
         mine = [grid[(s, col)] for s in scenarios if (s, col) in grid]
         passed = sum(1 for c in mine if c["verdict"] == "pass")
         na = sum(1 for c in mine if c["verdict"] == "unsupported")
-        totals.append(f"{passed}/{len(mine) - na}" + (f" ({na} n/a)" if na else ""))
+        unsure = sum(1 for c in mine if c["verdict"] == "inconclusive")  # ran, showed nothing: not a pass
+        beside = [f"{na} n/a"] * bool(na) + [f"{unsure} inconclusive"] * bool(unsure)
+        totals.append(f"{passed}/{len(mine) - na}" + (f" ({', '.join(beside)})" if beside else ""))
     out.append("| **passes / applicable** | " + " | ".join(totals) + " |")
+    out += _features(cells, columns)
     for s in scenarios:
         out += ["", f"## {s}", ""]
         condition = next((grid[(s, col)].get("condition") for col in columns
@@ -99,4 +143,6 @@ def compare(dirs: list[Path]) -> str:
             out.append(line)
             if c["verdict"] != "pass" and c.get("reason"):
                 out.append(f"  - why: {c['reason']}")
+            for label, f in (c.get("features") or {}).items():
+                out.append(f"  - {label} ({MARKS.get(f['verdict'], f['verdict'])}): {f.get('why') or ''}")
     return "\n".join(out) + "\n"

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 import attrs
 
-__all__ = ["CHECKS", "CONDITIONS", "Check", "judge", "prefix_prefills", "result", "unsupported"]
+__all__ = ["CHECKS", "CONDITIONS", "FEATURES", "Check", "judge", "judge_features", "prefix_prefills", "result",
+           "unsupported"]
 
 OK_OR_TYPED = ("ok", "http", "event")
 CHAT_TTFT_LIMIT_S = 1.0
@@ -90,11 +91,9 @@ def daemon_restart(n: dict[str, Any]) -> Check:
     return Check(True, f"restarted in {n.get('restart_to_ready_s', 0):.2f} s; same reply as before the crash")
 
 
-def agents_interactive(n: dict[str, Any]) -> Check:
-    name = n.get("judged")
-    p = (n.get("passes") or {}).get(name)
+def _agents_pass(name: str, p: dict[str, Any] | None) -> Check:
     if not p:
-        return _fail(f"the judged pass {name!r} was not run")
+        return _fail(f"the {name} pass was not run")
     chat = p.get("chat") or {}
     if chat.get("outcome") != "ok":
         return _fail(f"[{name}] the interactive chat failed: {_describe(chat)}")
@@ -107,6 +106,39 @@ def agents_interactive(n: dict[str, Any]) -> Check:
     if stall > AGENT_STALL_LIMIT_S:
         return _fail(f"[{name}] an agent stream stalled {stall:.1f} s (> {AGENT_STALL_LIMIT_S:.0f} s)")
     return Check(True, f"[{name}] chat TTFT {ttft:.2f} s behind the agents; no agent failed or stalled")
+
+
+def resume_by_id(n: dict[str, Any]) -> Check | None:
+    """The feature row: the stream cut by the crash, resumed by id after the restart
+    (None: the server has no resumable sessions)."""
+    r = n.get("resume")
+    if r is None:
+        return None
+    if not r.get("session"):
+        return _fail("the crashed stream named no session id (x-superfluid-session)")
+    if r.get("outcome") != "ok":
+        return _fail(f"GET /v1/sessions/{{id}}/stream after the restart failed: {_describe(r)}")
+    ref = n.get("reference_text") or ""
+    whole = (r.get("delivered") or "") + (r.get("text") or "")
+    if whole != ref:
+        return _fail(f"delivered + resumed text differs from the reference (at char {_diverges(whole, ref)} of "
+                     f"{len(ref)})")
+    return Check(True, f"resumed from event {r.get('after')} after the restart; delivered + resumed text equals "
+                       f"the reference")
+
+
+def agents_interactive(n: dict[str, Any]) -> Check:
+    """Every system is judged on the same pass: plain requests, no QoS headers."""
+    if n.get("agents", 0) >= n.get("lanes", 0):
+        return _fail(f"{n.get('agents')} agents on {n.get('lanes')} lanes leave no lane for the chat: "
+                     f"the setup does not test scheduling")
+    return _agents_pass("plain", (n.get("passes") or {}).get("plain"))
+
+
+def agents_with_qos(n: dict[str, Any]) -> Check | None:
+    """The feature row: the same load with ``x-superfluid-qos`` headers (None: the server takes none)."""
+    p = (n.get("passes") or {}).get("qos")
+    return None if p is None else _agents_pass("qos", p)
 
 
 def kv_exhaustion(n: dict[str, Any]) -> Check:
@@ -184,11 +216,23 @@ def client_disconnect(n: dict[str, Any]) -> Check:
 
 
 def prefix_prefills(n: dict[str, Any]) -> float | None:
-    """How many times the shared prefix was prefilled, from reported cached tokens."""
-    prefix = (n.get("prompt_tokens") or 0) - (n.get("question_tokens") or 0)
-    if prefix <= 0 or not n.get("cached_reported"):
+    """How many times the shared prefix was prefilled: the server's prefilled-token count for
+    the shared burst, less every request's own tail, over the prefix length.
+
+    ``prefilled_tokens`` comes from the server's counters (superfluid's
+    ``superfluid_prefill_tokens_total``, llama-server's per-response ``timings.prompt_n``) or,
+    without them, from token counts (prompt − cached per request). The prefix length is the
+    longest prompt prefix the server reported reusing (``cached_tokens``); a burst with no reuse
+    at all prefilled the prefix once per request. None without a count to start from."""
+    prefilled = n.get("prefilled_tokens")
+    prompts = [p for p in n.get("prompt_tokens_per_request") or [] if p]
+    if prefilled is None or not prompts or len(prompts) != n.get("requests"):
         return None
-    return round(n.get("requests", 0) - (n.get("cached_sum") or 0) / prefix, 3)
+    prefix = min(int(n.get("prefix_tokens") or 0), min(prompts))
+    if prefix <= 0:
+        return float(len(prompts))
+    tails = sum(p - prefix for p in prompts)
+    return round((prefilled - tails) / prefix, 3)
 
 
 def shared_prefix(n: dict[str, Any]) -> Check:
@@ -197,14 +241,16 @@ def shared_prefix(n: dict[str, Any]) -> Check:
     prefills = prefix_prefills(n)
     if prefills is not None:
         if prefills > PREFIX_PREFILLS_MAX:
-            return _fail(f"the shared prefix was prefilled {prefills:.1f} times (> {PREFIX_PREFILLS_MAX:.0f})")
-        return Check(True, f"shared prefix prefilled {prefills:.1f} times for {n.get('requests')} requests")
+            return _fail(f"the shared prefix was prefilled {prefills:.2f} times (> {PREFIX_PREFILLS_MAX:.0f}; "
+                         f"{n.get('prefilled_source')})")
+        return Check(True, f"shared prefix prefilled {prefills:.2f} times for {n.get('requests')} requests "
+                           f"({n.get('prefilled_source')})")
     shared, cold = n.get("shared_ttft_p50"), n.get("cold_ttft_p50")
     if shared is None or cold is None:
-        return _fail("no cached-token report and no TTFT to compare")
+        return _fail("no prefilled-token count and no TTFT to compare")
     if shared > SHARED_TTFT_RATIO_MAX * cold:
         return _fail(f"shared TTFT p50 {shared:.2f} s > {SHARED_TTFT_RATIO_MAX} x cold {cold:.2f} s "
-                     f"(no cached-token report)")
+                     f"(no prefilled-token count)")
     return Check(True, f"shared TTFT p50 {shared:.2f} s vs cold {cold:.2f} s")
 
 
@@ -219,22 +265,31 @@ CONDITIONS = {
                    "is a prefix of the reference; the server serves again by itself; the next reply equals the "
                    "reference",
     "daemon_restart": "the server restarts on its state dir and the first reply after restart equals the "
-                      "pre-crash reference",
+                      "pre-crash reference (resuming the cut stream by id is a feature row, n/a where the "
+                      "server has no resumable sessions)",
     "agents_interactive": f"the chat succeeds with TTFT <= {CHAT_TTFT_LIMIT_S:g} s, no agent fails and no agent "
-                          f"stream stalls > {AGENT_STALL_LIMIT_S:g} s (judged on the QoS pass where the server "
-                          f"takes QoS, else the plain pass)",
+                          f"stream stalls > {AGENT_STALL_LIMIT_S:g} s, fewer agents than lanes; every system is "
+                          f"judged on the plain pass (no QoS headers); the QoS-header pass is a feature row",
     "kv_exhaustion": "every request ends ok or with a typed error (HTTP error or SSE error event), none reset, "
                      "timed out, truncated or malformed; a fresh request afterwards succeeds",
     "unload_reload": "the unload call is accepted, every in-flight stream ends ok or with a typed error, and the "
                      "model serves again",
-    "tool_session": "no tool-call markup leaks into content, every emitted call is parsed, every turn is done, "
-                    "no request fails",
+    "tool_session": "each turn's first request forces a tool call (tool_choice required); no tool-call markup "
+                    "leaks into content, every emitted call is parsed, every turn is done, no request fails; "
+                    "zero parsed calls is inconclusive",
     "client_disconnect": f"in both modes (stream, non-stream) every request was dropped mid-generation, probes "
                          f"after the drop succeed, and busy lanes reach 0 within {LANES_FREE_WITHIN_S:g} s where "
                          f"observable (else probe TTFT p50 <= 2 x idle + 0.5 s)",
     "shared_prefix": f"the shared burst has no failures and the shared prefix is prefilled at most "
-                     f"{PREFIX_PREFILLS_MAX:g} times by reported cached tokens (without a report: shared TTFT p50 "
-                     f"<= {SHARED_TTFT_RATIO_MAX:g} x cold)",
+                     f"{PREFIX_PREFILLS_MAX:g} times, counted from the server's prefilled tokens (its counters, else "
+                     f"prompt - cached per request) over the longest reported cache hit (without a count: shared "
+                     f"TTFT p50 <= {SHARED_TTFT_RATIO_MAX:g} x cold)",
+}
+
+
+FEATURES: dict[str, dict[str, Callable[[dict[str, Any]], Check | None]]] = {
+    "agents_interactive": {"with QoS headers": agents_with_qos},
+    "daemon_restart": {"resume by id": resume_by_id},
 }
 
 
@@ -242,15 +297,36 @@ def judge(scenario: str, numbers: dict[str, Any]) -> Check:
     return CHECKS[scenario](numbers)
 
 
+def _verdict(check: Check) -> str:
+    return "pass" if check.passed else "inconclusive" if check.inconclusive else "fail"
+
+
+def judge_features(scenario: str, numbers: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Feature rows, reported beside the scored verdict: label -> verdict (``unsupported`` where
+    the server lacks the feature) and why."""
+    out = {}
+    for label, check_of in FEATURES.get(scenario, {}).items():
+        check = check_of(numbers)
+        out[label] = ({"verdict": "unsupported", "why": "the server does not offer it"} if check is None
+                      else {"verdict": _verdict(check), "why": check.why})
+    return out
+
+
 def result(scenario: str, numbers: dict[str, Any], headline: str) -> dict[str, Any]:
     """A scenario's result: the verdict comes from its check over ``numbers``."""
     check = judge(scenario, numbers)
-    verdict = "pass" if check.passed else "inconclusive" if check.inconclusive else "fail"
-    return {"verdict": verdict, "headline": headline,
-            "reason": "" if check.passed else check.why, "check": check.why,
-            "condition": CONDITIONS[scenario], "numbers": numbers}
+    out = {"verdict": _verdict(check), "headline": headline,
+           "reason": "" if check.passed else check.why, "check": check.why,
+           "condition": CONDITIONS[scenario], "numbers": numbers}
+    features = judge_features(scenario, numbers)
+    if features:
+        out["features"] = features
+    return out
 
 
 def unsupported(scenario: str, reason: str) -> dict[str, Any]:
-    return {"verdict": "unsupported", "headline": reason, "reason": reason,
-            "condition": CONDITIONS[scenario], "numbers": {}}
+    out: dict[str, Any] = {"verdict": "unsupported", "headline": reason, "reason": reason,
+                           "condition": CONDITIONS[scenario], "numbers": {}}
+    if scenario in FEATURES:
+        out["features"] = {label: {"verdict": "unsupported", "why": reason} for label in FEATURES[scenario]}
+    return out

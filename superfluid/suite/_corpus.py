@@ -8,7 +8,9 @@ tokens of the mock runtime, so the same text stays compact there.
 A :class:`Scale` holds every size a scenario uses. ``full`` is the published
 setup; ``small`` fits SmolLM2-135M on two cores (all eight scenarios for two
 systems in under 15 minutes); ``quick`` is for CI against the mock runtime.
-Scales shrink counts and lengths; pass thresholds do not change.
+Scales shrink counts and lengths; pass thresholds do not change. Every system in a cell gets
+the same lanes and context; ``agents_interactive`` runs fewer agents than lanes, so a lane is
+left for the chat on every system.
 """
 
 from __future__ import annotations
@@ -85,40 +87,40 @@ class Scale:
 _FULL = {
     "worker_kill": dict(lanes=4, ctx=4096, max_tokens=400, kill_chunk=60, recover_s=300),
     "daemon_restart": dict(lanes=4, ctx=8192, doc=5000, max_tokens=160, kill_chunk=20, start_s=600),
-    "agents_interactive": dict(lanes=8, ctx=8192, agents=8, doc=6000, max_tokens=384, chat_delay_s=2.0,
+    "agents_interactive": dict(lanes=9, ctx=8192, agents=8, doc=6000, max_tokens=384, chat_delay_s=2.0,
                                request_limit_s=1800),
     "kv_exhaustion": dict(lanes=8, ctx=4096, requests=32, doc=3000, max_tokens=900, request_limit_s=1800),
     "unload_reload": dict(lanes=8, ctx=4096, streams=4, max_tokens=500, unload_delay_s=1.5),
     "tool_session": dict(lanes=4, ctx=32768, turns=200, budget_s=1200),
     "client_disconnect": dict(lanes=8, ctx=4096, requests=8, max_tokens=2000, abort_chunks=16, abort_s=2.0,
                               probe_tokens=32, idle_wait_s=600),
-    "shared_prefix": dict(lanes=8, ctx=8192, requests=32, doc=4000, max_tokens=32, question_tokens=40,
+    "shared_prefix": dict(lanes=8, ctx=8192, requests=32, doc=4000, max_tokens=32,
                           request_limit_s=1800),
 }
 _SMALL = {
     "worker_kill": dict(lanes=4, ctx=2048, max_tokens=96, kill_chunk=24, recover_s=120),
     "daemon_restart": dict(lanes=4, ctx=4096, doc=1000, max_tokens=48, kill_chunk=12, start_s=120),
-    "agents_interactive": dict(lanes=4, ctx=4096, agents=4, doc=800, max_tokens=96, chat_delay_s=1.0,
+    "agents_interactive": dict(lanes=4, ctx=4096, agents=3, doc=800, max_tokens=96, chat_delay_s=1.0,
                                request_limit_s=300),
     "kv_exhaustion": dict(lanes=4, ctx=1024, requests=16, doc=650, max_tokens=100, request_limit_s=600),
     "unload_reload": dict(lanes=4, ctx=2048, streams=4, max_tokens=128, unload_delay_s=1.0),
     "tool_session": dict(lanes=4, ctx=8192, turns=12, budget_s=180),
     "client_disconnect": dict(lanes=4, ctx=2048, requests=4, max_tokens=1000, abort_chunks=16, abort_s=2.0,
                               probe_tokens=16, idle_wait_s=120),
-    "shared_prefix": dict(lanes=4, ctx=4096, requests=12, doc=1000, max_tokens=16, question_tokens=40,
+    "shared_prefix": dict(lanes=4, ctx=4096, requests=12, doc=1000, max_tokens=16,
                           request_limit_s=600),
 }
 _QUICK = {
     "worker_kill": dict(lanes=4, ctx=4096, max_tokens=120, kill_chunk=30, recover_s=60),
     "daemon_restart": dict(lanes=4, ctx=4096, doc=800, max_tokens=60, kill_chunk=20, start_s=60),
-    "agents_interactive": dict(lanes=4, ctx=4096, agents=4, doc=600, max_tokens=600, chat_delay_s=0.5,
+    "agents_interactive": dict(lanes=4, ctx=4096, agents=3, doc=600, max_tokens=600, chat_delay_s=0.5,
                                request_limit_s=120),
     "kv_exhaustion": dict(lanes=4, ctx=1024, requests=16, doc=200, max_tokens=700, request_limit_s=120),
     "unload_reload": dict(lanes=4, ctx=2048, streams=4, max_tokens=300, unload_delay_s=0.5),
     "tool_session": dict(lanes=4, ctx=8192, turns=40, budget_s=60),
     "client_disconnect": dict(lanes=4, ctx=4096, requests=4, max_tokens=2000, abort_chunks=16, abort_s=1.0,
                               probe_tokens=16, idle_wait_s=60),
-    "shared_prefix": dict(lanes=4, ctx=4096, requests=16, doc=800, max_tokens=16, question_tokens=40,
+    "shared_prefix": dict(lanes=4, ctx=4096, requests=16, doc=800, max_tokens=16,
                           request_limit_s=120),
 }
 

@@ -117,8 +117,9 @@ async def daemon_restart(ctx: Context) -> dict[str, Any]:
                 crashed.update(chunk=reply.chunks)
                 server.crash()
 
+        resumable = [("x-superfluid-resumable", "true")] if ctx.spec.caps.resume else []
         crash_reply = await client.chat(conv, max_tokens=sz["max_tokens"], timeout=60.0, limit=600.0,
-                                        on_chunk=on_chunk)
+                                        on_chunk=on_chunk, headers=resumable)
         if not crashed:
             server.crash()
         await server.wait_gone()
@@ -133,6 +134,8 @@ async def daemon_restart(ctx: Context) -> dict[str, Any]:
             numbers.update(restarted=False, start_error=str(exc))
             return result("daemon_restart", numbers, f"crashed at chunk {crashed.get('chunk')}; did not restart")
         client = server.client()
+        if ctx.spec.caps.resume:
+            numbers["resume"] = await _resume(client, crash_reply)
         first = await client.chat(conv, max_tokens=sz["max_tokens"], timeout=120.0, limit=600.0)
         second = await client.chat(conv, max_tokens=sz["max_tokens"], timeout=120.0, limit=600.0)
         numbers.update(first=first.summary(text=True), second=second.summary(),
@@ -140,10 +143,31 @@ async def daemon_restart(ctx: Context) -> dict[str, Any]:
                        cached_after_first=first.cached_tokens, cached_after_second=second.cached_tokens)
     finally:
         await server.stop()
+    if "resume" in numbers:
+        r = numbers["resume"]
+        resumed = r["delivered"] + (r.get("text") or "")
+        same_resume = "equals" if r["outcome"] == "ok" and resumed == ref.content else "differs from"
+        numbers["resume_note"] = f"resumed by id: {r['outcome']}, delivered + resumed {same_resume} the reference"
     same = "same reply" if first.ok and first.content == ref.content else f"first reply {first.outcome}, differs"
     headline = (f"crashed at chunk {crashed.get('chunk')}; ready again in {numbers['restart_to_ready_s']:.2f} s; "
                 f"{same}; {ref.prompt_tokens} prompt tokens, {first.cached_tokens} cached after restart")
+    if "resume_note" in numbers:
+        headline += f"; {numbers['resume_note']}"
     return result("daemon_restart", numbers, headline)
+
+
+async def _resume(client: Client, cut: Reply) -> dict[str, Any]:
+    """Resume the stream the crash cut, by id, from the last event it delivered."""
+    sid = cut.headers.get("x-superfluid-session")
+    out: dict[str, Any] = {"session": sid, "after": cut.last_event_id, "delivered": cut.content}
+    if not sid:
+        out.update(outcome="missing", error="no x-superfluid-session header on the cut stream")
+        return out
+    headers = [("Last-Event-ID", cut.last_event_id)] if cut.last_event_id is not None else []
+    reply = await client.call("GET", f"/v1/sessions/{sid}/stream", headers=headers, stream=True, timeout=120.0,
+                              limit=600.0)
+    out.update(reply.summary(text=True))
+    return out
 
 
 async def _reload(client: Client, ctx: Context, model_id: str) -> tuple[Client, int | None, str | None]:

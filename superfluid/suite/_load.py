@@ -17,7 +17,7 @@ from ._corpus import document, percentile
 from ._process import Context
 from ._reply import Reply
 
-__all__ = ["agents_interactive", "burst", "kv_exhaustion", "shared_prefix"]
+__all__ = ["agents_interactive", "burst", "kv_exhaustion", "prefilled_tokens", "shared_prefix"]
 
 CHAT_QUESTION = "What is the capital of France? One word."
 
@@ -71,28 +71,28 @@ async def _agents_pass(client: Client, sz: dict[str, Any], seed0: int, *, qos: b
 
 
 async def agents_interactive(ctx: Context) -> dict[str, Any]:
+    """Every system runs the same plain passes (no QoS headers) and is judged on ``plain``;
+    a server that takes QoS headers also runs ``qos``, reported as a feature row beside it."""
     sz = ctx.sizes("agents_interactive")
     async with ctx.launch(lanes=sz["lanes"], ctx=sz["ctx"]) as target:
         client = target.client
         idle = await client.chat(CHAT_QUESTION, max_tokens=16, timeout=120.0, limit=300.0)
+        order = [("agents_only", False, False), ("plain", False, True)]
         if client.qos:
-            order = [("agents_only", True, False), ("qos", True, True), ("plain", False, True),
-                     ("qos_again", True, True)]
-            judged = "qos"
-        else:
-            order = [("agents_only", False, False), ("plain", False, True)]
-            judged = "plain"
+            order.append(("qos", True, True))
         passes: dict[str, Any] = {}
         for k, (name, qos, chat) in enumerate(order):
             passes[name] = await _agents_pass(client, sz, 50 * (k + 1), qos=qos, chat=chat)
             ctx.note(f"    pass {name}: chat TTFT "
                      f"{(passes[name]['chat'] or {}).get('ttft_s')} s, wall {passes[name]['wall_s']} s")
     numbers = {"lanes": sz["lanes"], "ctx": sz["ctx"], "agents": sz["agents"], "agent_max_tokens": sz["max_tokens"],
-               "chat_delay_s": sz["chat_delay_s"], "idle_chat": idle.summary(), "judged": judged, "passes": passes}
-    chat = passes[judged]["chat"] or {}
-    headline = (f"chat TTFT {chat.get('ttft_s')} s behind {sz['agents']} agents ({judged} pass; idle "
-                f"{idle.summary()['ttft_s']} s); agents failed {passes[judged]['agents_failed']}; "
-                f"max stall {passes[judged]['max_stall_s']} s")
+               "chat_delay_s": sz["chat_delay_s"], "idle_chat": idle.summary(), "judged": "plain", "passes": passes}
+    plain = passes["plain"]
+    headline = (f"plain pass: chat TTFT {(plain['chat'] or {}).get('ttft_s')} s behind {sz['agents']} agents on "
+                f"{sz['lanes']} lanes (idle {idle.summary()['ttft_s']} s); agents failed {plain['agents_failed']}; "
+                f"max stall {plain['max_stall_s']} s")
+    if "qos" in passes:
+        headline += f"; with QoS headers: chat TTFT {(passes['qos']['chat'] or {}).get('ttft_s')} s"
     return result("agents_interactive", numbers, headline)
 
 
@@ -112,11 +112,15 @@ async def kv_exhaustion(ctx: Context) -> dict[str, Any]:
         fresh = await client.chat("Say OK.", max_tokens=4, timeout=120.0, limit=300.0)
         preempt1 = await client.metric("superfluid_preemptions_total")
         alive = target.server.alive if target.server else None
+        cells = await client.metric("superfluid_kv_total_tokens")
+        configured = target.server.kv_cells if target.server else None
     outcomes = Counter(r.outcome for r in replies)
     ttfts = _ttfts(replies)
     demand = sum(min((r.prompt_tokens or 0) + sz["max_tokens"], sz["ctx"]) for r in replies)
     numbers = {
-        "lanes": sz["lanes"], "ctx": sz["ctx"], "kv_tokens": sz["lanes"] * sz["ctx"], "requests": sz["requests"],
+        "lanes": sz["lanes"], "ctx": sz["ctx"], "requests": sz["requests"],
+        "kv_tokens": int(cells) if cells else configured,
+        "kv_tokens_source": "superfluid_kv_total_tokens" if cells else "configured" if configured else None,
         "max_tokens": sz["max_tokens"], "demand_tokens": demand, "outcomes": dict(outcomes),
         "statuses": dict(Counter(str(r.status) for r in replies)), "wall_s": wall,
         "completion_tokens": sum(r.completion_tokens or 0 for r in replies),
@@ -125,11 +129,26 @@ async def kv_exhaustion(ctx: Context) -> dict[str, Any]:
         "error_samples": sorted({f"{r.outcome}: {r.error}"[:200] for r in replies if r.error_kind})[:3],
         "preemptions": None if preempt0 is None or preempt1 is None else preempt1 - preempt0,
     }
-    ratio = demand / numbers["kv_tokens"] if numbers["kv_tokens"] else 0
+    numbers["demand_ratio"] = round(demand / numbers["kv_tokens"], 2) if numbers["kv_tokens"] else None
     hist = ", ".join(f"{v} {k}" for k, v in sorted(outcomes.items()))
-    headline = (f"{sz['requests']} requests demanding {ratio:.1f}x the KV: {hist} in {wall:.1f} s; "
+    headline = (f"{sz['requests']} requests demanding {demand} tokens, {numbers['demand_ratio']}x the "
+                f"{numbers['kv_tokens']} KV cells: {hist} in {wall:.1f} s; "
                 f"fresh request {fresh.outcome}")
     return result("kv_exhaustion", numbers, headline)
+
+
+def prefilled_tokens(hot: list[Reply], before: float | None, after: float | None) -> tuple[int | None, str | None]:
+    """Prompt tokens the server prefilled for the burst: its own counter, its per-response
+    ``timings.prompt_n`` (llama-server), else prompt − cached per request; and which it was."""
+    if before is not None and after is not None:
+        return int(after - before), "superfluid_prefill_tokens_total"
+    if hot and all(r.ok for r in hot):
+        counted = [(r.timings or {}).get("prompt_n") for r in hot]
+        if all(isinstance(c, int) for c in counted):
+            return sum(counted), "timings.prompt_n"
+        if all(r.prompt_tokens is not None and r.cached_tokens is not None for r in hot):
+            return sum((r.prompt_tokens or 0) - (r.cached_tokens or 0) for r in hot), "usage: prompt - cached"
+    return None, None
 
 
 async def shared_prefix(ctx: Context) -> dict[str, Any]:
@@ -158,21 +177,24 @@ async def shared_prefix(ctx: Context) -> dict[str, Any]:
         chill, cold_wall = await burst(n, cold)
     prompts = sorted(r.prompt_tokens for r in hot if r.prompt_tokens)
     cached = [r.cached_tokens for r in hot if r.ok]
+    prefilled, source = prefilled_tokens(hot, before, after)
     numbers: dict[str, Any] = {
         "lanes": sz["lanes"], "ctx": sz["ctx"], "requests": n, "max_tokens": sz["max_tokens"],
         "shared_failed": sum(1 for r in hot if not r.ok), "cold_failed": sum(1 for r in chill if not r.ok),
         "shared_ttft_p50": percentile(_ttfts(hot), 50), "shared_ttft_p99": percentile(_ttfts(hot), 99),
         "shared_wall_s": hot_wall, "cold_ttft_p50": percentile(_ttfts(chill), 50),
         "cold_ttft_p99": percentile(_ttfts(chill), 99), "cold_wall_s": cold_wall,
-        "prompt_tokens": prompts[len(prompts) // 2] if prompts else None, "question_tokens": sz["question_tokens"],
+        "prompt_tokens": prompts[len(prompts) // 2] if prompts else None,
+        "prompt_tokens_per_request": [r.prompt_tokens for r in hot],
         "cached_reported": any(c is not None for c in cached), "cached_sum": sum(c or 0 for c in cached),
         "cached_per_request": [r.cached_tokens for r in hot],
-        "server_prefill_tokens": None if before is None or after is None else after - before,
+        "prefix_tokens": max((c or 0 for c in cached), default=0),
+        "prefilled_tokens": prefilled, "prefilled_source": source,
         "failures": sorted({f"{r.outcome}: {r.error}"[:200] for r in hot + chill if not r.ok})[:3],
     }
     numbers["prefix_prefills"] = prefix_prefills(numbers)
-    pre = (f"prefix prefilled {numbers['prefix_prefills']} times" if numbers["prefix_prefills"] is not None
-           else "no cached-token report")
+    pre = (f"prefix prefilled {numbers['prefix_prefills']} times ({source})"
+           if numbers["prefix_prefills"] is not None else "no prefilled-token count")
     headline = (f"{n} requests on a {numbers['prompt_tokens']}-token prompt: {pre}; TTFT p50 shared "
                 f"{numbers['shared_ttft_p50']} s vs cold {numbers['cold_ttft_p50']} s")
     return result("shared_prefix", numbers, headline)

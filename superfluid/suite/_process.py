@@ -25,7 +25,7 @@ import trio
 
 from ._client import Client
 from ._corpus import Scale
-from ._systems import SystemSpec, model_id_guess, render_argv
+from ._systems import SystemSpec, kv_cells, model_id_guess, render_argv
 
 __all__ = ["Context", "NotOurServer", "ScenarioError", "Server", "StartFailed", "Target"]
 
@@ -111,12 +111,17 @@ class Server:
     def argv(self) -> list[str]:
         values = {"python": sys.executable,
                   "root": str(self.run_dir.parent), "run_dir": str(self.run_dir), "name": self.spec.name,
-                  "port": self.port, "lanes": self.lanes, "ctx": self.ctx, "kv_tokens": self.lanes * self.ctx,
+                  "port": self.port, "lanes": self.lanes, "ctx": self.ctx, "kv_tokens": self.kv_cells,
                   "gguf": self.spec.model, "model": self._model(self.spec.model)}
         argv = render_argv(self.spec.argv, values)
         if self.companion:
             argv += ["--model", str(self._model(self.spec.companion))]
         return argv + list(self.extra_args)
+
+    @property
+    def kv_cells(self) -> int:
+        """KV cells every system gets for this cell's lanes and context (equal memory)."""
+        return kv_cells(self.lanes, self.ctx)
 
     @property
     def pid(self) -> int | None:

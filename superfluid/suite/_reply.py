@@ -49,6 +49,8 @@ class Reply:
     sent_at: float = 0.0
     finished_at: float = 0.0
     chunk_times: list[float] = attrs.field(factory=list)
+    headers: dict[str, str] = attrs.field(factory=dict)   # response headers, names lower-cased
+    last_event_id: str | None = None                     # the SSE ``id:`` of the last event read whole
 
     def fail(self, kind: str, message: str) -> None:
         """Record the first failure only: later symptoms follow from it."""
@@ -160,6 +162,7 @@ class StreamReader:
         self.abort = False
         self._buf = b""
         self._event_error = False
+        self._event_id: str | None = None
 
     def feed(self, data: bytes, now: float) -> None:
         self._buf += data
@@ -179,6 +182,9 @@ class StreamReader:
             return
         if line.startswith(":"):
             return
+        if line.startswith("id:"):
+            self._event_id = line[3:].strip()
+            return
         if line.startswith("event:"):
             self._event_error = "error" in line[6:]
             return
@@ -188,6 +194,8 @@ class StreamReader:
         if not line.startswith("data:"):
             return
         payload = line[5:].strip()
+        if self._event_id is not None:  # the cursor counts once its event's data was read
+            reply.last_event_id, self._event_id = self._event_id, None
         if payload == "[DONE]":
             reply.done = True
             return

@@ -2,7 +2,10 @@
 
 ``<out>/<scenario>--<system>.json`` is written atomically when a cell ends;
 a cell whose file exists is skipped, so re-running the same command resumes.
-``<out>/manifest.json`` records the machine, versions, scale and times.
+``<out>/manifest.json`` records the machine, versions, scale and times; each
+cell records the commit it ran on (``rev``, ``-dirty`` with uncommitted
+changes) and the manifest lists every commit its cells ran on (``revs``), so a
+resumed run that spans commits is visible in the report.
 ``<out>/.suite.lock`` keeps two drivers out of one directory.
 """
 
@@ -154,17 +157,19 @@ async def run(opts: RunOptions) -> int:
     specs = {name: (attached_spec(name, url_port) if url_port is not None
                     else system_spec(name, box, mock_spec=scale.mock_spec)) for name in opts.systems}
     bad = 0
+    rev = _git_rev()
     with _Lock(out):
         manifest_path = out / "manifest.json"
         resumed = manifest_path.exists()
         manifest = json.loads(manifest_path.read_text()) if resumed else {}
         manifest.update({
             "suite": "superfluid.suite", "box": box.name, "machine": machine(), "scale": opts.scale,
-            "versions": {"superfluid": _version("superfluid"), "superfluid_rev": _git_rev(), "trio": _version("trio"),
+            "versions": {"superfluid": _version("superfluid"), "superfluid_rev": rev, "trio": _version("trio"),
                          "h11": _version("h11"), "llama-cpp-python": _version("llama_cpp_python"),
                          **box.versions},
             "systems": list(opts.systems), "scenarios": list(opts.scenarios), "url": opts.url,
             "started": manifest.get("started") or _now(), "finished": None,
+            "revs": sorted({*manifest.get("revs", []), str(rev)}),  # every commit a cell here ran on
         })
         if resumed:
             manifest["resumed"] = _now()
@@ -184,7 +189,7 @@ async def run(opts: RunOptions) -> int:
             t0 = time.monotonic()
             res = await _cell(ctx, scenario)
             res.update(scenario=scenario, system=system, scale=opts.scale, seconds=round(time.monotonic() - t0, 2),
-                       therm_after=thermal(), finished=_now())
+                       therm_after=thermal(), finished=_now(), rev=rev)
             res["reason"] = " ".join(str(res.get("reason") or "").split())  # one line, always
             _write_json(path, res)
             verdict = res["verdict"]

@@ -16,10 +16,16 @@ folder)::
      "versions": {"llama.cpp": "b1234"}, "ports": {"llama-server": 18611},
      "extra_systems": {"name": {"argv": ["{root}/srv", "--port", "{port}"],
         "env": {}, "probe": "/v1/models", "port": 18620, "worker": "pattern",
-        "model_id": "m", "qos": false, "busy": "slots", "unload": null}}}
+        "model_id": "m", "qos": false, "busy": "slots", "unload": null,
+        "resume": false}}}
 
 Placeholders: ``{python} {root} {run_dir} {name} {port} {lanes} {ctx}
 {kv_tokens} {gguf} {small_gguf} {model}``.
+
+Equal memory: ``{kv_tokens}`` is :func:`kv_cells`, the KV cells a superfluid
+worker allocates for ``lanes`` x ``ctx``, so llama-server gets as many (``-c
+{kv_tokens} -np {lanes}``); neither keeps prompts in host memory (superfluid
+``--host-cache-mb 0``, llama-server ``--cache-ram 0``; their defaults are 2 and 8 GiB).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Box", "Caps", "SystemSpec", "attached_spec", "load_box", "model_id_guess", "render_argv", "system_spec"]
+__all__ = ["Box", "Caps", "SystemSpec", "attached_spec", "kv_cells", "load_box", "model_id_guess", "render_argv",
+           "system_spec"]
 
 MOCK_COMPANION = "mock?name=mock-companion&eos_every=100000"
 DEFAULT_PORTS = {"superfluid-mock": 18600, "superfluid-llamacpp": 18601, "superfluid-mlx": 18602,
@@ -46,6 +53,7 @@ class Caps:
     unload: str | None = None          # "openai-models-unload" when POST /v1/models/unload exists
     qos_header: bool = False           # takes x-superfluid-qos
     busy: str | None = None            # "metrics" (superfluid_lanes_active) | "slots" (llama-server) | None
+    resume: bool = False               # GET /v1/sessions/{id}/stream resumes an x-superfluid-resumable stream
 
 
 @attrs.frozen
@@ -105,6 +113,13 @@ def render_argv(template: tuple[str, ...] | list[str], values: dict[str, Any]) -
     return out
 
 
+def kv_cells(lanes: int, ctx: int) -> int:
+    """KV cells a superfluid worker allocates: ``max(4, lanes + 2)`` sequences of ``ctx``
+    cells (superfluid/worker/_llamacpp.py and _main.py size it so; the spare sequences hold
+    cached prefixes)."""
+    return max(4, lanes + 2) * ctx
+
+
 def _port(box: Box, name: str, default: int) -> int:
     return int((box.data.get("ports") or {}).get(name, default))
 
@@ -113,12 +128,12 @@ def _superfluid(box: Box, name: str, runtime: str, model: str | None, companion:
     binary = box.path("superfluid")
     head = [binary, "serve"] if binary else [sys.executable, "-m", "superfluid", "serve"]
     argv = (*head, "{model}", "--runtime", runtime, "--http", "127.0.0.1:{port}", "--max-batch", "{lanes}",
-            "--max-context", "{ctx}", "--sessions", "{run_dir}/sess-{name}", "--no-tui")
+            "--max-context", "{ctx}", "--sessions", "{run_dir}/sess-{name}", "--host-cache-mb", "0", "--no-tui")
     env = {}
     if box.path("superfluid_home"):
         env["SUPERFLUID_HOME"] = str(box.path("superfluid_home"))
     caps = Caps(family="superfluid", worker_pattern=f"superfluid-worker-{runtime}", unload="openai-models-unload",
-                qos_header=True, busy="metrics")
+                qos_header=True, busy="metrics", resume=True)
     return SystemSpec(name=name, argv=argv, caps=caps, port=_port(box, name, DEFAULT_PORTS.get(name, 18600)),
                       env=env, model=model, companion=companion, runtime=runtime, sessions=True)
 
@@ -162,7 +177,7 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         gguf = box.path("gguf", models=True) or _default_gguf()
         if binary is None or gguf is None:
             raise ValueError("llama-server needs llama_server and models.gguf in the box file")
-        argv = (binary, "-m", "{gguf}", "-c", "{kv_tokens}", "-np", "{lanes}", "--metrics",
+        argv = (binary, "-m", "{gguf}", "-c", "{kv_tokens}", "-np", "{lanes}", "--cache-ram", "0", "--metrics", "--jinja",
                 *[str(a) for a in box.data.get("llama_args") or []], "--host", "127.0.0.1", "--port", "{port}")
         env = {}
         if box.path("llama_lib"):
@@ -174,7 +189,8 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         spec = extras[name]
         i = list(extras).index(name)
         caps = Caps(family=str(spec.get("family", "other")), worker_pattern=spec.get("worker"),
-                    unload=spec.get("unload"), qos_header=bool(spec.get("qos", False)), busy=spec.get("busy"))
+                    unload=spec.get("unload"), qos_header=bool(spec.get("qos", False)), busy=spec.get("busy"),
+                    resume=bool(spec.get("resume", False)))
         return SystemSpec(name=name, argv=tuple(spec["argv"]), caps=caps, port=int(spec.get("port", 18620 + i)),
                           probe=str(spec.get("probe", "/v1/models")), env=dict(spec.get("env") or {}),
                           model=box.path("gguf", models=True), model_id=spec.get("model_id"))
@@ -188,7 +204,7 @@ def attached_spec(name: str | None, port: int) -> SystemSpec:
     if name.startswith("superfluid"):
         runtime = name.split("-", 1)[1] if "-" in name else "llamacpp"
         caps = Caps(family="superfluid", worker_pattern=f"superfluid-worker-{runtime}",
-                    unload="openai-models-unload", qos_header=True, busy="metrics")
+                    unload="openai-models-unload", qos_header=True, busy="metrics", resume=True)
     elif name == "llama-server":
         caps = Caps(family="llama-server", busy="slots")
     else:
