@@ -157,10 +157,13 @@ def _scan_vocab(vocab: Any, n_vocab: int) -> tuple[tuple[int, ...], dict[str, in
     return tuple(eog), specials
 
 
-def _needs_shared_pool(model: Any) -> bool:
-    """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix."""
-    return (L.llama_model_n_swa(model) > 0 or bool(L.llama_model_is_recurrent(model))
-            or bool(L.llama_model_is_hybrid(model)))
+def _needs_shared_pool(model: Any, *, deterministic: bool = False) -> bool:
+    """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix.
+    Deterministic mode keeps a sliding-window model's whole context (``swa_full``)
+    in one stream per sequence: in a shared pool a row's attention sums run over
+    cells whose places depend on the other sequences."""
+    swa = L.llama_model_n_swa(model) > 0 and not deterministic
+    return swa or bool(L.llama_model_is_recurrent(model)) or bool(L.llama_model_is_hybrid(model))
 
 
 def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int,
@@ -171,7 +174,9 @@ def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int,
         # among threads for a single query over 512+ cells: both change a row's rounding
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.kv_unified = shared
-    cp.swa_full = False  # a shared pool reuses only whole sequences, so the window is all it needs
+    # a shared pool reuses only whole sequences, so the window is all it needs; one stream per
+    # sequence drops suffixes, so it needs every cell
+    cp.swa_full = not shared
     cp.n_ctx = max_batch * n_ctx_seq if shared else n_seq * n_ctx_seq
     cp.n_seq_max = n_seq
     cp.n_batch = BATCH_TOKENS
@@ -226,7 +231,7 @@ class LlamaEngine:
         if n_seq > L.llama_max_parallel_sequences():
             raise ValueError(f"max_batch {max_batch} needs {n_seq} KV sequences; llama.cpp allows "
                              f"{L.llama_max_parallel_sequences()}")
-        shared = _needs_shared_pool(model)
+        shared = _needs_shared_pool(model, deterministic=self._deterministic)
         cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads,
                              deterministic=self._deterministic)
         self._ctx = L.llama_init_from_model(model, cp)
