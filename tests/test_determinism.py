@@ -30,7 +30,8 @@ from superfluid.worker._engine import BatchRow
 from superfluid.worker._executor import GRID, Executor
 from superfluid.worker._mock import WORD0, MockEngine
 
-from .conftest import GEMMA_GGUF, REAL_GGUF, Daemon, sse_events, start_daemon, stream_text, worker_pids
+from .conftest import (GEMMA_GGUF, REAL_GGUF, Daemon, mock_config, sse_events, start_daemon, stream_text,
+                       worker_pids)
 
 # -- the executor's shapes, on the mock --------------------------------------------
 
@@ -89,8 +90,9 @@ def test_committed_tokens_are_replayed_one_per_round() -> None:
     ex, eng = _executor()
     rest = _run(ex, [_admit(0, PROMPT, full[:5], max_new=12)], iter([512] * 100))[0]
     assert full[:5] + rest == full
-    after_prompt = [r for r in eng.rows if r[1] >= len(PROMPT)]
-    assert all(n == 1 for _s, _p, n in after_prompt)
+    # no row reaches past the prompt unless it is a single token
+    assert all(p + n <= len(PROMPT) or n == 1 for _s, p, n in eng.rows)
+    assert [p for _s, p, _n in eng.rows if p >= len(PROMPT)][:5] == list(range(len(PROMPT), len(PROMPT) + 5))
 
 
 def test_only_whole_prompt_cells_are_reused() -> None:
@@ -103,6 +105,23 @@ def test_only_whole_prompt_cells_are_reused() -> None:
     assert lane.cached == 3 * GRID
     longer = ex.admit(_admit(2, PROMPT + [WORD0 + 1] * GRID, max_new=4))
     assert longer.cached == 3 * GRID
+
+
+async def test_the_flag_reaches_the_worker_and_a_killed_stream_continues_identically(
+        nursery: trio.Nursery) -> None:
+    """``ServeConfig.deterministic`` starts the worker with ``--deterministic``;
+    on the mock a stream whose worker is SIGKILLed continues to the reference."""
+    import psutil
+
+    d = await start_daemon(nursery, mock_config("mock?step_ms=10&prefill_us=5", deterministic=True,
+                                                stream_interval_ms=0))
+    body = {"model": "mock", "messages": [{"role": "user", "content": "count " * 100}], "max_tokens": 64,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    ref = await _text(d, body)
+    assert all("--deterministic" in psutil.Process(pid).cmdline() for pid in worker_pids("mock"))
+    head, events = await _kill_after(d, body, chunks=10, runtime="mock")
+    assert stream_text(events) == ref and ref.startswith(head)
+    d.scope.cancel()
 
 
 # -- llama.cpp, both real models --------------------------------------------------
@@ -164,7 +183,8 @@ async def _text(d: Daemon, body: dict[str, Any]) -> str:
     return stream_text(events)
 
 
-async def _kill_after(d: Daemon, body: dict[str, Any], chunks: int) -> tuple[str, list[dict[str, Any]]]:
+async def _kill_after(d: Daemon, body: dict[str, Any], chunks: int,
+                      runtime: str = "llamacpp") -> tuple[str, list[dict[str, Any]]]:
     """Stream ``body``; SIGKILL every worker at its ``chunks``-th content chunk. Returns the
     text delivered before the kill and every event (the stream's own end included)."""
     events: list[dict[str, Any]] = []
@@ -179,7 +199,7 @@ async def _kill_after(d: Daemon, body: dict[str, Any], chunks: int) -> tuple[str
             events.append(event)
             if stream_text([event]) and not killed and sum(1 for e in events if stream_text([e])) == chunks:
                 head = stream_text(events)
-                pids = worker_pids("llamacpp")
+                pids = worker_pids(runtime)
                 assert pids
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)

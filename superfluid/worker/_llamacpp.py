@@ -19,6 +19,11 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   and at most ``max_batch`` lanes run, so running lanes always fit unless
   cached (finished) sequences hold cells, in which case decode fails with
   code 1. Sliding-window layers keep only their window (``swa_full=False``).
+* ``deterministic=True`` makes a row's logits independent of the other rows
+  of its batch (SPEC.md "Determinism" has the measurements): no flash
+  attention, no repacked weights (``use_extra_bufts``), and sliding-window
+  models in one full-context stream per sequence (``swa_full=True``,
+  ``kv_layout="per_seq"``) rather than a shared pool.
 * Sampling is a per-lane llama.cpp sampler chain: logit bias, penalties
   (last 64 tokens), grammar, then top-k, top-p, min-p and temperature, then
   greedy (``temperature == 0``) or a distribution draw. The draw for
