@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -30,8 +30,16 @@ from superfluid.worker._engine import BatchRow
 from superfluid.worker._executor import GRID, Executor
 from superfluid.worker._mock import WORD0, MockEngine
 
-from .conftest import (GEMMA_GGUF, REAL_GGUF, Daemon, mock_config, sse_events, start_daemon, stream_text,
-                       worker_pids)
+from .conftest import (
+    GEMMA_GGUF,
+    REAL_GGUF,
+    Daemon,
+    mock_config,
+    sse_events,
+    start_daemon,
+    stream_text,
+    worker_pids,
+)
 
 # -- the executor's shapes, on the mock --------------------------------------------
 
@@ -148,7 +156,7 @@ TOKENS = 40
 class _Hog:
     """A busy loop on every core, for the test's duration (processes this test starts and ends)."""
 
-    def __enter__(self) -> _Hog:
+    def __enter__(self) -> Self:
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                       for _ in range(os.cpu_count() or 2)]
         return self
