@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-models", type=int, default=4, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
                         "with 429 too_many_models (default 4)")
+    s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
+                        "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
+                        "throughput and prefix reuse; default off)")
     return parser
 
 
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
         max_conversation_events=args.max_conversation_events,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
-        ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue,
+        ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models,
     )
     refusal = exposure_refusal(config)

@@ -73,6 +73,7 @@ class ServeConfig:
     body_timeout_s: float = 30.0          # a request body not complete within this is answered 408
     ws_idle_timeout_s: float = 300.0      # a WebSocket with no message and nothing to follow for this is closed
     max_queue: int = 256                  # queued jobs per QoS class per model; more is answered 429
+    deterministic: bool = False           # llama.cpp: batch-, chunk-, cache- and restart-invariant output (SPEC.md)
     model_dirs: tuple[Path, ...] = ()     # --model-dir: every *.gguf in them may be loaded over HTTP
     max_models: int = 4                   # models (so worker processes) loaded at once
 

@@ -73,6 +73,7 @@ class WorkerSpec:
     host_cache_mb: int = 0
     stream_interval_ms: int = 40
     agent_stream_interval_ms: int = 100
+    deterministic: bool = False
     start_timeout_s: float = 120.0
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
@@ -89,6 +90,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--host-cache-mb", str(spec.host_cache_mb)]
     argv += ["--stream-interval-ms", str(spec.stream_interval_ms),
              "--agent-stream-interval-ms", str(spec.agent_stream_interval_ms)]
+    if spec.deterministic:
+        argv.append("--deterministic")
     return argv
 
 

@@ -19,6 +19,20 @@ whose positions do not continue its sequence):
 * Every sequence and host entry carries the cache salt (``Admit.cache_salt``)
   it was computed under; a lane reuses, copies or imports KV only of its own
   salt, so one tenant's prompt is never a prefix hit for another.
+
+Deterministic mode (``deterministic=True``) computes every KV entry in one
+fixed shape, so a lane's logits do not depend on batch composition, step
+sizes (measured time), cache state or a restart (on a runtime whose rows do
+not depend on the other rows of a batch; see ``LlamaEngine``):
+
+* Prompt tokens are prefilled in grid cells: chunks whose boundaries are the
+  multiples of ``GRID`` positions (the prompt's last cell ends at its end);
+  a step takes whole cells, never a part sized by its budget.
+* Tokens after ``n_prompt`` (a resumed lane's committed tokens) are replayed
+  one per decode round, as they were first computed, not prefilled.
+* A lane reuses (or copies, or imports) only whole grid cells of an earlier
+  prompt; a finished lane's KV is kept only up to its last whole prompt cell
+  (a shared pool, which cannot drop a suffix, keeps none).
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ DEMOTE_MIN = 256  # a cached prefix this long moves to a spare sequence rather t
 # a sequence this short is copied by state export/import (cost grows with its length: 143 tokens
 # 3.1 ms on SmolLM2) rather than seq_cp, which copies the whole per-sequence stream (~9 ms at 4,096 cells)
 STATE_COPY_MAX = 384
+GRID = 64       # deterministic mode: prompt prefill chunk boundaries are the multiples of this position
 
 
 @attrs.define(eq=False)
@@ -57,6 +72,12 @@ class Lane:
     priority: int = 2
     n_past: int = 0
     cached: int = 0
+    replay: bool = False   # deterministic: tokens after the prompt are decoded one per round
+
+    @property
+    def prefill_end(self) -> int:
+        """Tokens up to here are prefilled in chunks; later ones decode one per round."""
+        return self.n_prompt if self.replay else len(self.tokens)
 
     @property
     def n_generated(self) -> int:
@@ -68,7 +89,12 @@ class Lane:
 
     @property
     def prefilling(self) -> bool:
-        return self.pending > 1
+        return self.prefill_end - self.n_past > 1
+
+    @property
+    def decoding(self) -> bool:
+        """The next step for this lane is a one-token decode row."""
+        return not self.prefilling and self.pending >= 1
 
 
 @attrs.define
@@ -85,6 +111,7 @@ class _Slot:
     owner: int | None = None                         # lane tag, or None if cached/free
     last_use: int = 0
     salt: str = ""                                   # the cache partition its KV was computed under
+    exact: int = 1 << 62                             # deterministic: leading tokens in whole grid cells
 
 
 def counter_seed(seed: int, k: int) -> int:
@@ -94,8 +121,10 @@ def counter_seed(seed: int, k: int) -> int:
 
 
 class Executor:
-    def __init__(self, engine: Engine, *, max_lanes: int, host_cache_bytes: int = 0) -> None:
+    def __init__(self, engine: Engine, *, max_lanes: int, host_cache_bytes: int = 0,
+                 deterministic: bool = False) -> None:
         self.engine = engine
+        self.deterministic = deterministic
         self.info = engine.info
         self.max_lanes = max(1, min(max_lanes, engine.info.n_seq))
         self.slots = [_Slot() for _ in range(engine.info.n_seq)]
@@ -142,10 +171,11 @@ class Executor:
         slot.tokens = tokens[:matched]
         slot.salt = msg.cache_salt
         slot.owner = msg.lane
+        slot.exact = self._cells(msg.n_prompt) if self.deterministic else _Slot.exact
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
             sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
-            cached=min(matched, msg.n_prompt),
+            cached=min(matched, msg.n_prompt), replay=self.deterministic,
         )
         self.lanes[msg.lane] = lane
         self.stats["cached_tokens"] += lane.cached
@@ -174,7 +204,7 @@ class Executor:
                 raise ValueError("no free KV sequence")
             live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
             self._recent_live.append(len(live))
-            matches = [common_prefix(slot.tokens, tokens, limit) if slot.salt == salt else 0 for slot in self.slots]
+            matches = [self._reusable(slot, tokens, limit, salt) for slot in self.slots]
             # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
             # copy of a better match once (0.4-10 ms, by its length and the machine's load)
             spans = {i: _span([*live, i]) for i in free}
@@ -189,7 +219,7 @@ class Executor:
         free_seq = -1
         for i, slot in enumerate(self.slots):
             if slot.owner is None:
-                n = common_prefix(slot.tokens, tokens, limit) if slot.salt == salt else 0
+                n = self._reusable(slot, tokens, limit, salt)
                 if n < len(slot.tokens):
                     n = 0  # a shared pool reuses a cached sequence only whole
                 key = (n, -slot.last_use)
@@ -198,6 +228,19 @@ class Executor:
         if best_free is None:
             raise ValueError("no free KV sequence")
         return free_seq, best_free[0], None
+
+    def _cells(self, n: int) -> int:
+        """``n`` rounded down to whole grid cells."""
+        return n // GRID * GRID
+
+    def _reusable(self, slot: _Slot, tokens: list[int], limit: int, salt: str) -> int:
+        """How many of ``tokens`` (at most ``limit``) ``slot``'s KV can seed: its
+        common prefix, under the same salt; in deterministic mode whole cells
+        its own prompt filled."""
+        if slot.salt != salt:
+            return 0
+        n = common_prefix(slot.tokens, tokens, limit)
+        return self._cells(min(n, slot.exact)) if self.deterministic else n
 
     # -- keeping what a new lane overwrites ------------------------------------------
 
@@ -224,6 +267,7 @@ class Executor:
                 self.engine.seq_cp(seq, spare, 0, -1)
                 self.slots[spare].tokens, self.slots[spare].last_use = list(slot.tokens), slot.last_use
                 self.slots[spare].salt = slot.salt
+                self.slots[spare].exact = slot.exact
                 self.stats["demoted"] += 1
                 return
         self._spill(seq, keep=keep)
@@ -295,8 +339,15 @@ class Executor:
         slot.owner = None
         self._clock += 1
         slot.last_use = self._clock
+        keep = lane.n_past
+        if publish and self.deterministic:
+            # keep whole prompt cells only: later tokens were computed in another shape
+            keep = min(keep, slot.exact)
+            if keep < lane.n_past and (self.shared or not self.engine.seq_rm(lane.seq, keep, -1)):
+                publish = False  # a shared pool cannot drop a suffix
         if publish:
-            slot.tokens = lane.tokens[: lane.n_past]
+            slot.tokens = lane.tokens[:keep]
+            slot.exact = len(slot.tokens) if self.deterministic else _Slot.exact
         else:
             self.engine.seq_rm(lane.seq, 0, -1)
             slot.tokens = []
@@ -304,10 +355,17 @@ class Executor:
     def prefill_left(self) -> dict[int, int]:
         """Prompt tokens left per open lane (0 once decoding). A lane missing
         here was not open yet: the daemon keeps its own count for it."""
-        return {t: ln.pending if ln.prefilling else 0 for t, ln in self.lanes.items()}
+        return {t: ln.prefill_end - ln.n_past if ln.prefilling else 0 for t, ln in self.lanes.items()}
 
     def kv_used(self) -> int:
         return sum(len(s.tokens) for s in self.slots if s.owner is not None)
+
+    def _cell(self, ln: Lane) -> int:
+        """Deterministic mode: the prompt tokens of ``ln``'s next grid cell."""
+        return min((ln.n_past // GRID + 1) * GRID, ln.prefill_end) - ln.n_past
+
+    def _decode_row(self, ln: Lane) -> BatchRow:
+        return BatchRow(seq=ln.seq, tokens=(ln.tokens[ln.n_past],), pos0=ln.n_past, want_logits=ln.pending == 1)
 
     def _chunk(self, ln: Lane, take: int) -> BatchRow:
         chunk = ln.tokens[ln.n_past : ln.n_past + take]
@@ -348,38 +406,39 @@ class Executor:
         res = StepResult()
         budget = min(prefill_budget, max_step_tokens)
         prefill_lanes = sorted(
-            (ln for ln in self.lanes.values() if ln.pending > 1),
+            (ln for ln in self.lanes.values() if ln.prefilling),
             # the most urgent class first (a chat admitted mid-tick goes ahead at once), then the tick's order
             key=lambda ln: (ln.priority, order.index(ln.lane) if ln.lane in order else len(order), ln.pending),
         )
-        decoders = [ln for ln in self.lanes.values() if ln.pending == 1]
+        decoders = [ln for ln in self.lanes.values() if ln.decoding]
         rows: list[BatchRow] = []
         owners: list[Lane] = []
         if self.shared:
             decode_rows = len(decoders)
             for ln in decoders:
-                rows.append(BatchRow(seq=ln.seq, tokens=(ln.tokens[-1],), pos0=ln.n_past, want_logits=True))
+                rows.append(self._decode_row(ln))
                 owners.append(ln)
             for ln in prefill_lanes:
-                if budget <= 0:
+                take = self._cell(ln) if self.deterministic else min(ln.pending, budget, PREFILL_CHUNK)
+                if budget <= 0 or (take > budget and len(rows) > decode_rows):
                     break
-                take = min(ln.pending, budget, PREFILL_CHUNK)
                 rows.append(self._chunk(ln, take))
                 owners.append(ln)
                 budget -= take
         elif prefill_lanes and budget > 0 and (not decoders or self._last_step_decoded):
             decode_rows = 0
-            first = min(prefill_lanes[0].pending, budget, PREFILL_CHUNK)
+            first = self._cell(prefill_lanes[0]) if self.deterministic else min(
+                prefill_lanes[0].pending, budget, PREFILL_CHUNK)
             for ln in prefill_lanes:
-                if len(rows) * first + first > budget:
+                if rows and len(rows) * first + first > budget:
                     break
-                if ln.pending >= first:
+                if (self._cell(ln) == first) if self.deterministic else ln.pending >= first:
                     rows.append(self._chunk(ln, first))
                     owners.append(ln)
         else:
             decode_rows = len(decoders)
             for ln in decoders:
-                rows.append(BatchRow(seq=ln.seq, tokens=(ln.tokens[-1],), pos0=ln.n_past, want_logits=True))
+                rows.append(self._decode_row(ln))
                 owners.append(ln)
         self._last_step_decoded = decode_rows > 0
         if not rows:

@@ -19,6 +19,11 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   and at most ``max_batch`` lanes run, so running lanes always fit unless
   cached (finished) sequences hold cells, in which case decode fails with
   code 1. Sliding-window layers keep only their window (``swa_full=False``).
+* ``deterministic=True`` makes a row's logits independent of the other rows
+  of its batch (SPEC.md "Determinism" has the measurements): no flash
+  attention, no repacked weights (``use_extra_bufts``), and sliding-window
+  models in one full-context stream per sequence (``swa_full=True``,
+  ``kv_layout="per_seq"``) rather than a shared pool.
 * Sampling is a per-lane llama.cpp sampler chain: logit bias, penalties
   (last 64 tokens), grammar, then top-k, top-p, min-p and temperature, then
   greedy (``temperature == 0``) or a distribution draw. The draw for
@@ -157,16 +162,26 @@ def _scan_vocab(vocab: Any, n_vocab: int) -> tuple[tuple[int, ...], dict[str, in
     return tuple(eog), specials
 
 
-def _needs_shared_pool(model: Any) -> bool:
-    """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix."""
-    return (L.llama_model_n_swa(model) > 0 or bool(L.llama_model_is_recurrent(model))
-            or bool(L.llama_model_is_hybrid(model)))
+def _needs_shared_pool(model: Any, *, deterministic: bool = False) -> bool:
+    """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix.
+    Deterministic mode keeps a sliding-window model's whole context (``swa_full``)
+    in one stream per sequence: in a shared pool a row's attention sums run over
+    cells whose places depend on the other sequences."""
+    swa = L.llama_model_n_swa(model) > 0 and not deterministic
+    return swa or bool(L.llama_model_is_recurrent(model)) or bool(L.llama_model_is_hybrid(model))
 
 
-def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int) -> Any:
+def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int,
+                    deterministic: bool = False) -> Any:
     cp = L.llama_context_default_params()
+    if deterministic:
+        # flash attention's CPU kernel takes a tiled path for 64+ query rows and splits the KV
+        # among threads for a single query over 512+ cells: both change a row's rounding
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.kv_unified = shared
-    cp.swa_full = False  # a shared pool reuses only whole sequences, so the window is all it needs
+    # a shared pool reuses only whole sequences, so the window is all it needs; one stream per
+    # sequence drops suffixes, so it needs every cell
+    cp.swa_full = not shared
     cp.n_ctx = max_batch * n_ctx_seq if shared else n_seq * n_ctx_seq
     cp.n_seq_max = n_seq
     cp.n_batch = BATCH_TOKENS
@@ -176,11 +191,16 @@ def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int,
     return cp
 
 
-def _load_model(path: str) -> Any:
+def _load_model(path: str, *, deterministic: bool = False) -> Any:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no model file at {path}")
     _LOG.take()
-    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+    mp = L.llama_model_default_params()
+    # repacked weights (Q4_K, Q8_0 on AVX2) multiply groups of 4 rows with a gemm kernel and
+    # the rest with a gemv kernel that rounds differently: a row's result would depend on
+    # where it falls in the batch
+    mp.use_extra_bufts = not deterministic
+    model = L.llama_model_load_from_file(path.encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}: {_LOG.take() or 'no reason given'}")
     return model
@@ -190,14 +210,16 @@ def _load_model(path: str) -> Any:
 
 
 class LlamaEngine:
-    def __init__(self, model_path: str, *, max_batch: int, max_context: int, threads: int) -> None:
+    def __init__(self, model_path: str, *, max_batch: int, max_context: int, threads: int,
+                 deterministic: bool = False) -> None:
         if max_batch < 1 or max_context < 2:
             raise ValueError("max_batch must be >= 1 and max_context >= 2")
         _init_backend()
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
-        self._model = _load_model(model_path)
+        self._deterministic = deterministic
+        self._model = _load_model(model_path, deterministic=deterministic)
         try:
             self._setup(model_path, max_batch, max_context, threads or (os.cpu_count() or 2))
         except BaseException:
@@ -214,8 +236,9 @@ class LlamaEngine:
         if n_seq > L.llama_max_parallel_sequences():
             raise ValueError(f"max_batch {max_batch} needs {n_seq} KV sequences; llama.cpp allows "
                              f"{L.llama_max_parallel_sequences()}")
-        shared = _needs_shared_pool(model)
-        cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads)
+        shared = _needs_shared_pool(model, deterministic=self._deterministic)
+        cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads,
+                             deterministic=self._deterministic)
         self._ctx = L.llama_init_from_model(model, cp)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context: {_LOG.take() or 'no reason given'}")
@@ -237,7 +260,7 @@ class LlamaEngine:
     def _extra(self, threads: int, shared: bool) -> dict[str, Any]:
         return {"general_name": _meta(self._model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
                 "n_swa": L.llama_model_n_swa(self._model), "n_batch": self._cap, "threads": threads,
-                "kv_unified": shared}
+                "kv_unified": shared, "deterministic": self._deterministic}
 
     def capabilities(self) -> dict[str, Any]:
         per_seq = self.info.kv_layout == "per_seq"

@@ -73,7 +73,8 @@ INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer p
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
-def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int) -> Engine:
+def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
+                deterministic: bool = False) -> Engine:
     if runtime == "mock":
         from ._mock import MockEngine
 
@@ -81,7 +82,8 @@ def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, t
     if runtime == "llamacpp":
         from ._llamacpp import LlamaEngine
 
-        return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads)
+        return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
+                           deterministic=deterministic)
     raise ValueError(f"unknown runtime {runtime!r}")
 
 
@@ -263,8 +265,8 @@ class _Worker:
                     self.send(TickDone(seq=stale.seq, interrupted=True, prefill_left=self.executor.prefill_left()))
                 break
             lanes = self.executor.lanes.values()
-            decoding = any(ln.pending == 1 for ln in lanes)
-            prefilling = budget > 0 and any(ln.pending > 1 for ln in lanes)
+            decoding = any(ln.decoding for ln in lanes)
+            prefilling = budget > 0 and any(ln.prefilling for ln in lanes)
             if not (prefilling or (decoding and rounds < tick.max_rounds)):
                 break
             t_step = time.monotonic()
@@ -386,13 +388,15 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
     try:
         engine = await trio.to_thread.run_sync(
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
-                                max_context=args.max_context, threads=args.threads)
+                                max_context=args.max_context, threads=args.threads,
+                                deterministic=args.deterministic)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
         await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
         return 3
-    executor = Executor(engine, max_lanes=args.max_batch, host_cache_bytes=args.host_cache_mb << 20)
+    executor = Executor(engine, max_lanes=args.max_batch, host_cache_bytes=args.host_cache_mb << 20,
+                        deterministic=args.deterministic)
     await trio.to_thread.run_sync(_write_all, link_fd, link.send(HelloAck(
         version=PROTOCOL_VERSION, runtime=args.runtime, runtime_version=_runtime_version(args.runtime),
         model=engine.info.to_dict(), capabilities=engine.capabilities(),
@@ -437,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-cache-mb", type=int, default=0)
     parser.add_argument("--stream-interval-ms", type=int, default=40)
     parser.add_argument("--agent-stream-interval-ms", type=int, default=100)
+    parser.add_argument("--deterministic", action="store_true")
     try:
         args = parser.parse_args(argv)
     except SystemExit:
