@@ -14,6 +14,8 @@ import httpx
 import pytest
 import trio
 
+from superfluid.proto import SseDecoder
+
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
 
 TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -48,7 +50,7 @@ def _ollama(url: str) -> Any:
 
 
 def _sse_events(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [event.json() for event in SseDecoder().feed(text.encode()) if event.data != "[DONE]"]
 
 
 # --- OpenAI ------------------------------------------------------------------------------------------------
