@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from superfluid.proto import SseDecoder
+from superfluid.suite._client import metric_sum
 
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
 
@@ -263,9 +264,9 @@ async def test_disconnect_cancels_on_every_dialect(nursery: trio.Nursery) -> Non
         async with d.client.stream("POST", path, json=body) as r:
             async for _line in r.aiter_lines():
                 break
-            assert "superfluid_lanes_active 1" in (await d.client.get("/metrics")).text
+            assert metric_sum((await d.client.get("/metrics")).text, "superfluid_lanes_active", model="mock") == 1
         with trio.fail_after(5):
-            while "superfluid_lanes_active 0" not in (await d.client.get("/metrics")).text:
+            while metric_sum((await d.client.get("/metrics")).text, "superfluid_lanes_active", model="mock") != 0:
                 await trio.sleep(0.02)
     await d.client.aclose()
     d.scope.cancel()
