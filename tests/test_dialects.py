@@ -14,6 +14,9 @@ import httpx
 import pytest
 import trio
 
+from superfluid.proto import SseDecoder
+from superfluid.suite._client import metric_sum
+
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon
 
 TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -48,7 +51,7 @@ def _ollama(url: str) -> Any:
 
 
 def _sse_events(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [event.json() for event in SseDecoder().feed(text.encode()) if event.data != "[DONE]"]
 
 
 # --- OpenAI ------------------------------------------------------------------------------------------------
@@ -261,9 +264,9 @@ async def test_disconnect_cancels_on_every_dialect(nursery: trio.Nursery) -> Non
         async with d.client.stream("POST", path, json=body) as r:
             async for _line in r.aiter_lines():
                 break
-            assert "superfluid_lanes_active 1" in (await d.client.get("/metrics")).text
+            assert metric_sum((await d.client.get("/metrics")).text, "superfluid_lanes_active", model="mock") == 1
         with trio.fail_after(5):
-            while "superfluid_lanes_active 0" not in (await d.client.get("/metrics")).text:
+            while metric_sum((await d.client.get("/metrics")).text, "superfluid_lanes_active", model="mock") != 0:
                 await trio.sleep(0.02)
     await d.client.aclose()
     d.scope.cancel()

@@ -10,6 +10,7 @@ import trio
 
 from superfluid._config import ModelSource, ServeConfig
 from superfluid.sched import PlannerConfig
+from superfluid.suite._client import metric_sum
 
 from .conftest import GEMMA_GGUF, REAL_GGUF, Daemon, sse_events, start_daemon, stream_text
 
@@ -35,9 +36,7 @@ def chat(content: str, **kw: object) -> dict:
 
 
 async def metric(d: Daemon, name: str) -> float:
-    text = (await d.client.get("/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return metric_sum((await d.client.get("/metrics")).text, name) or 0.0
 
 
 async def test_chat_with_the_embedded_model(smol: Daemon) -> None:

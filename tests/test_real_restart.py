@@ -4,7 +4,6 @@ uninterrupted run gives, and resending the conversation gets the same reply."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import trio
 
 from superfluid._models import model_name
 from superfluid.journal import open_journal
+from superfluid.proto import SseDecoder
 
 from .conftest import REAL_GGUF, sse_events, stream_text
 from .test_sessions import RESUMABLE, _content, _free_port, _reap, _wait_ready, read_sse
@@ -49,13 +49,14 @@ async def _follow(response: httpx.Response, into: list[tuple[int, dict]], enough
     """Append (cursor, payload) for each SSE event until the connection drops;
     set ``enough`` after HEAD_EVENTS content events. [DONE] is appended as (-1, {})."""
     cursor = -1
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            cursor = int(line[4:])
-        elif line == "data: [DONE]":
-            into.append((-1, {}))
-        elif line.startswith("data: "):
-            into.append((cursor, json.loads(line[6:])))
+    decoder = SseDecoder()
+    async for chunk in response.aiter_bytes():
+        for event in decoder.feed(chunk):
+            cursor = int(event.id) if event.id is not None else cursor
+            if event.data == "[DONE]":
+                into.append((-1, {}))
+                continue
+            into.append((cursor, event.json()))
             if sum(1 for _c, e in into if _content(e)) >= HEAD_EVENTS:
                 enough.set()
 

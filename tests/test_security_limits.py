@@ -10,7 +10,6 @@ timeouts are configured small and checked with generous bounds.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import httpx
@@ -19,6 +18,7 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from superfluid.api import _ws
+from superfluid.suite._client import metric_sum
 
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text, worker_pids
 
@@ -30,12 +30,8 @@ def ws_url(d: Daemon) -> str:
 
 
 async def metric(d: Daemon, name: str, **labels: str) -> float:
-    """One sample of ``/metrics`` (0 when absent)."""
-    text = (await d.client.get("/metrics")).text
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = "^" + re.escape(name) + (r"\{" + re.escape(want) + r"\}" if want else "") + r" (\S+)$"
-    m = re.search(pattern, text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """The samples of ``name`` with these labels, summed over the others (0 when absent)."""
+    return metric_sum((await d.client.get("/metrics")).text, name, **labels) or 0.0
 
 
 def messages(text: str) -> list[dict[str, str]]:

@@ -3,7 +3,6 @@ resume by id after a daemon SIGKILL."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import httpx
 import trio
 
 from superfluid.journal import open_journal
+from superfluid.proto import SseDecoder
 
 from .conftest import mock_config, sse_events, start_daemon, stream_text
 
@@ -25,14 +25,14 @@ RESUMABLE = {"x-superfluid-resumable": "true"}
 async def read_sse(response: httpx.Response, *, limit: int | None = None) -> tuple[list[tuple[str | None, dict]], bool]:
     """(id, payload) pairs; stops after ``limit`` content events. Returns (events, saw_done)."""
     out: list[tuple[str | None, dict]] = []
-    current_id = None
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            current_id = line[4:]
-        elif line == "data: [DONE]":
-            return out, True
-        elif line.startswith("data: "):
-            out.append((current_id, json.loads(line[6:])))
+    current_id = None  # the last event id persists (WHATWG)
+    decoder = SseDecoder()
+    async for chunk in response.aiter_bytes():
+        for event in decoder.feed(chunk):
+            current_id = event.id if event.id is not None else current_id
+            if event.data == "[DONE]":
+                return out, True
+            out.append((current_id, event.json()))
             if limit is not None and sum(1 for _i, e in out if _content(e)) >= limit:
                 return out, False
     return out, False

@@ -23,6 +23,8 @@ from urllib.parse import quote, urlsplit
 import attrs
 import h11
 
+from ..proto._sse import SseDecoder, SseLineTooLong
+
 __all__ = ["ChatState", "ChatStreamError", "Dropped", "Exchange", "ResumePolicy", "SseParser", "StreamLost"]
 
 MAX_LINE = 16 * 1024 * 1024     # an SSE line longer than this is a protocol error
@@ -71,35 +73,17 @@ class Dropped(Exception):
 
 
 class SseParser:
-    """Server-sent events from bytes: ``feed`` returns complete ``(id, data)`` events."""
+    """Server-sent events from bytes (``proto.SseDecoder``): ``feed`` returns complete
+    ``(id, data)`` messages; a line past ``MAX_LINE`` drops the connection."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._data: list[str] = []
-        self._id: str | None = None
+        self._decoder = SseDecoder(max_line=MAX_LINE)
 
     def feed(self, data: bytes) -> list[tuple[str | None, str]]:
-        self._buf += data
-        events: list[tuple[str | None, str]] = []
-        while True:
-            nl = self._buf.find(b"\n")
-            if nl < 0:
-                if len(self._buf) > MAX_LINE:
-                    raise Dropped(f"an SSE line longer than {MAX_LINE} bytes")
-                return events
-            line = bytes(self._buf[:nl]).rstrip(b"\r").decode("utf-8", "replace")
-            del self._buf[: nl + 1]
-            if not line:
-                if self._data:
-                    events.append((self._id, "\n".join(self._data)))
-                self._data, self._id = [], None
-                continue
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "data":
-                self._data.append(value)
-            elif name == "id":
-                self._id = value
+        try:
+            return [(e.id, e.data) for e in self._decoder.feed(data) if e.data or e.event is None]
+        except SseLineTooLong as exc:
+            raise Dropped(str(exc)) from None
 
 
 @attrs.define

@@ -39,6 +39,9 @@ from ._link import LinkStatistics as LinkStatistics
 from ._link import WorkerLink as WorkerLink
 from ._sse import SSE_DONE as SSE_DONE
 from ._sse import SSE_PING as SSE_PING
+from ._sse import SseDecoder as SseDecoder
+from ._sse import SseEvent as SseEvent
+from ._sse import SseLineTooLong as SseLineTooLong
 from ._sse import encode_ndjson as encode_ndjson
 from ._sse import encode_sse as encode_sse
 from ._sse import encode_sse_json as encode_sse_json

@@ -1,11 +1,13 @@
-"""Pure encoders for streamed HTTP bodies: SSE (WHATWG) and NDJSON."""
+"""Pure encoders for streamed HTTP bodies (SSE (WHATWG) and NDJSON), and the one SSE
+decoder every reader of a stream uses (client, tests)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["SSE_DONE", "SSE_PING", "encode_ndjson", "encode_sse", "encode_sse_json"]
+__all__ = ["SSE_DONE", "SSE_PING", "SseDecoder", "SseEvent", "SseLineTooLong", "encode_ndjson", "encode_sse",
+           "encode_sse_json"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_PING = b": ping\n\n"
@@ -43,3 +45,55 @@ def encode_sse_json(obj: Any, *, event: str | None = None, id: str | None = None
 
 def encode_ndjson(obj: Any) -> bytes:
     return (_dumps(obj) + "\n").encode()
+
+
+class SseLineTooLong(ValueError):
+    """A line (no LF yet) grew past the decoder's ``max_line``."""
+
+
+class SseEvent(NamedTuple):
+    event: str | None  # the ``event:`` field (None: a plain message)
+    id: str | None
+    data: str  # the ``data:`` lines joined with LF
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+class SseDecoder:
+    """Server-sent events from bytes, as they arrive: ``feed`` returns the events that
+    a blank line completed. An event with neither data nor a name is not dispatched;
+    comments (``: ping``) and unknown fields are skipped. Memory is bounded by ``max_line``."""
+
+    def __init__(self, *, max_line: int = 16 * 1024 * 1024) -> None:
+        self.max_line = max_line
+        self._buf = bytearray()
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._id: str | None = None
+
+    def feed(self, data: bytes) -> list[SseEvent]:
+        """Raises SseLineTooLong past ``max_line`` bytes without a line end."""
+        self._buf += data
+        events: list[SseEvent] = []
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if len(self._buf) > self.max_line:
+                    raise SseLineTooLong(f"an SSE line longer than {self.max_line} bytes")
+                return events
+            line = bytes(self._buf[:nl]).rstrip(b"\r").decode("utf-8", "replace")
+            del self._buf[: nl + 1]
+            if not line:
+                if self._data or self._event is not None:
+                    events.append(SseEvent(self._event, self._id, "\n".join(self._data)))
+                self._data, self._event, self._id = [], None, None
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                self._data.append(value)
+            elif name == "event":
+                self._event = value
+            elif name == "id":
+                self._id = value
