@@ -238,8 +238,10 @@ async def _open_worker_nursery(
                     try:
                         ack = await _read_event(process, link)
                     except ProtocolError as exc:
+                        ack = exc  # reaped below, outside the except: a cancel there would discard it
+                    if isinstance(ack, ProtocolError):
                         rc = await process.wait()
-                        raise WorkerDied(f"worker died during startup (exit status {rc}): {exc}") from None
+                        raise WorkerDied(f"worker died during startup (exit status {rc}): {ack}") from None
                 if isinstance(ack, LoadFailed):
                     raise WorkerLoadFailed(ack.message)
                 if not isinstance(ack, HelloAck):
