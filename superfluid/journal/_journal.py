@@ -651,7 +651,7 @@ async def open_journal(
             journal._nursery = nursery
             try:
                 yield journal
-            except BaseException as exc:  # noqa: BLE001 - re-raised below as itself, not in the nursery's group
+            except BaseException as exc:  # noqa: BLE001, ASYNC103 - re-raised below as itself, not in the nursery's group
                 failure = exc
             finally:
                 journal._closing = True
