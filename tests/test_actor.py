@@ -37,6 +37,7 @@ from superfluid.sched import (
     Job,
     LinkHandle,
     LinkLost,
+    PlannerConfig,
     QosClass,
     QueueFull,
     Scheduler,
@@ -137,11 +138,16 @@ async def test_handlers_reach_the_scheduler_only_by_commands(autojump_clock: tri
     assert [type(e).__name__ for e in link.sent][:3] == ["Tokenize", "Admit", "Tick"]
 
 
+ONE_LANE = PlannerConfig(max_batch=1)
+
+
 async def test_queue_full_is_the_reply_to_reserve(autojump_clock: trio.testing.MockClock) -> None:
-    sched = Scheduler("m", SchedulerConfig(max_queue=1), Metrics())
-    first, second = _job(), _job()
+    """One lane, one queue place: the third request is refused."""
+    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics())
+    runs, first, second = _job(), _job(), _job()
     async with trio.open_nursery() as n:
         n.start_soon(sched.idle)   # no worker: commands are applied all the same
+        await sched.reserve(runs)
         await sched.reserve(first)
         with pytest.raises(QueueFull):
             await sched.reserve(second)
@@ -155,7 +161,7 @@ async def test_a_handler_cancelled_while_waiting_leaves_nothing_behind(
         autojump_clock: trio.testing.MockClock) -> None:
     """The command stays in the inbox and is applied; the handler's retirement
     (a stop sent after it) undoes it: its place is free, its job ended, no lane used."""
-    sched = Scheduler("m", SchedulerConfig(max_queue=1), Metrics())
+    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics())
     link = FakeLink(sched)
     job = _job(max_new=50)
     with trio.move_on_after(1):
@@ -166,15 +172,18 @@ async def test_a_handler_cancelled_while_waiting_leaves_nothing_behind(
         n.start_soon(_run_generation, sched, link)
         with trio.fail_after(5):
             await job.ended.wait()
-        other = _job(max_new=2)
-        await sched.reserve(other)       # max_queue 1: the cancelled handler's place was given back
+        other, third = _job(max_new=2), _job(max_new=2)
+        await sched.reserve(other)   # one lane + one queue place: the cancelled handler's place was given back
+        await sched.reserve(third)
         await sched.queue(other)
+        await sched.queue(third)
         with trio.fail_after(5):
             await other.ended.wait()
+            await third.ended.wait()
         n.cancel_scope.cancel()
     assert job.finish == "cancelled" and not job.tokens
-    assert [e.lane for e in link.sent if isinstance(e, Admit)] == [other.lane or 1]  # only the other ran
-    assert other.tokens == [100, 101]
+    assert len([e for e in link.sent if isinstance(e, Admit)]) == 2  # only the other two ran
+    assert other.tokens == [100, 101] and third.tokens == [100, 101]
 
 
 async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock: trio.testing.MockClock) -> None:

@@ -33,15 +33,26 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 import trio
 
 from ..proto import (
-    FAULT_BUG, MAX_TICKS_IN_FLIGHT, Admit, Admitted, Cancel, Emit, Event, Fault, Interrupt, Tick, TickDone, Tokenize,
+    FAULT_BUG,
+    MAX_TICKS_IN_FLIGHT,
+    Admit,
+    Admitted,
+    Cancel,
+    Emit,
+    Event,
+    Fault,
+    Interrupt,
+    Tick,
+    TickDone,
+    Tokenize,
     Tokenized,
 )
 from ._job import Job, JobError, JobState
@@ -316,8 +327,11 @@ class Scheduler:
         if self.closed is not None:
             raise Unavailable(self.closed.message, code=self.closed.code or "model_unloaded")
         klass = job.klass
+        # places beyond the free lanes wait: requests that arrive together must not count the
+        # ones about to run against the queue (their reservations are applied in one batch)
+        free = max(0, self.config.planner.max_batch - len(self.running))
         waiting = len(self.queues[klass]) + self._reserved[klass]
-        if waiting >= self.config.max_queue:
+        if waiting - free >= self.config.max_queue:
             self.metrics.inc("superfluid_queue_full_total", **{"class": klass.label})
             raise QueueFull(f"model {self.name!r}: {waiting} {klass.label} requests are waiting already "
                             f"(--max-queue {self.config.max_queue}); retry later", retry_after_s=RETRY_AFTER_S)
