@@ -22,6 +22,7 @@ import trio.testing
 
 from superfluid._config import ModelSource
 from superfluid._metrics import Metrics
+from superfluid.suite._client import metric_sum
 from superfluid.proto import (
     Admit,
     Admitted,
@@ -116,12 +117,12 @@ async def _run_generation(sched: Scheduler, link: FakeLink) -> None:
 
 
 def test_the_fake_link_is_a_link_handle() -> None:
-    assert isinstance(FakeLink(Scheduler("m", SchedulerConfig(), Metrics())), LinkHandle)
+    assert isinstance(FakeLink(Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))), LinkHandle)
 
 
 async def test_handlers_reach_the_scheduler_only_by_commands(autojump_clock: trio.testing.MockClock) -> None:
     """reserve -> queue -> tokens -> done, all applied by the loop; the worker's only writer is the loop."""
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     link = FakeLink(sched)
     job = _job(max_new=3)
     async with trio.open_nursery() as n:
@@ -143,7 +144,7 @@ ONE_LANE = PlannerConfig(max_batch=1)
 
 async def test_queue_full_is_the_reply_to_reserve(autojump_clock: trio.testing.MockClock) -> None:
     """One lane, one queue place: the third request is refused."""
-    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics())
+    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics().for_model("m"))
     runs, first, second = _job(), _job(), _job()
     async with trio.open_nursery() as n:
         n.start_soon(sched.idle)   # no worker: commands are applied all the same
@@ -161,7 +162,7 @@ async def test_a_handler_cancelled_while_waiting_leaves_nothing_behind(
         autojump_clock: trio.testing.MockClock) -> None:
     """The command stays in the inbox and is applied; the handler's retirement
     (a stop sent after it) undoes it: its place is free, its job ended, no lane used."""
-    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics())
+    sched = Scheduler("m", SchedulerConfig(max_queue=1, planner=ONE_LANE), Metrics().for_model("m"))
     link = FakeLink(sched)
     job = _job(max_new=50)
     with trio.move_on_after(1):
@@ -187,7 +188,7 @@ async def test_a_handler_cancelled_while_waiting_leaves_nothing_behind(
 
 
 async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock: trio.testing.MockClock) -> None:
-    sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics())
+    sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics().for_model("m"))
     silent = FakeLink(sched, 1, answer_tokenize=False)
     result: list[list[int]] = []
     answered = trio.Event()
@@ -211,7 +212,7 @@ async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock
 
 
 async def test_commands_to_a_closed_model_fail_typed(autojump_clock: trio.testing.MockClock) -> None:
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     queued = _job()
     await sched.queue(queued)          # waiting in the inbox when the model goes
     sched.close("model 'm' was unloaded", code="model_unloaded")
@@ -306,9 +307,9 @@ async def test_a_fault_in_one_model_ends_only_its_requests_and_it_restarts() -> 
                 assert error["code"] in ("model_failed", "worker_unavailable"), error
                 await trio.sleep(0.1)
         assert status == 200 and text
-        [failures] = [line for line in (await c.get("/metrics")).text.splitlines()
-                      if line.startswith("superfluid_model_failures_total ")]
-        assert float(failures.split()[1]) == 1
+        text = (await c.get("/metrics")).text
+        assert metric_sum(text, "superfluid_model_failures_total", model="m2") == 1
+        assert metric_sum(text, "superfluid_model_failures_total", model="mock") == 0
 
 
 async def test_a_ttl_watcher_ends_with_its_job_not_with_its_ttl() -> None:

@@ -122,7 +122,7 @@ async def test_the_flag_reaches_the_worker_and_a_killed_stream_continues_identic
     import psutil
 
     d = await start_daemon(nursery, mock_config("mock?step_ms=10&prefill_us=5", deterministic=True,
-                                                stream_interval_ms=0))
+                                                stream_interval_ms=0, agent_stream_interval_ms=0))
     body = {"model": "mock", "messages": [{"role": "user", "content": "count " * 100}], "max_tokens": 64,
             "ignore_eos": True, "temperature": 0, "stream": True}
     ref = await _text(d, body)
@@ -167,12 +167,17 @@ class _Hog:
             proc.wait()
 
 
+# every engine round is a chunk (no coalescing in the worker), as llama-server streams: a kill
+# "at the N-th chunk" then lands N rounds in, whatever the class's stream interval
+EVERY_ROUND = {"stream_interval_ms": 0, "agent_stream_interval_ms": 0}
+
+
 async def _daemon(nursery: trio.Nursery, path: Path, *, max_batch: int = 8) -> Daemon:
     # one engine thread: llama.cpp's spinning thread barrier slows ~40x when its threads
     # share the cores with a busy process (the hog)
     cfg = ServeConfig(models=(ModelSource(spec=str(path), runtime="llamacpp", name="m"),), port=0,
                       max_batch=max_batch, max_context=1024, threads=1, planner=PlannerConfig(max_batch=max_batch),
-                      hang_timeout_s=300.0, deterministic=True)
+                      hang_timeout_s=300.0, deterministic=True, **EVERY_ROUND)
     d = await start_daemon(nursery, cfg)
     d.client.timeout = httpx.Timeout(600)
     return d
@@ -285,7 +290,7 @@ async def test_original_suite_worker_kill_passes_under_load(nursery: trio.Nurser
     a prefix of the reference; the next identical request is identical."""
     cfg = ServeConfig(models=(ModelSource(spec=str(path), runtime="llamacpp", name="m"),), port=0, max_batch=4,
                       max_context=4096, threads=1, planner=PlannerConfig(max_batch=4), hang_timeout_s=300.0,
-                      deterministic=True)
+                      deterministic=True, **EVERY_ROUND)
     d = await start_daemon(nursery, cfg)
     d.client.timeout = httpx.Timeout(600)
     body = {"model": "m", "messages": [{"role": "user", "content": "Write a Python function that returns the "

@@ -355,7 +355,7 @@ import socket, sys
 host, port = sys.argv[1], int(sys.argv[2])
 sys.stdin.read(1)  # go
 s = socket.create_connection((host, port))
-s.sendall(b"GET /health HTTP/1.1\\r\\nhost: x\\r\\nconnection: close\\r\\n\\r\\n")
+s.sendall(b"GET /health HTTP/1.1\\r\\nhost: localhost\\r\\nconnection: close\\r\\n\\r\\n")
 print(s.recv(100).split(b"\\r\\n")[0].decode(), flush=True)
 """
 
