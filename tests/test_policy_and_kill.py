@@ -150,7 +150,8 @@ async def test_graceful_kill_escalates_to_sigkill(autojump_clock: trio.testing.M
         # the whole ladder: the grace period, then the SIGTERM period, then SIGKILL
         assert trio.current_time() - start == 5.0 + 3.0
     finally:
-        await reap(proc)
+        with trio.move_on_after(10, shield=True):
+            await reap(proc)
 
 
 async def test_graceful_kill_ends_with_sigterm(mock_clock: trio.testing.MockClock) -> None:
@@ -169,7 +170,8 @@ async def test_graceful_kill_ends_with_sigterm(mock_clock: trio.testing.MockCloc
         assert proc.returncode == -signal.SIGTERM
         assert trio.current_time() - start == pytest.approx(5.9)
     finally:
-        await reap(proc)
+        with trio.move_on_after(10, shield=True):
+            await reap(proc)
 
 
 async def test_graceful_kill_lets_a_clean_exit_finish(mock_clock: trio.testing.MockClock) -> None:
@@ -182,7 +184,8 @@ async def test_graceful_kill_lets_a_clean_exit_finish(mock_clock: trio.testing.M
         assert proc.returncode == 0
         assert trio.current_time() == start  # no time passed: nobody was signalled
     finally:
-        await reap(proc)
+        with trio.move_on_after(10, shield=True):
+            await reap(proc)
 
 
 async def test_graceful_kill_of_a_dead_process_returns_at_once(autojump_clock: trio.testing.MockClock) -> None:

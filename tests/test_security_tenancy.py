@@ -331,7 +331,7 @@ async def test_conversation_limits_are_413_before_anything_is_logged(nursery: tr
                                                 max_conversation_events=6))
     c = d.client
 
-    async def refused(r: httpx.Response, code: str, flag: str) -> None:
+    def refused(r: httpx.Response, code: str, flag: str) -> None:
         assert r.status_code == 413, r.text
         err = r.json()["error"]
         assert err["code"] == code and flag in err["message"], err
@@ -340,21 +340,21 @@ async def test_conversation_limits_are_413_before_anything_is_logged(nursery: tr
         return {"role": "user", "content": "x" * n}
 
     with trio.fail_after(30):
-        await refused(await c.post("/v1/sessions", json={"model": "mock", "system": "s" * 3000}),
+        refused(await c.post("/v1/sessions", json={"model": "mock", "system": "s" * 3000}),
                       "message_too_large", "--max-message-bytes")
-        await refused(await c.post("/v1/sessions", json={"model": "mock", "messages": [msg(1500)] * 5}),
+        refused(await c.post("/v1/sessions", json={"model": "mock", "messages": [msg(1500)] * 5}),
                       "conversation_too_large", "--max-conversation-bytes")
         cid = await conversation(c)
         append = f"/v1/sessions/{cid}/messages"
-        await refused(await c.post(append, json={"messages": [msg(3000)]}), "message_too_large",
+        refused(await c.post(append, json={"messages": [msg(3000)]}), "message_too_large",
                       "--max-message-bytes")
         assert (await c.post(append, json={"messages": [msg(1500)] * 3})).status_code == 200
-        await refused(await c.post(append, json={"messages": [msg(1500)]}), "conversation_too_large",
+        refused(await c.post(append, json={"messages": [msg(1500)]}), "conversation_too_large",
                       "--max-conversation-bytes")
         assert (await c.post(append, json={"messages": [msg(10)]})).status_code == 200  # 6 events now
-        await refused(await c.post(append, json={"messages": [msg(10)]}), "conversation_too_large",
+        refused(await c.post(append, json={"messages": [msg(10)]}), "conversation_too_large",
                       "--max-conversation-events")
-        await refused(await c.post(f"/v1/sessions/{cid}/generate", json={}), "conversation_too_large",
+        refused(await c.post(f"/v1/sessions/{cid}/generate", json={}), "conversation_too_large",
                       "--max-conversation-events")
         page = (await c.get(f"/v1/sessions/{cid}/events")).json()
         assert page["last_event_id"] == 5 and not page["generating"]  # nothing refused reached the log

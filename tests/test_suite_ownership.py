@@ -71,4 +71,4 @@ async def test_the_server_the_suite_started_passes_the_ownership_check(tmp_path:
             await server.start(timeout=20.0)
         server.check_owner()
     finally:
-        await server.stop(grace=1.0)
+        await server.stop(grace=1.0)  # noqa: ASYNC102 - stop() shields itself, bounded
