@@ -327,6 +327,9 @@ async def test_out_of_file_descriptors_a_worker_restart_waits_and_the_daemon_liv
     hog = FdHog(below=min(worker_pipe_fds(pid)))  # the client's connection is open above that: it goes on
     try:
         os.kill(pid, signal.SIGKILL)  # the worker must restart, and no pipe can be made for it
+        with trio.fail_after(30):  # the owner saw the death and its first spawn failed: no race with it
+            while not any("cannot be started" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.01)
         answers = []
         for _ in range(3):  # typed refusals (the connection in hand serves them), while the spawn retries
             r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import trio
 from trio_websocket import open_websocket_url
 
 from superfluid._model import ServedModel
@@ -250,7 +249,7 @@ def _served(path: Any, template: str) -> tuple[ServedModel, Any]:
     info = engine.info
     owner = SimpleNamespace(info={"chat_template": template, "special_tokens": dict(info.special_tokens),
                                   "bos": info.bos, "eog": list(info.eog), "n_vocab": info.n_vocab}, ack=None)
-    return ServedModel("real", "llamacpp", str(path), owner, 0, trio.CancelScope()), engine  # type: ignore[arg-type]
+    return ServedModel("real", "llamacpp", str(path), owner, 0), engine  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("path,turn", [pytest.param(REAL_GGUF, "<|im_start|>", marks=pytest.mark.real(REAL_GGUF)),

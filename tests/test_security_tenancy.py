@@ -383,7 +383,7 @@ async def test_real_model_another_key_sees_no_cached_tokens(nursery: trio.Nurser
 async def test_the_shared_prefix_hold_is_per_partition() -> None:
     """A job waits for a lane prefilling its long prefix only within its own
     partition: another tenant's job is neither held (a timing probe) nor seeded."""
-    sched = Scheduler("m", SchedulerConfig(), Metrics())
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     worker = _Worker()
     jobs = _burst(1500, 3)
     jobs[1].tenant = "b"
