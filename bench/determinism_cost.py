@@ -15,30 +15,14 @@ the two ``--repeats`` times, and prints aggregate generated tokens per second
 from __future__ import annotations
 
 import argparse
-import time
 
-from superfluid.proto import Admit, Sampling
-from superfluid.worker._executor import Executor
+from in_process import run_level  # bench/ is on sys.path when this file runs
+
 from superfluid.worker._llamacpp import LlamaEngine
-
-PREFILL_BUDGET = 512
 
 
 def run(engine: LlamaEngine, work: list[list[int]], lanes: int, tokens: int, deterministic: bool) -> float:
-    for seq in range(engine.info.n_seq):
-        engine.seq_rm(seq, 0, -1)
-    ex = Executor(engine, max_lanes=lanes, deterministic=deterministic)
-    queue = list(enumerate(work))
-    generated = 0
-    t0 = time.perf_counter()
-    while queue or ex.lanes:
-        while queue and len(ex.lanes) < lanes:
-            tag, toks = queue.pop(0)
-            ex.admit(Admit(lane=tag, tokens=toks, n_prompt=len(toks), max_new=tokens, sampling=Sampling(),
-                           ignore_eos=True))
-        res = ex.step(prefill_budget=PREFILL_BUDGET)
-        generated += sum(1 for row in res.emits if row[1] >= 0)
-    return generated / (time.perf_counter() - t0)
+    return run_level(engine, work, lanes, tokens, deterministic=deterministic)["tok_s"]
 
 
 def main() -> None:

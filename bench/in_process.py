@@ -47,10 +47,10 @@ def sampling_of(fields: dict[str, Any], lane: int) -> Sampling:
 
 
 def run_level(engine: LlamaEngine, work: list[list[int]], lanes: int, tokens: int,
-              sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+              sampling: dict[str, Any] | None = None, *, deterministic: bool = False) -> dict[str, Any]:
     for seq in range(engine.info.n_seq):
         engine.seq_rm(seq, 0, -1)
-    ex = Executor(engine, max_lanes=lanes)
+    ex = Executor(engine, max_lanes=lanes, deterministic=deterministic)
     queue = list(enumerate(work))
     generated = 0
     t0 = time.perf_counter()

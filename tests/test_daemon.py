@@ -209,6 +209,14 @@ async def test_worker_sigkill_mid_stream_continues(daemon: Daemon) -> None:
     assert ok.status_code == 200
 
 
+async def bystander(d: Daemon, body: dict, out: list[str]) -> None:
+    """Stream ``body`` beside a fault; it must complete without an error. Appends its text to ``out``."""
+    async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = await sse_events(r)
+    assert not any("error" in e for e in events), events[-1]
+    out.append(stream_text(events))
+
+
 async def test_request_that_keeps_killing_its_worker_fails_typed(nursery: trio.Nursery) -> None:
     """A job that kills its worker every time it runs ends 500 ``worker_crashed`` (an error
     frame when streamed), while an innocent request running beside it completes."""
@@ -218,15 +226,8 @@ async def test_request_that_keeps_killing_its_worker_fails_typed(nursery: trio.N
         d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=5"))
         innocent: list[str] = []
 
-        async def bystander(d: Daemon = d, out: list[str] = innocent) -> None:
-            body = {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
-            async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
-                events = await sse_events(r)
-            assert not any("error" in e for e in events), events[-1]
-            out.append(stream_text(events))
-
         async with trio.open_nursery() as n:
-            n.start_soon(bystander)
+            n.start_soon(bystander, d, {**CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}, innocent)
             with trio.fail_after(10):
                 while await metric(d, "superfluid_lanes_active") != 1:
                     await trio.sleep(0.01)
@@ -258,14 +259,8 @@ async def test_a_lane_fault_ends_only_its_request(daemon: Daemon) -> None:
     [pid] = worker_pids()
     got: list[str] = []
 
-    async def bystander() -> None:
-        async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
-            events = await sse_events(r)
-        assert not any("error" in e for e in events), events[-1]
-        got.append(stream_text(events))
-
     async with trio.open_nursery() as n:
-        n.start_soon(bystander)
+        n.start_soon(bystander, daemon, body, got)
         faulty = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:fault_after=3]] go"}],
                   "max_tokens": 50, "ignore_eos": True}
         r = await daemon.client.post("/v1/chat/completions", json=faulty)
