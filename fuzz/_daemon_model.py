@@ -289,7 +289,8 @@ class Daemon:
         self.pgids: list[int] = []
 
     async def start(self) -> None:
-        self._spawn()  # a fork and a log line: quick, and the harness waits for it anyway
+        self._spawn()  # a fork and a log line: quick
+        await trio.to_thread.run_sync(_wait_ready_sync, self.url, self.proc)
 
     def _spawn(self) -> None:
         with open(self.log, "ab") as log:
@@ -297,7 +298,6 @@ class Daemon:
             self.proc = subprocess.Popen(_argv(self.port, self.sessions), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.pgids.append(self.proc.pid)
-        await trio.to_thread.run_sync(_wait_ready_sync, self.url, self.proc)
 
     @property
     def pid(self) -> int:
