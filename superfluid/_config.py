@@ -18,6 +18,13 @@ class ModelSource:
     name: str
 
 
+def secret_digest(secret: str) -> bytes:
+    """SHA-256 of a key's secret: what is kept and compared, never the secret itself."""
+    import hashlib
+
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+
+
 @attrs.frozen(kw_only=True)
 class ApiKey:
     """One client key: ``--api-key`` (named ``default``, admin) or an entry of ``--key-policy``."""
@@ -33,9 +40,7 @@ class ApiKey:
 
     @classmethod
     def from_secret(cls, name: str, secret: str, **kw: object) -> ApiKey:
-        import hashlib
-
-        return cls(name=name, digest=hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest(), **kw)  # type: ignore[arg-type]
+        return cls(name=name, digest=secret_digest(secret), **kw)  # type: ignore[arg-type]
 
 
 @attrs.frozen(kw_only=True)

@@ -9,14 +9,13 @@ sessions, conversations and the prefix cache.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from contextvars import ContextVar
 from typing import Any
 
 import attrs
 
-from .._config import ApiKey
+from .._config import ApiKey, secret_digest
 from ..sched import QosClass
 from ._http import ApiError
 
@@ -106,7 +105,7 @@ def authenticate(keys: tuple[ApiKey, ...], secret: str | None) -> Principal | No
     against each key's SHA-256 digest; None if it matches none."""
     if secret is None:
         return None
-    digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+    digest = secret_digest(secret)
     found = None
     for key in keys:  # no early exit: the time does not tell which key came close
         if hmac.compare_digest(digest, key.digest):
