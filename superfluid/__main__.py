@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from ._cli import main
+from .cli._main import main
 
 sys.exit(main())

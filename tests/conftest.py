@@ -9,9 +9,9 @@ import httpx
 import pytest
 import trio
 
-from superfluid._models import cache_dir
-from superfluid._config import ModelSource, ServeConfig
-from superfluid._server import serve
+from superfluid.models._files import cache_dir
+from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.daemon._server import serve
 from superfluid.sched import PlannerConfig
 
 REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -31,7 +31,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     missing = [] if importlib.util.find_spec("llama_cpp") else ["llama-cpp-python"]
     missing += [str(path) for path in (marker.args or (REAL_GGUF,)) if not Path(path).exists()]
     if missing:
-        why = f"missing {', '.join(missing)} (pip install -e '.[llamacpp]'; python -m superfluid._models)"
+        why = f"missing {', '.join(missing)} (pip install -e '.[llamacpp]'; python -m superfluid.models._files)"
         if REQUIRE_REAL:
             pytest.fail(f"SUPERFLUID_REQUIRE_REAL=1 and {why}", pytrace=False)
         pytest.skip(why)

@@ -20,8 +20,8 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from superfluid._config import ModelSource
-from superfluid._metrics import Metrics
+from superfluid.daemon._config import ModelSource
+from superfluid.daemon._metrics import Metrics
 from superfluid.suite._client import metric_sum
 from superfluid.proto import (
     Admit,

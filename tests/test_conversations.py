@@ -18,8 +18,8 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid._conversations import ConversationStore, Turn
-from superfluid._sessions import SessionStore
+from superfluid.sessions._conversations import ConversationStore, Turn
+from superfluid.sessions._resumable import SessionStore
 from superfluid.api._turns import serve_turn
 from superfluid.chat import ReplyParser, Tool, ToolCallParser, ToolWire
 from superfluid.journal import JournalConfig, SessionStateError, open_journal

@@ -15,8 +15,8 @@ import psutil
 import pytest
 import trio
 
-from superfluid._config import ModelSource
-from superfluid._metrics import Metrics, ModelMetrics
+from superfluid.daemon._config import ModelSource
+from superfluid.daemon._metrics import Metrics, ModelMetrics
 from superfluid.proto import Admit, Cancel, Sampling, Tick
 from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig, Unavailable
 from superfluid.sched._plan import PlannerConfig

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from superfluid._models import cache_dir
+from superfluid.models._files import cache_dir
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +43,7 @@ PROMPTS = (
 def _engine(path: str) -> Iterator[Any]:
     if not os.path.isfile(path):
         if REQUIRE_REAL:
-            pytest.fail(f"model file {path} is missing (python -m superfluid._models fetches it)")
+            pytest.fail(f"model file {path} is missing (python -m superfluid.models._files fetches it)")
         pytest.skip(f"model file {path} is missing")
     from superfluid.worker._llamacpp import LlamaEngine
 

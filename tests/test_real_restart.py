@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from superfluid._models import model_name
+from superfluid.models._files import model_name
 from superfluid.journal import open_journal
 from superfluid.proto import SseDecoder
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from superfluid._metrics import Metrics
+from superfluid.daemon._metrics import Metrics
 from superfluid.proto import Admit, Sampling, TickDone
 from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig
 

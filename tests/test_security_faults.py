@@ -20,7 +20,7 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid._config import ModelSource
+from superfluid.daemon._config import ModelSource
 from superfluid._private import make_private_dir
 from superfluid.journal import Journal, JournalConfig, open_journal
 from superfluid.journal._files import FaultInjector
@@ -159,8 +159,8 @@ async def test_loads_only_from_allowed_places_and_no_oracle(nursery: trio.Nurser
 
 async def test_models_cache_and_startup_models_are_allowed(nursery: trio.Nursery, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from superfluid._metrics import Metrics
-    from superfluid._registry import ModelRegistry
+    from superfluid.daemon._metrics import Metrics
+    from superfluid.daemon._registry import ModelRegistry
 
     monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
     cache = tmp_path / "home" / "models"
@@ -266,7 +266,7 @@ async def test_credentials_never_reach_a_worker(nursery: trio.Nursery, monkeypat
 
 
 def test_cli_limit_mistakes_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from superfluid._cli import main
+    from superfluid.cli._main import main
 
     assert main(["serve", "mock", "--max-models", "0"]) == 2
     assert capsys.readouterr().err.splitlines() == [

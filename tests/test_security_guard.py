@@ -17,9 +17,9 @@ import trio
 import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
-from superfluid._cli import main
-from superfluid._config import ApiKey
-from superfluid._keypolicy import load_keys
+from superfluid.cli._main import main
+from superfluid.daemon._config import ApiKey
+from superfluid.daemon._keypolicy import load_keys
 from superfluid.api._guard import Guard, exposure_refusal
 from superfluid.api._principal import ANONYMOUS, PRINCIPAL, Principal
 from superfluid.sched import QosClass
@@ -378,12 +378,12 @@ def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
     """``main`` must refuse before it serves: if it got as far as ``trio.run``, fail (do not hang)."""
     import types
 
-    import superfluid._cli
+    import superfluid.cli._main
 
     def refuse(*_: object) -> None:
         raise AssertionError("main() went on to serve")
 
-    monkeypatch.setattr(superfluid._cli, "trio", types.SimpleNamespace(run=refuse))
+    monkeypatch.setattr(superfluid.cli._main, "trio", types.SimpleNamespace(run=refuse))
 
 
 @pytest.mark.parametrize(("doc", "says"), POLICY_ERRORS)
@@ -482,7 +482,7 @@ async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: 
 
 
 def test_web_origins_and_keys_from_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from superfluid._cli import _security, build_parser
+    from superfluid.cli._main import _security, build_parser
 
     monkeypatch.setenv("SUPERFLUID_API_KEY", "sk-env")
     monkeypatch.setenv("SUPERFLUID_ORIGINS", "https://a.example, HTTPS://B.example:8443/")

@@ -18,8 +18,8 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid._config import ApiKey, ModelSource, ServeConfig
-from superfluid._metrics import Metrics
+from superfluid.daemon._config import ApiKey, ModelSource, ServeConfig
+from superfluid.daemon._metrics import Metrics
 from superfluid.journal import SessionLog, open_journal
 from superfluid.proto import Admit, from_wire, to_wire
 from superfluid.proto._wal import (

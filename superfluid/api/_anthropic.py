@@ -25,7 +25,7 @@ from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
+    from ..daemon._model import ServedModel
     from ._app import App
 
 __all__ = ["count_tokens", "messages"]

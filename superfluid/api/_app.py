@@ -21,17 +21,17 @@ from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_ta
 from ._openai import embeddings
 from ._responses import responses
 
-from .._conversations import ConversationStore
-from .._registry import TooManyModels
+from ..sessions._conversations import ConversationStore
+from ..daemon._registry import TooManyModels
 from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
-    from .._config import ServeConfig
-    from .._metrics import Metrics
-    from .._model import ServedModel
-    from .._registry import ModelRegistry
-    from .._sessions import SessionStore
+    from ..daemon._config import ServeConfig
+    from ..daemon._metrics import Metrics
+    from ..daemon._model import ServedModel
+    from ..daemon._registry import ModelRegistry
+    from ..sessions._resumable import SessionStore
 
 __all__ = ["App"]
 
@@ -280,7 +280,7 @@ class App:
             raise ApiError(400, "invalid request: runtime must be a string", param="runtime")
         reg = self.registry
         if ident not in reg.known:
-            from .._models import resolve_runtime
+            from ..models._files import resolve_runtime
 
             rid = resolve_runtime(ident, runtime)
             if rid not in ("mock", "llamacpp"):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._sessions import serve_resume_ttl
+from ..sessions._resumable import serve_resume_ttl
 from ..chat import TextStream
 from ..journal import JournalWriteError
 from ..proto import Sampling
@@ -25,8 +25,8 @@ from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
 from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
-    from .._sessions import LiveSession
+    from ..daemon._model import ServedModel
+    from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
     from ._app import App
     from ._tenancy import Owner

@@ -31,7 +31,7 @@ from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
+    from ..daemon._model import ServedModel
     from ._app import App
 
 __all__ = ["api_chat", "api_embed", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",

@@ -35,7 +35,7 @@ from ._principal import principal_of
 from ._tenancy import Owner, owner_of
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
+    from ..daemon._model import ServedModel
     from ..sched import Job
     from ._app import App
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from .._config import ApiKey, secret_digest
+from ..daemon._config import ApiKey, secret_digest
 from ..sched import QosClass
 from ._http import ApiError
 

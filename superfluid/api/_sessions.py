@@ -29,8 +29,8 @@ from ._http import ApiError, Receive, Send, header, send_json
 from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
-    from .._sessions import LiveSession
+    from ..daemon._model import ServedModel
+    from ..sessions._resumable import LiveSession
     from ..sched import Job
     from ._app import App
 

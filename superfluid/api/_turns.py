@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .._conversations import Turn, size_of
+from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
@@ -43,7 +43,7 @@ from ._principal import principal_of
 from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
+    from ..daemon._model import ServedModel
     from ._app import App
 
 __all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",

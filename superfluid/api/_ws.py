@@ -95,8 +95,8 @@ from ._tenancy import chosen_id, owner_of, public_id, resolve
 from ._turns import landed_summary, start_turn
 
 if TYPE_CHECKING:
-    from .._model import ServedModel
-    from .._sessions import LiveSession
+    from ..daemon._model import ServedModel
+    from ..sessions._resumable import LiveSession
     from ..sched import Job
     from ._app import App
 

@@ -61,7 +61,7 @@ from ._qos import QosClass
 
 if TYPE_CHECKING:
     from .._cpu import CpuYield
-    from .._metrics import Metrics
+    from ..daemon._metrics import Metrics
 
 __all__ = ["Committer", "InjectedBug", "LinkHandle", "LinkLost", "QueueFull", "Scheduler", "SchedulerConfig",
            "Unavailable"]

@@ -150,7 +150,7 @@ def model_id_guess(spec: str) -> str:
 
 def _default_gguf() -> str | None:
     try:
-        from .._models import default_model_path
+        from ..models._files import default_model_path
 
         return str(default_model_path(fetch=False))
     except (FileNotFoundError, ImportError):

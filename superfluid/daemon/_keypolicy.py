@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ._config import ApiKey
-from .sched import QosClass, parse_qos
+from ..sched import QosClass, parse_qos
 
 __all__ = ["KeyPolicyError", "load_keys"]
 

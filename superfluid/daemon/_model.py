@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .chat import ChatTemplate, pick_template
+from ..chat import ChatTemplate, pick_template
 
 if TYPE_CHECKING:
-    from .nursery import ModelOwner
-    from .sched import Scheduler
+    from ..nursery import ModelOwner
+    from ..sched import Scheduler
 
 __all__ = ["ServedModel"]
 

@@ -26,14 +26,14 @@ import attrs
 import msgpack
 import trio
 
-from .proto._wal import MESSAGE, TURN, TURN_END, body_fork, body_message, body_turn, body_turn_end
+from ..proto._wal import MESSAGE, TURN, TURN_END, body_fork, body_message, body_turn, body_turn_end
 
 if TYPE_CHECKING:
-    from ._model import ServedModel
-    from ._sessions import LiveSession
-    from .chat import ReplyParser
-    from .journal import Journal, SessionLog
-    from .proto._wal import WalRecord
+    from ..daemon._model import ServedModel
+    from ._resumable import LiveSession
+    from ..chat import ReplyParser
+    from ..journal import Journal, SessionLog
+    from ..proto._wal import WalRecord
 
 __all__ = ["ConversationStore", "Folded", "Turn", "size_of"]
 

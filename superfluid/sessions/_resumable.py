@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .journal import Journal, SessionStateError
-from .proto import Sampling
-from .proto._wal import body_cancelled, body_created, body_finished, body_generated, body_prompt
-from .sched import Job, QosClass, Unavailable
+from ..journal import Journal, SessionStateError
+from ..proto import Sampling
+from ..proto._wal import body_cancelled, body_created, body_finished, body_generated, body_prompt
+from ..sched import Job, QosClass, Unavailable
 
 if TYPE_CHECKING:
-    from ._registry import ModelRegistry
+    from ..daemon._registry import ModelRegistry
 
 __all__ = ["LiveSession", "SessionStore"]
 

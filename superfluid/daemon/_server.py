@@ -23,12 +23,12 @@ from hypercorn.trio import serve as hypercorn_serve
 from ._config import ServeConfig
 from ._metrics import Metrics
 from ._config import default_sessions_dir
-from ._cpu import CpuYield, unyielding
+from .._cpu import CpuYield, unyielding
 from ._registry import ModelRegistry
-from ._sessions import SessionStore, serve_resume_ttl
-from .journal import JournalConfig, open_journal
-from .api import App
-from .api._ws import LIMITS as WS_LIMITS
+from ..sessions._resumable import SessionStore, serve_resume_ttl
+from ..journal import JournalConfig, open_journal
+from ..api import App
+from ..api._ws import LIMITS as WS_LIMITS
 
 __all__ = ["serve"]
 

@@ -34,13 +34,13 @@ import trio
 from ._config import ModelSource, ServeConfig
 from ._metrics import Metrics
 from ._model import ServedModel
-from ._models import cache_dir, model_name, resolve_runtime
-from .nursery import ModelFailed, ModelOwner, RestartPolicy, RestartTracker, WorkerSpec
-from .sched import Scheduler, SchedulerConfig
+from ..models._files import cache_dir, model_name, resolve_runtime
+from ..nursery import ModelFailed, ModelOwner, RestartPolicy, RestartTracker, WorkerSpec
+from ..sched import Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from ._cpu import CpuYield
-    from .sched._loop import Committer
+    from .._cpu import CpuYield
+    from ..sched._loop import Committer
 
 __all__ = ["ModelRegistry", "TooManyModels"]
 
