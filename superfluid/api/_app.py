@@ -10,6 +10,7 @@ import trio
 
 from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._generate import log_refusal
+from ._lifecycle import Exchange, Stopping, access_line, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
@@ -86,6 +87,15 @@ def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
     return exc.body()
 
 
+_GENERATING = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
+                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate"})
+
+
+def _logged_at_info(exchange: Exchange) -> bool:
+    """Generating routes and the session routes are access-logged at INFO; the rest at DEBUG."""
+    return bool(exchange.jobs) or exchange.path in _GENERATING or exchange.path.startswith("/v1/sessions")
+
+
 class App:
     def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics,
                  sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
@@ -98,6 +108,7 @@ class App:
         self.conversations = ConversationStore(sessions.journal)
         self.metrics = metrics
         self.accepting = True
+        self.stopping = Stopping()  # SIGTERM/SIGINT: readers end typed, then the daemon exits (_lifecycle.py)
         self.guard = Guard(config)
 
     async def resolve_model(self, name: Any) -> ServedModel:
@@ -131,6 +142,20 @@ class App:
                 elif message["type"] == "lifespan.shutdown":
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["type"] not in ("http", "websocket"):
+            return
+        exchange = Exchange(method=scope.get("method", "WS"), path=scope.get("path", ""),
+                            started=trio.current_time(), stopping=self.stopping)
+        set_exchange(exchange)
+        self.stopping.enter()
+        try:
+            await self._exchange(scope, receive, send, exchange)
+        finally:
+            self.stopping.leave()
+            if scope["type"] == "http":
+                access_line(exchange, level=logging.INFO if _logged_at_info(exchange) else logging.DEBUG)
+
+    async def _exchange(self, scope: dict[str, Any], receive: Receive, send: Send, exchange: Exchange) -> None:
         if scope["type"] in ("http", "websocket"):
             refusal = self.guard.admit(scope)  # api/_guard.py: Host, Origin, key, rate, content type, admin
             if scope["type"] == "http":
@@ -140,7 +165,8 @@ class App:
                     await receive()  # websocket.connect
                     await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
                 else:
-                    await send_json(send, refusal.status, _error_body(scope["path"], refusal), refusal_headers(refusal))
+                    exchange.status = refusal.status
+                await send_json(send, refusal.status, _error_body(scope["path"], refusal), refusal_headers(refusal))
                 return
             set_current_principal(principal_of(scope))
             if scope["type"] == "http" and scope["method"] == "OPTIONS":  # a CORS preflight (Origin checked)
@@ -162,6 +188,7 @@ class App:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                exchange.status = message["status"]
             await send(message)
 
         try:
@@ -171,21 +198,26 @@ class App:
             return
         except ApiError as exc:
             if not started:
+                exchange.status, exchange.error = exc.status, exc.code
                 await send_json(send, exc.status, _error_body(scope["path"], exc), list(exc.headers))
         except JournalWriteError as exc:  # a full disk reached a route that did not check first: still typed
             if not started:
                 refusal = log_refusal(exc)
+                exchange.status, exchange.error = refusal.status, refusal.code
                 await send_json(send, refusal.status, _error_body(scope["path"], refusal))
         except trio.Cancelled:
             raise
         except Exception as exc:  # boundary: one request; the daemon goes on
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
+                exchange.status = 500
                 await send_json(send, 500, _error_body(
                     scope["path"], ApiError(500, f"internal error: {type(exc).__name__}: {exc}")))
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if self.stopping.started and method in ("POST", "PUT") and path != "/v1/tokenize":
+            raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):
             models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}
             reason = self.sessions.journal.degraded

@@ -9,7 +9,6 @@ tokens into client text deltas (stop strings held back);
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,7 @@ from ..journal import JournalWriteError
 from ..proto import Sampling
 from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
 from ._http import ApiError, Receive
+from ._lifecycle import note_job, wait_beyond
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
@@ -31,10 +31,8 @@ if TYPE_CHECKING:
     from ._app import App
     from ._tenancy import Owner
 
-__all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane", "access_log",
+__all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane",
            "open_lane", "prepare", "prompt_limit", "reserve", "retire", "watch_disconnect"]
-
-log = logging.getLogger("superfluid.access")
 
 # The prompt-size limit checked before tokenizing (--max-prompt-bytes 0): no tokenizer we serve
 # makes a token of more than a few dozen bytes of text, so a prompt over this many bytes per token
@@ -140,6 +138,7 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
     sched = model.scheduler
     lane: Lane | None = None
     refused = False
+    note_job(model.name, job)
     try:
         try:
             await reserve(sched, job)
@@ -240,7 +239,7 @@ class Follower:
         """Wait for progress. Returns ``(text, logprob rows, done)``; a row is
         ``(piece, [logprob, [[token, piece, logprob], ...]])`` for each new token."""
         job = self.job
-        await job.wait_beyond(self.cursor)
+        await wait_beyond(job, self.cursor)  # raises server_shutting_down in a request once the daemon stops
         out = []
         lps = list(zip(job.pieces[self.cursor :], job.logprobs[self.cursor : len(job.tokens)], strict=False))
         for piece in job.pieces[self.cursor : len(job.pieces)]:
@@ -298,20 +297,3 @@ async def _watching(receive: Receive) -> AsyncIterator[trio.CancelScope]:
                 yield scope
         finally:
             nursery.cancel_scope.cancel()
-
-
-def access_log(route: str, model: ServedModel, job: Job, status: int) -> None:
-    now = trio.current_time()
-    ttft = (job.first_token_at - job.created) * 1000 if job.first_token_at else 0.0
-    total = (now - job.created) * 1000
-    decode_s = (now - job.first_token_at) if job.first_token_at else 0.0
-    prefill_s = (job.first_token_at - (job.admitted_at or job.created)) if job.first_token_at else 0.0
-    n = len(job.tokens)
-    log.info(
-        "<-- %d POST %s model=%s prompt=%d cached=%d completion=%d ttft=%.0fms prefill=%.0f tok/s decode=%.1f tok/s "
-        "total=%.0fms finish=%s",
-        status, route, model.name, len(job.prompt), job.cached, n, ttft,
-        (len(job.prompt) - job.cached) / prefill_s if prefill_s > 0 else 0.0,
-        (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0, total,
-        job.finish or (job.error.code if job.error else "?"),
-    )

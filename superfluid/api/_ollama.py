@@ -21,7 +21,6 @@ import trio
 from .. import __version__
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
-from ._generate import access_log
 from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
 from ._openai import (
     ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
@@ -339,8 +338,6 @@ async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, mo
             await send_json(send, 200, {**record, "done": True, **_stats(reply)})
         else:
             await _stream_ndjson(send, reply, model.name, kind)
-    # outside the disconnect scope: the server reports a finished exchange as a disconnect
-    access_log(scope["path"], model, reply.job, 200)
 
 
 async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> None:

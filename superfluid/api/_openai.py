@@ -28,7 +28,8 @@ from ..chat import (
 from ..proto import SSE_DONE, Sampling, encode_sse_json
 from ..sched import QosClass, parse_qos
 from ._sessions import run_resumable
-from ._generate import Follower, access_log, open_lane, prepare, resumable_requested, watch_disconnect
+from ._lifecycle import wait_started
+from ._generate import Follower, open_lane, prepare, resumable_requested, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
@@ -192,7 +193,7 @@ class Reply:
 
     async def wait_admitted(self) -> None:
         """Raises ApiError if the worker refused the job before any token (a status-code error)."""
-        await self.job.wait_started()
+        await wait_started(self.job)  # (server_shutting_down once the daemon stops)
         error = self.job.error
         if error is not None and not self.job.tokens:
             raise ApiError.of_job(error)
@@ -558,7 +559,6 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         usage = isinstance(opts, dict) and opts.get("include_usage") is True
         await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream, usage=usage)
         return
-    route = "/v1/chat/completions"
     rid = f"chatcmpl-superfluid-{next(_ids)}"
     created = int(time.time())
     if stream and resumable_requested(scope):
@@ -580,8 +580,6 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await _stream_chat(send, reply, rid=rid, created=created)
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
-    # outside the disconnect scope: the server reports a finished exchange as a disconnect
-    access_log(route, model, reply.job, 200)
 
 
 async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
@@ -654,8 +652,6 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
                        "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs,
                                     "finish_reason": follower.finish}], "usage": usage_of(job)}
                 await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(job.cached).encode())])
-        # outside the disconnect scope: the server reports a finished exchange as a disconnect
-        access_log("/v1/completions", model, job, 200)
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,
@@ -672,7 +668,7 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
     offset = 0
     held: list[Any] = []
 
-    await job.wait_started()
+    await wait_started(job)
     if job.error is not None and not job.tokens:
         raise ApiError.of_job(job.error)
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})

@@ -26,6 +26,7 @@ from ..proto import SSE_DONE, encode_sse_json
 from ..sched import Unavailable
 from ._generate import Follower, open_lane, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
+from ._lifecycle import note_job, wait_started
 from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
                 lane.keep = True
 
         async with watch_disconnect(receive):
-            await job.wait_started()
+            await wait_started(job)
             if job.error is not None and not job.tokens:
                 raise ApiError.of_job(job.error)
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -153,6 +154,7 @@ async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send
         raise ApiError(400, f"cursor {cursor} is outside the session's {len(session.job.tokens)} tokens",
                        param="after")
     follower = follower_at(session, cursor)
+    note_job(session.model, session.job)
     async with watch_disconnect(receive):  # a follower leaving never cancels the generation
         await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
 

@@ -34,6 +34,7 @@ from ..proto import SSE_DONE, encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
 from ._generate import RETIRE_S, Follower, check_log, open_session, prepare, reserve, retire, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
+from ._lifecycle import detach_exchange, note_job, wait_beyond
 from ._openai import (
     ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
     require_grammar, usage_of,
@@ -208,6 +209,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
                     await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
                 raise
             await sched.queue(job)
+            note_job(model.name, job)
             model.owner.start_session(serve_turn, app, turn)
         except BaseException:
             with trio.move_on_after(RETIRE_S, shield=True):
@@ -242,6 +244,7 @@ async def serve_turn(app: App, turn: Turn) -> None:
     landing it is shielded (bounded by ``CLEANUP_S``).
     """
     assert turn.session is not None
+    detach_exchange()  # started from a request, but not its: its reads do not end at shutdown
     job = turn.session.job
     try:
         message, finish, error = await _read_reply(turn)
@@ -426,7 +429,7 @@ async def send_turn(send: Send, receive: Receive, turn: Turn) -> None:
     job = turn.session.job
     async with watch_disconnect(receive) as request:
         while not (job.done or turn.landed):
-            await job.wait_beyond(len(job.tokens))
+            await wait_beyond(job, len(job.tokens))  # (server_shutting_down once the daemon stops)
         with trio.move_on_after(LAND_WAIT_S):
             await turn.wait_landed()
     if request.cancelled_caught:

@@ -82,6 +82,7 @@ import trio
 from ..journal import JournalWriteError
 from ._generate import RETIRE_S, Lane, log_refusal, open_lane, prepare
 from ._http import ApiError, Receive, Send, decode_json
+from ._lifecycle import Exchange, access_line, set_exchange
 from ._openai import (
     ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
     render_chat,
@@ -167,6 +168,8 @@ class _Socket:
         self.client_gone = False
         self.owned = 0                    # generations started here and not ended (see _own)
         self.announced: set[str] = set()  # sessions whose ``started`` reply went out
+        self.close_after: tuple[int, str] | None = None  # a close sent after everything queued (shutdown)
+        self._subs_changed = trio.Event()
         self._work: trio.Nursery | None = None
 
     @property
@@ -177,18 +180,32 @@ class _Socket:
     async def run(self, receive: Receive) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write)
+            unregister = None
             try:
                 async with trio.open_nursery() as work:
                     self._work = work
+                    unregister = self.app.stopping.on_begin(id(self), lambda: work.start_soon(self._close_for_shutdown))
                     await self._read(receive)
                     work.cancel_scope.cancel()
             finally:
+                if unregister is not None:
+                    unregister()
                 self.outbox.close()  # the writer sends what is due and ends
             # Closing by our side: read (and drop) until the peer's close arrives.
             # hypercorn's connection reader waits for us to take each message,
             # so without this it never sees the peer's close frame or EOF.
             while not self.client_gone:
                 self.client_gone = (await receive())["type"] == "websocket.disconnect"
+
+    async def _close_for_shutdown(self) -> None:
+        """The daemon stops: once every follower sent its ``server_shutting_down``
+        error and the writer took every message, close with 1001."""
+        while self.subs:
+            self._subs_changed = trio.Event()
+            await self._subs_changed.wait()
+        # unlike _shut, what is queued still goes out (the errors), then the close frame
+        self.close_after = (CLOSE_GOING_AWAY, "the server is shutting down")
+        self.work.cancel_scope.cancel()
 
     def _shut(self, code: int, reason: str) -> None:
         """Close the socket: stop all work; the writer drops what is queued and sends the close frame."""
@@ -209,8 +226,9 @@ class _Socket:
                 await self.send({"type": "websocket.send", "text": _dumps(msg)})
                 if msg["op"] == "started" and "conversation" not in msg:  # (a turn is not owned here)
                     self.announced.add(msg["session"])
-        if self.close_with is not None:
-            code, reason = self.close_with
+        closing = self.close_with or self.close_after
+        if closing is not None:
+            code, reason = closing
             await self.send({"type": "websocket.close", "code": code, "reason": reason})
 
     async def _emit(self, msg: dict[str, Any]) -> None:
@@ -416,6 +434,10 @@ class _Socket:
         sid = public_id(session.id)
         follower = follower_at(session, cursor)
         session.attach()
+        exchange = Exchange(method="WS", path=WS_PATH, started=trio.current_time(), stopping=self.app.stopping,
+                            status=101)
+        exchange.jobs.append((session.model, session.job))
+        set_exchange(exchange)  # this task's: its line, and its reads end at shutdown
         try:
             with scope:
                 if ack is not None:
@@ -424,6 +446,7 @@ class _Socket:
                     try:
                         text, _rows, done = await follower.next_delta()
                     except ApiError as exc:
+                        exchange.error = exc.code or str(exc.status)
                         await self._error(exc, session=sid)
                         return
                     if text:
@@ -440,6 +463,8 @@ class _Socket:
             session.detach()
             if self.subs.get(sid) is scope:
                 del self.subs[sid]
+                self._subs_changed.set()
+            access_line(exchange)
 
     async def _own(self, lane: Lane, resumable: bool, slot: ExitStack, scope: AsyncExitStack) -> None:
         """Hold a generation started on this socket (its lane, and its key's slot)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -15,8 +16,11 @@ import trio
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name, resolve_runtime
+from .. import __version__
 from ..journal import JournalLocked, WalCorrupt
-from ..nursery import WorkerLoadFailed
+from ..nursery import WorkerDied, WorkerLoadFailed
+from ..worker._main import RUNTIMES
+from ._errors import USAGE, CliError, HelpFormatter, Parser, suggest
 from ..sched import PlannerConfig, QosClass, parse_qos
 
 __all__ = ["main"]
@@ -27,6 +31,13 @@ def _hostport(value: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def _qos(value: str) -> QosClass:
+    try:
+        return parse_qos(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _class_lanes(value: str) -> dict[QosClass, int]:
@@ -41,15 +52,24 @@ def _class_lanes(value: str) -> dict[QosClass, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="superfluid", description="A local LLM serving daemon on trio.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
-    s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
-    s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
-    s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
-    s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8453)
+    parser = Parser(prog="superfluid", description="A local LLM serving daemon on trio.",
+                    formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"superfluid {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    s = sub.add_parser("serve", help="serve models over HTTP (OpenAI, Anthropic and Ollama APIs on one port)",
+                       description="Serve models over HTTP: OpenAI, Anthropic and Ollama APIs on one port.",
+                       formatter_class=HelpFormatter)
+    s.add_argument("model", nargs="?",
+                   help="a GGUF file, or 'mock' (default: the embedded SmolLM2-135M-Instruct, fetched once)")
+    s.add_argument("--model", dest="models", action="append", default=[], metavar="MODEL",
+                   help="another model to serve beside the first (repeatable; default: none)")
+    s.add_argument("--runtime", action="append", default=[], metavar="ID|MODEL=ID",
+                   help=f"the runtime of every model, or of MODEL ({', '.join(RUNTIMES)}; default: mock for "
+                        "'mock', else llamacpp)")
+    s.add_argument("--http", type=_hostport, metavar="HOST:PORT",
+                   help="address to listen on; overrides --host and --port (default 127.0.0.1:8453)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8453, help="TCP port to listen on (0: any free port)")
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
@@ -69,16 +89,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 100): fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGUSR1 waits for in-flight work")
-    s.add_argument("--http-default-qos", type=parse_qos, default=QosClass.AGENT)
-    s.add_argument("--no-http-qos-header", action="store_true")
-    s.add_argument("--class-lanes", type=_class_lanes, default={}, help="e.g. background=2,agent=6")
-    s.add_argument("--starvation-ticks", type=int, default=8)
-    s.add_argument("--prefill-budget", type=int, default=4096)
-    s.add_argument("--tick-target-ms", type=int, default=250)
-    s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGUSR1 (drain) waits for in-flight requests before exiting")
+    s.add_argument("--shutdown-grace", type=_positive(float), default=5.0,
+                   help="seconds SIGTERM/Ctrl-C gives in-flight streams to end with a server_shutting_down "
+                        "error and [DONE] before the daemon exits (a second signal exits at once)")
+    s.add_argument("--http-default-qos", type=_qos, default=QosClass.AGENT, metavar="CLASS",
+                   help="QoS class of requests with no x-superfluid-qos header "
+                        "(interactive, completion, agent, background; default agent)")
+    s.add_argument("--no-http-qos-header", action="store_true",
+                   help="ignore the x-superfluid-qos request header (every request gets --http-default-qos)")
+    s.add_argument("--class-lanes", type=_class_lanes, default={}, metavar="CLASS=N,...",
+                   help="at most N lanes for a QoS class, e.g. background=2,agent=6 (default: no caps)")
+    s.add_argument("--starvation-ticks", type=int, default=8,
+                   help="a waiting job's class rises one step every this many scheduler ticks")
+    s.add_argument("--prefill-budget", type=int, default=4096,
+                   help="prompt tokens prefilled per scheduler tick at most")
+    s.add_argument("--tick-target-ms", type=int, default=250,
+                   help="length of a scheduler tick while nothing waits (50 ms while a job is queued)")
+    s.add_argument("--hang-timeout", type=float, default=60.0,
+                   help="seconds a worker may leave a tick, a send or a tokenize unanswered before it is replaced")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], metavar="LEVEL",
+                   help="least severe log records written (DEBUG, INFO, WARNING, ERROR, CRITICAL; "
+                        "DEBUG also logs every non-generating request)")
+    s.add_argument("--log-dir", type=Path, metavar="DIR",
+                   help="also write the log as JSON lines to DIR/superfluid.jsonl (rotated at 16 MiB, 4 kept; "
+                        "files 0600 in a 0700 directory; default: stderr only)")
     s.add_argument("--api-key", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
                         "GET /health; an admin key named 'default' (default: $SUPERFLUID_API_KEY, else none)")
@@ -124,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    from ._session import add_session_parser
+
+    add_session_parser(sub)
     return parser
 
 
@@ -164,6 +205,7 @@ def _prompt_bytes(value: str) -> int:
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
+    """The models named on the command line. Raises CliError (one line)."""
     specs = ([args.model] if args.model else []) + list(args.models)
     default_runtime = None
     per_model: dict[str, str] = {}
@@ -173,20 +215,36 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             per_model[m] = rid
         else:
             default_runtime = r
+    for rid in [default_runtime, *per_model.values()]:
+        if rid is not None and resolve_runtime("", rid) not in RUNTIMES:
+            raise CliError(f"unknown runtime {rid!r}{suggest(rid, list(RUNTIMES))}; known: {', '.join(RUNTIMES)}",
+                           USAGE)
     if not specs:
         if default_runtime == "mock":
             specs = ["mock"]
         else:
-            specs = [str(default_model_path())]
+            try:
+                specs = [str(default_model_path())]
+            except FileNotFoundError as exc:
+                raise CliError(f"no model given and the default one is not available: {exc}") from None
     out = []
     for spec in specs:
         runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
         if runtime == "mock" and not spec.startswith("mock"):
             spec = "mock"
-        if runtime != "mock" and not Path(spec).exists():
-            raise SystemExit(f"superfluid: model file not found: {spec}")
+        if runtime != "mock":
+            _check_model_file(Path(spec))
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
     return out
+
+
+def _check_model_file(path: Path) -> None:
+    if not path.exists():
+        raise CliError(f"model file not found: {path}")
+    if not path.is_file():
+        raise CliError(f"model {path} is not a file")
+    if not os.access(path, os.R_OK):
+        raise CliError(f"model file {path} is not readable (permission denied)")
 
 
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
@@ -201,35 +259,51 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     out: list[BaseException] = []
-    for exc in group.exceptions:
+    for exc in group.exceptions:  # (a nested group's leaves in order)
         out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    try:
+        if args.command == "session":
+            from ._session import run_session
+
+            return run_session(args)
+        return _serve(args)
+    except CliError as exc:
+        print(f"superfluid: {exc.message}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..daemon._logs import configure_logging
     from ..daemon._server import serve
     from ..api._guard import exposure_refusal, is_loopback_listener
 
+    try:
+        configure_logging(args.log_level, args.log_dir)
+    except OSError as exc:
+        raise CliError(f"--log-dir {args.log_dir}: {exc.strerror or exc}") from None
     host, port = args.http if args.http else (args.host, args.port)
     try:
         security = _security(args)
     except ValueError as exc:
-        print(f"superfluid: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc), USAGE) from None
     sources = tuple(_sources(args))
     mistake = _check_limits(args, sources)
     if mistake is not None:
-        print(f"superfluid: {mistake}", file=sys.stderr)
-        return 2
+        raise CliError(mistake, USAGE)
     config = ServeConfig(
         models=sources, host=host, port=port, sessions=args.sessions,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
         stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
-        cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout,
+        cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout, shutdown_grace_s=args.shutdown_grace,
         default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,
                               starvation_ticks=args.starvation_ticks, prefill_budget=args.prefill_budget,
@@ -243,23 +317,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     refusal = exposure_refusal(config)
     if refusal is not None:
-        print(f"superfluid: {refusal}", file=sys.stderr)
-        return 2
+        raise CliError(refusal, USAGE)
     if not config.api_keys and not is_loopback_listener(host):
         print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
         trio.run(serve, config)
-    except (JournalLocked, WalCorrupt) as exc:
-        print(f"superfluid: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # noqa: BLE001 - the process boundary: one line, never a traceback
+        raise _startup_error(exc, host, port) from None
     except BaseExceptionGroup as group:
-        startup, rest = group.split((WorkerLoadFailed, JournalLocked, WalCorrupt))
-        if rest is not None or startup is None:
+        if group.subgroup((KeyboardInterrupt, SystemExit)) is not None:
             raise
-        for exc in _leaves(startup):
-            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else ""
-            print(f"superfluid: {prefix}{exc}", file=sys.stderr)
-        return 3 if startup.subgroup(WorkerLoadFailed) else 2
-    except KeyboardInterrupt:
-        return 0
+        raise _startup_error(group, host, port) from None
     return 0
+
+
+def _startup_error(exc: BaseException, host: str, port: int) -> CliError:
+    """What went wrong, as one line: the first failure of ``exc`` (a group's leaves) that we know."""
+    leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    for leaf in leaves:
+        if isinstance(leaf, (JournalLocked, WalCorrupt)):
+            return CliError(str(leaf), USAGE)
+        if isinstance(leaf, WorkerLoadFailed):
+            return CliError(f"model did not load: {leaf}")
+        if isinstance(leaf, WorkerDied):
+            return CliError(f"model did not start: {leaf}")
+        if isinstance(leaf, OSError) and leaf.errno == errno.EADDRINUSE:
+            return CliError(f"cannot listen on {host}:{port}: the address is already in use "
+                            "(another server runs there; pick one with --port)")
+        if isinstance(leaf, OSError) and leaf.errno in (errno.EACCES, errno.EADDRNOTAVAIL):
+            return CliError(f"cannot listen on {host}:{port}: {leaf.strerror}")
+    logging.getLogger("superfluid").debug("startup failed", exc_info=exc)
+    first = leaves[0] if leaves else exc
+    return CliError(f"{type(first).__name__}: {first} (--log-level DEBUG shows the traceback)")

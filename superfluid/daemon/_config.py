@@ -59,6 +59,7 @@ class ServeConfig:
     agent_stream_interval_ms: int = 100   # the same for agent and background lanes (programs read them)
     cpu_yield: bool = True                # SCHED_BATCH while no request waits for a first token (_cpu.py)
     drain_timeout_s: float = 30.0
+    shutdown_grace_s: float = 5.0         # SIGTERM/SIGINT: in-flight streams end typed within this, then exit
     default_qos: QosClass = QosClass.AGENT
     http_qos_header: bool = True
     planner: PlannerConfig = attrs.field(factory=PlannerConfig)

@@ -3,7 +3,7 @@
 Nursery tree (daemon)::
 
     root
-    ├── signal watcher          SIGTERM/SIGINT: cancel root; SIGUSR1: drain
+    ├── signal watcher          SIGTERM/SIGINT: streams end typed, then cancel root (stop); SIGUSR1: drain
     ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
     │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
@@ -15,12 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from ._config import ServeConfig
+from ._summary import summary_lines
 from ._metrics import Metrics
 from ._config import default_sessions_dir
 from .._cpu import CpuYield, unyielding
@@ -30,23 +32,50 @@ from ..journal import JournalConfig, open_journal
 from ..api import App
 from ..api._ws import LIMITS as WS_LIMITS
 
-__all__ = ["serve"]
+__all__ = ["serve", "stop"]
 
 log = logging.getLogger("superfluid")
+summary_log = logging.getLogger("superfluid.summary")
 
 
-async def _serve_signals(root: trio.CancelScope, drain: trio.Event, app_holder: list[App]) -> None:
+async def _serve_signals(root: trio.Nursery, drain: trio.Event, app_holder: list[App], grace_s: float) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+        stopping = False
         async for signum in signals:
             if signum == signal.SIGUSR1:
                 log.info("SIGUSR1: draining (no new requests; in-flight ones may finish)")
                 for app in app_holder:
                     app.accepting = False
                 drain.set()
-            else:
-                log.info("signal %d: shutting down", signum)
-                root.cancel()
+            elif stopping:
+                log.info("%s again: exiting now", signal.Signals(signum).name)
+                root.cancel_scope.cancel()
                 return
+            else:
+                stopping = True
+                root.start_soon(stop, root.cancel_scope, app_holder, grace_s, signal.Signals(signum).name)
+
+
+async def stop(root: trio.CancelScope, apps: list[App], grace_s: float, why: str = "stop") -> None:
+    """Shut the daemon down: every in-flight stream ends with a ``server_shutting_down``
+    error frame (and ``[DONE]``), every waiting request with a 503, within ``grace_s``
+    (``--shutdown-grace``); then the root is cancelled. Resumable generations are not
+    ended: the log shows them unfinished and the next start resumes them."""
+    inflight = sum(app.stopping.inflight for app in apps)
+    log.info("%s: shutting down; %d exchange(s) in flight end typed within %g s", why, inflight, grace_s)
+    for app in apps:
+        app.stopping.begin()
+    with trio.move_on_after(grace_s) as waited:
+        for app in apps:
+            await app.stopping.wait_idle()
+    if waited.cancelled_caught:
+        log.warning("shutdown: %d exchange(s) still in flight after %g s; closing them",
+                    sum(app.stopping.inflight for app in apps), grace_s)
+    root.cancel()
+
+
+def _not_running_on(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Running on ")
 
 
 def journal_config() -> JournalConfig:
@@ -56,11 +85,15 @@ def journal_config() -> JournalConfig:
 
 
 async def serve(
-    config: ServeConfig, *, handle_signals: bool = True, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    config: ServeConfig, *, handle_signals: bool = True, announce: Callable[[list[str]], None] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the daemon until cancelled (or drained).
 
     Returns (via ``task_status``) the bound addresses, e.g. ``["http://127.0.0.1:8453"]``.
+    Once listening it hands the startup summary (``_summary.summary_lines``) to
+    ``announce``; by default it is logged on ``superfluid.summary`` (a terminal
+    monitor passes its own, so the block is shown once).
 
     Raises:
         WorkerLoadFailed: a model did not load at startup.
@@ -79,7 +112,7 @@ async def serve(
         async with open_journal(sessions_dir, fresh=config.sessions_cache, config=journal_config()) as journal, \
                 trio.open_nursery() as root:
             if handle_signals:
-                root.start_soon(_serve_signals, root.cancel_scope, drain, app_holder)
+                root.start_soon(_serve_signals, root, drain, app_holder, config.shutdown_grace_s)
             store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
             registry = ModelRegistry(config, metrics, root, committer=store, cpu=cpu)
             for i, source in enumerate(config.models):
@@ -95,6 +128,10 @@ async def serve(
             hconfig.bind = [f"{config.host}:{config.port}"]
             hconfig.graceful_timeout = config.drain_timeout_s
             hconfig.accesslog = None
+            # our own logger object: hypercorn then adds no handler of its own (each of its lines
+            # was printed twice), and its "Running on" is dropped: the summary has the one such line
+            hconfig.errorlog = logging.getLogger("hypercorn.error")
+            hconfig.errorlog.addFilter(_not_running_on)
             hconfig.keep_alive_timeout = 75
             # a request head (line and headers) over 16 KiB is refused by h11 as it arrives
             hconfig.h11_max_incomplete_size = 16 * 1024
@@ -112,7 +149,13 @@ async def serve(
                 root.cancel_scope.cancel()
 
             binds = await root.start(serve_listener)
-            log.info("superfluid listening on %s", ", ".join(binds))
+            lines = summary_lines(config, registry.loaded.values(), binds, sessions_dir=sessions_dir,
+                                  default=registry.default)
+            if announce is None:
+                for line in lines:
+                    summary_log.info("%s", line)
+            else:
+                announce(lines)
             task_status.started(binds)
     finally:
         cpu.close()  # back to SCHED_OTHER: the thread may live on (tests run the daemon in-process)

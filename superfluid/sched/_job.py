@@ -141,6 +141,11 @@ class Job:
         while len(self.tokens) <= cursor and not self.done:
             await self._changed.wait()
 
+    async def wait_change(self) -> None:
+        """Wait for the next :meth:`publish` (progress, the end, or a reader
+        woken on purpose: api/_lifecycle.py at shutdown)."""
+        await self._changed.wait()
+
     async def wait_started(self) -> None:
         """Wait until a worker admitted the job, or it ended (possibly refused)."""
         while not (self.started or self.done or self.tokens):

@@ -24,6 +24,7 @@ import argparse
 import collections
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -458,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(GIL_SWITCH_S)
     reset_policy()  # the engine never yields: the daemon may have spawned us while it ran SCHED_BATCH
     args.threads = args.threads or (os.cpu_count() or 2)
+    # Ctrl-C in a terminal signals the whole process group: the daemon alone decides when
+    # a worker stops (it ends its streams typed first, then sends Shutdown)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     link_fd = os.dup(1)
     os.environ["SUPERFLUID_LINK_FD"] = str(link_fd)  # for the mock's garbage_after fault
     os.dup2(2, 1)  # stray prints from C libraries land on stderr, never on the link
