@@ -15,6 +15,7 @@ from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
+from ._session_list import list_sessions
 from ._conversations import route_conversations
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
@@ -262,6 +263,9 @@ class App:
         handler = _GET_JSON.get(path)
         if handler is not None:
             await handler(self, scope, receive, send, {})
+            return
+        if path == "/v1/sessions" and method == "GET":
+            await send_json(send, 200, list_sessions(self, scope))
             return
         if await route_conversations(self, scope, receive, send):
             return

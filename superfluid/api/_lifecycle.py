@@ -41,8 +41,9 @@ SHUTTING_DOWN = "server_shutting_down"
 
 
 def shutting_down() -> ApiError:
-    return ApiError(503, "server shutting down: the daemon is stopping (SIGTERM/SIGINT); a resumable session "
-                         "resumes by id once it is back", code=SHUTTING_DOWN)
+    # the code leads the message too: Anthropic's and Ollama's error shapes carry no code
+    return ApiError(503, f"{SHUTTING_DOWN}: the daemon is stopping (SIGTERM/SIGINT); retry once it is back "
+                         "(a resumable session resumes by its id)", code=SHUTTING_DOWN)
 
 
 class Stopping:

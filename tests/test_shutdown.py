@@ -1,0 +1,169 @@
+"""Ctrl-C ends every in-flight stream properly (SPEC.md §2 "Daemon shutdown").
+
+A real daemon subprocess (mock runtime, slow tokens) serves streams in every
+dialect; SIGINT goes to its whole process group, as a terminal's Ctrl-C does
+(workers included). Each stream must end with its dialect's typed
+``server_shutting_down`` error (then ``[DONE]`` where the dialect has one), a
+waiting non-streamed request with a 503 typed body, and the daemon must exit 0
+within the grace; a resumable session resumes after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 3.0
+MSGS = [{"role": "user", "content": "tell me a long story"}]
+LONG = 5000
+
+
+def _spawn(port: int, sessions: Path, err: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "superfluid", "serve", "mock?step_ms=20&prefill_us=5&eos_every=100000", "--port", str(port),
+         "--sessions", str(sessions), "--shutdown-grace", str(GRACE_S), "--stream-interval-ms", "0",
+         "--agent-stream-interval-ms", "0"],
+        stdout=subprocess.DEVNULL, stderr=open(err, "ab"), start_new_session=True)  # noqa: SIM115
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    with trio.fail_after(90):
+        while True:
+            assert proc.poll() is None, "daemon exited"
+            try:
+                async with httpx.AsyncClient() as c:
+                    if (await c.get(url + "/health")).status_code == 200:
+                        return
+            except httpx.HTTPError:
+                pass
+            await trio.sleep(0.1)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _sse_data(raw: str) -> list[str]:
+    return [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+
+
+async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_restart(tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    sessions, err = tmp_path / "sessions", tmp_path / "daemon.err"
+    proc = _spawn(port, sessions, err)
+    try:
+        await _wait_ready(url, proc)
+        raw: dict[str, str] = {}
+        status: dict[str, int] = {}
+        headers: dict[str, httpx.Headers] = {}
+        flowing: dict[str, trio.Event] = {}
+        chat = {"model": "mock", "messages": MSGS, "max_tokens": LONG, "temperature": 0}
+        requests = {
+            "chat": ("/v1/chat/completions", {**chat, "stream": True}, {}),
+            "completions": ("/v1/completions", {"model": "mock", "prompt": "once upon", "max_tokens": LONG,
+                                                "ignore_eos": True, "stream": True}, {}),
+            "anthropic": ("/v1/messages", {"model": "mock", "messages": MSGS, "max_tokens": LONG, "stream": True}, {}),
+            "responses": ("/v1/responses", {"model": "mock", "input": "a story", "max_output_tokens": LONG,
+                                            "stream": True}, {}),
+            "ollama": ("/api/chat", {"model": "mock", "messages": MSGS, "options": {"num_predict": LONG}}, {}),
+            "resumable": ("/v1/chat/completions", {**chat, "max_tokens": 200, "stream": True},
+                          {"x-superfluid-resumable": "true"}),
+            "whole": ("/v1/chat/completions", chat, {}),
+        }
+
+        async def run(name: str, client: httpx.AsyncClient) -> None:
+            path, body, extra = requests[name]
+            async with client.stream("POST", path, json=body, headers=extra) as r:
+                status[name], headers[name] = r.status_code, r.headers
+                parts: list[str] = []
+                async for chunk in r.aiter_text():
+                    parts.append(chunk)
+                    if "".join(parts).count("\n") >= 6:
+                        flowing[name].set()
+                raw[name] = "".join(parts)
+            flowing[name].set()
+
+        with trio.fail_after(60):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client, trio.open_nursery() as nursery:
+                for name in requests:
+                    flowing[name] = trio.Event()
+                    nursery.start_soon(run, name, client)
+                for name in requests:
+                    if name != "whole":
+                        await flowing[name].wait()
+                await trio.sleep(0.3)  # the non-streamed one is admitted and generating too
+                assert not any(name in raw for name in requests), ("a stream ended before the signal", {k: v[-300:] for k, v in raw.items()})
+                os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+                signalled = trio.current_time()
+                with trio.fail_after(GRACE_S + 10):
+                    while proc.poll() is None:
+                        await trio.sleep(0.05)
+                exited_after = trio.current_time() - signalled
+        assert proc.returncode == 0, err.read_text()
+        assert exited_after < GRACE_S + 5
+
+        for name in ("chat", "completions", "resumable"):
+            data = _sse_data(raw[name])
+            assert data[-1] == "[DONE]", (name, raw[name][-400:])
+            assert json.loads(data[-2])["error"]["code"] == "server_shutting_down", (name, data[-2])
+        anthropic = raw["anthropic"].rstrip().splitlines()
+        assert anthropic[-2] == "event: error", raw["anthropic"][-400:]
+        error = json.loads(anthropic[-1][len("data: "):])
+        assert error["type"] == "error" and error["error"]["message"].startswith("server_shutting_down")
+        events = [json.loads(d) for d in _sse_data(raw["responses"])]
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], raw["responses"][-400:]
+        assert events[-2]["code"] == "server_shutting_down"
+        last = json.loads(raw["ollama"].strip().splitlines()[-1])
+        assert last["error"].startswith("server_shutting_down"), raw["ollama"][-400:]
+        assert status["whole"] == 503 and json.loads(raw["whole"])["error"]["code"] == "server_shutting_down"
+
+        log = err.read_text()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+        assert log.count("Running on ") == 1, log
+        assert log.count("finish=server_shutting_down") == 7, log
+
+        # the resumable session was not ended: after a restart it resumes from the cursor the client saw
+        sid = headers["resumable"]["x-superfluid-session"]
+        ids = [line[len("id: "):] for line in raw["resumable"].splitlines() if line.startswith("id: ")]
+        head = "".join((json.loads(d)["choices"][0]["delta"].get("content") or "")
+                       for d in _sse_data(raw["resumable"])[:-2])
+        proc = _spawn(port, sessions, err)
+        await _wait_ready(url, proc)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            listed = (await client.get("/v1/sessions", params={"limit": 20})).json()["data"]
+            assert {s["id"]: s["state"] for s in listed}[sid] in ("generating", "finished")
+            with trio.fail_after(60):
+                async with client.stream("GET", f"/v1/sessions/{sid}/stream",
+                                         headers={"last-event-id": ids[-1]}) as r:
+                    assert r.status_code == 200
+                    tail_raw = "".join([c async for c in r.aiter_text()])
+            data = _sse_data(tail_raw)
+            assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "length", tail_raw
+            tail = "".join((json.loads(d)["choices"][0]["delta"].get("content") or "") for d in data[:-1])
+            reference = (await client.post("/v1/chat/completions", json={**chat, "max_tokens": 200})).json()
+            assert head + tail == reference["choices"][0]["message"]["content"]
+    finally:
+        _kill_group(proc)
