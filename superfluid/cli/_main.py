@@ -294,6 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
         security = _security(args)
     except ValueError as exc:
         raise CliError(str(exc), USAGE) from None
+    _check_port(host, port)  # before a model loads: a port in use fails at once
     sources = tuple(_sources(args))
     mistake = _check_limits(args, sources)
     if mistake is not None:
@@ -329,6 +330,25 @@ def _serve(args: argparse.Namespace) -> int:
             raise
         raise _startup_error(group, host, port) from None
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raises CliError if ``host:port`` cannot be bound now (hypercorn binds it once the models loaded)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror}", USAGE) from None
+    family, kind, proto, _name, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn binds
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            raise _startup_error(exc, host, port) from None
 
 
 def _startup_error(exc: BaseException, host: str, port: int) -> CliError:

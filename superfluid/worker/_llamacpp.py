@@ -84,6 +84,7 @@ class _LogFilter:
     def __init__(self) -> None:
         self.level = 0
         self.recent: collections.deque[str] = collections.deque(maxlen=8)
+        self.echo = True   # off while a model loads: its failure carries the lines (one line on the CLI)
 
     def __call__(self, level: int, text: bytes | None, _user_data: Any) -> None:
         if level != _LOG_CONT:
@@ -91,7 +92,8 @@ class _LogFilter:
         if self.level != _LOG_ERROR or not text:
             return
         self.recent.append(text.decode("utf-8", "replace").strip())
-        os.write(2, text)
+        if self.echo:
+            os.write(2, text)
 
     def take(self) -> str:
         lines = [ln for ln in self.recent if ln]
@@ -200,7 +202,11 @@ def _load_model(path: str, *, deterministic: bool = False) -> Any:
     # the rest with a gemv kernel that rounds differently: a row's result would depend on
     # where it falls in the batch
     mp.use_extra_bufts = not deterministic
-    model = L.llama_model_load_from_file(path.encode(), mp)
+    _LOG.echo = False
+    try:
+        model = L.llama_model_load_from_file(path.encode(), mp)
+    finally:
+        _LOG.echo = True
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}: {_LOG.take() or 'no reason given'}")
     return model
