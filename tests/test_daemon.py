@@ -576,7 +576,7 @@ async def test_every_generation_writes_one_access_log_line(nursery: trio.Nursery
         while len(lines()) < 5:
             await trio.sleep(0.01)
     logged = lines()
-    pattern = re.compile(r"<-- 200 POST (\S+) model=mock prompt=\d+ cached=\d+ completion=5 ttft=\d+ms "
+    pattern = re.compile(r"<-- 200 POST (\S+) qos=agent model=mock prompt=\d+ cached=\d+ completion=5 ttft=\d+ms "
                          r"prefill=[\d.]+ tok/s decode=[\d.]+ tok/s total=\d+ms finish=length")
     # a handler logs after its last byte went out, so the next request may log first
     routes = sorted(m.group(1) for m in map(pattern.fullmatch, logged) if m)
