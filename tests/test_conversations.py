@@ -204,7 +204,7 @@ async def test_conversation_errors_are_typed(nursery: trio.Nursery) -> None:
         for method, tail in (("POST", "/messages"), ("POST", "/generate"), ("GET", "/events"), ("POST", "/fork")):
             await fails(method, f"/v1/sessions/nope{tail}", 404, code="session_not_found", json={})
         await fails("GET", "/v1/sessions/nope", 404, code="session_not_found")
-        await fails("GET", "/v1/sessions", 405)
+        await fails("DELETE", "/v1/sessions", 405)  # (GET lists them: test_operator.py)
         await fails("POST", "/v1/sessions", 400, param="model", json={})
         await fails("POST", "/v1/sessions", 404, code="model_not_found", json={"model": "absent"})
         await fails("POST", "/v1/sessions", 400, content=b"{not json")

@@ -142,7 +142,10 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
 
         log = err.read_text()
         assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
-        assert log.count("Running on ") == 1, log
+        assert log.count("Running on ") == 1, log  # the startup summary's; hypercorn's is dropped
+        assert f"  Running on {url} " in log and "  model mock (default): runtime mock" in log, log
+        assert "tokens per lane, 8 lanes" in log and f"  sessions: {sessions}\n" in log and "  auth: off" in log
+        assert "Anthropic /v1/messages" in log and "Ollama /api/chat" in log
         assert log.count("finish=server_shutting_down") == 7, log
 
         # the resumable session was not ended: after a restart it resumes from the cursor the client saw
