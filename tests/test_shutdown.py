@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 pytestmark = pytest.mark.slow
 
@@ -106,14 +107,32 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
                 raw[name] = "".join(parts)
             flowing[name].set()
 
+        ws_messages: list[dict] = []
+        ws_closed: list[int | None] = []
+
+        async def run_ws() -> None:
+            async with open_websocket_url(url.replace("http", "ws") + "/v1/ws") as ws:
+                await ws.send_message(json.dumps({"op": "generate", "body": {**chat, "stream": True}}))
+                try:
+                    while True:
+                        ws_messages.append(json.loads(await ws.get_message()))
+                        if sum(m["op"] == "delta" for m in ws_messages) >= 3:
+                            flowing["ws"].set()
+                except ConnectionClosed as exc:
+                    ws_closed.append(exc.reason.code)
+            flowing["ws"].set()
+
         with trio.fail_after(60):
             async with httpx.AsyncClient(base_url=url, timeout=60) as client, trio.open_nursery() as nursery:
                 for name in requests:
                     flowing[name] = trio.Event()
                     nursery.start_soon(run, name, client)
-                for name in requests:
+                flowing["ws"] = trio.Event()
+                nursery.start_soon(run_ws)
+                for name in flowing:
                     if name != "whole":
                         await flowing[name].wait()
+                assert not ws_closed
                 await trio.sleep(0.3)  # the non-streamed one is admitted and generating too
                 assert not any(name in raw for name in requests), ("a stream ended before the signal", {k: v[-300:] for k, v in raw.items()})
                 os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
@@ -138,6 +157,8 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
         assert events[-2]["code"] == "server_shutting_down"
         last = json.loads(raw["ollama"].strip().splitlines()[-1])
         assert last["error"].startswith("server_shutting_down"), raw["ollama"][-400:]
+        assert ws_messages[-1]["op"] == "error" and ws_messages[-1]["error"]["code"] == "server_shutting_down"
+        assert ws_closed == [1001], ws_closed
         assert status["whole"] == 503 and json.loads(raw["whole"])["error"]["code"] == "server_shutting_down"
 
         log = err.read_text()
@@ -146,7 +167,7 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
         assert f"  Running on {url} " in log and "  model mock (default): runtime mock" in log, log
         assert "tokens per lane, 8 lanes" in log and f"  sessions: {sessions}\n" in log and "  auth: off" in log
         assert "Anthropic /v1/messages" in log and "Ollama /api/chat" in log
-        assert log.count("finish=server_shutting_down") == 7, log
+        assert log.count("finish=server_shutting_down") == 8, log  # the WebSocket's too
 
         # the resumable session was not ended: after a restart it resumes from the cursor the client saw
         sid = headers["resumable"]["x-superfluid-session"]
