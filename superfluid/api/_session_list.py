@@ -20,7 +20,7 @@ from ._http import ApiError
 from ._principal import principal_of
 
 if TYPE_CHECKING:
-    from ._app import App
+    from ._host import App
 
 __all__ = ["MAX_LIMIT", "list_sessions"]
 
