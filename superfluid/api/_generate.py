@@ -22,7 +22,7 @@ from ..journal import JournalWriteError
 from ..proto import Sampling
 from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
 from ._http import ApiError, Receive
-from ._lifecycle import note_job, wait_beyond
+from ._lifecycle import note_job, wait_beyond, wait_started
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ._tenancy import Owner
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane",
-           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "watch_disconnect"]
+           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted", "watch_disconnect"]
 
 # The prompt-size limit checked before tokenizing (--max-prompt-bytes 0): no tokenizer we serve
 # makes a token of more than a few dozen bytes of text, so a prompt over this many bytes per token
@@ -208,8 +208,7 @@ def check_log(app: App) -> None:
 
 def log_refusal(exc: JournalWriteError) -> ApiError:
     """The typed refusal of a request the session log cannot take (507 or 503)."""
-    error = JobError.log_failed(exc)
-    return ApiError(error.status, error.message, code=error.code)
+    return ApiError.of_job(JobError.log_failed(exc))
 
 
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
@@ -224,6 +223,25 @@ def resumable_requested(scope: dict[str, Any]) -> bool:
     from ._http import header
 
     return (header(scope, "x-superfluid-resumable") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def usage_of(job: Job) -> dict[str, Any]:
+    """A job's OpenAI-shaped ``usage`` (prompt, completion and cached tokens)."""
+    n = len(job.tokens)
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n,
+            "prompt_tokens_details": {"cached_tokens": job.cached}}
+
+
+async def wait_admitted(job: Job) -> None:
+    """Wait until the worker took or refused ``job``.
+
+    Raises:
+        ApiError: the job failed before its first token (a refused grammar, a full
+            context): an HTTP error, since no response has started yet.
+    """
+    await wait_started(job)  # (server_shutting_down in a request once the daemon stops)
+    if job.error is not None and not job.tokens:
+        raise ApiError.of_job(job.error)
 
 
 class Follower:
@@ -250,7 +268,7 @@ class Follower:
             return "".join(out), lps, True
         if job.done:
             if job.error is not None:
-                raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+                raise ApiError.of_job(job.error)
             out.append(self.text.finish())
             self.finish = job.finish or "stop"
             return "".join(out), lps, True

@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name, resolve_runtime
@@ -67,31 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the runtime of every model, or of MODEL ({', '.join(RUNTIMES)}; default: mock for "
                         "'mock', else llamacpp)")
     s.add_argument("--http", type=_hostport, metavar="HOST:PORT",
-                   help="address to listen on; overrides --host and --port (default 127.0.0.1:8453)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8453, help="TCP port to listen on (0: any free port)")
+                   help=f"address to listen on; overrides --host and --port (default {D.HOST}:{D.PORT})")
+    s.add_argument("--host", default=D.HOST, help="address to listen on")
+    s.add_argument("--port", type=int, default=D.PORT, help="TCP port to listen on (0: any free port)")
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
-    s.add_argument("--resume-ttl", type=float, default=300.0,
+    s.add_argument("--resume-ttl", type=float, default=D.RESUME_TTL_S,
                    help="seconds a resumable generation runs on with no client following it")
-    s.add_argument("--max-batch", type=int, default=8, help="lanes per model (default 8)")
-    s.add_argument("--max-context", type=int, default=4096, help="tokens per lane (default 4096)")
-    s.add_argument("--threads", type=int, default=0, help="engine threads (default: all cores)")
-    s.add_argument("--host-cache-mb", type=int, default=2048,
+    s.add_argument("--max-batch", type=int, default=D.MAX_BATCH, help=f"lanes per model (default {D.MAX_BATCH})")
+    s.add_argument("--max-context", type=int, default=D.MAX_CONTEXT,
+                   help=f"tokens per lane (default {D.MAX_CONTEXT})")
+    s.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
+    s.add_argument("--host-cache-mb", type=int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
-    s.add_argument("--stream-interval-ms", type=int, default=40,
+    s.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
-                        "(default 40; 0: every engine round)")
-    s.add_argument("--agent-stream-interval-ms", type=int, default=100,
+                        f"(default {D.STREAM_INTERVAL_MS}; 0: every engine round)")
+    s.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS,
                    help="the same for requests of the agent and background classes, which programs read "
-                        "(default 100): fewer chunks leave more CPU to the engine")
+                        f"(default {D.AGENT_STREAM_INTERVAL_MS}): fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
-    s.add_argument("--drain-timeout", type=float, default=30.0,
+    s.add_argument("--drain-timeout", type=float, default=D.DRAIN_TIMEOUT_S,
                    help="seconds SIGUSR1 (drain) waits for in-flight requests before exiting")
-    s.add_argument("--shutdown-grace", type=_positive(float), default=5.0,
+    s.add_argument("--shutdown-grace", type=_positive(float), default=D.SHUTDOWN_GRACE_S,
                    help="seconds SIGTERM/Ctrl-C gives in-flight streams to end with a server_shutting_down "
                         "error and [DONE] before the daemon exits (a second signal exits at once)")
     s.add_argument("--http-default-qos", type=_qos, default=QosClass.AGENT, metavar="CLASS",
@@ -101,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore the x-superfluid-qos request header (every request gets --http-default-qos)")
     s.add_argument("--class-lanes", type=_class_lanes, default={}, metavar="CLASS=N,...",
                    help="at most N lanes for a QoS class, e.g. background=2,agent=6 (default: no caps)")
-    s.add_argument("--starvation-ticks", type=int, default=8,
+    s.add_argument("--starvation-ticks", type=int, default=D.STARVATION_TICKS,
                    help="a waiting job's class rises one step every this many scheduler ticks")
-    s.add_argument("--prefill-budget", type=int, default=4096,
+    s.add_argument("--prefill-budget", type=int, default=D.PREFILL_BUDGET,
                    help="prompt tokens prefilled per scheduler tick at most")
-    s.add_argument("--tick-target-ms", type=int, default=250,
+    s.add_argument("--tick-target-ms", type=int, default=D.TICK_TARGET_MS,
                    help="length of a scheduler tick while nothing waits (50 ms while a job is queued)")
-    s.add_argument("--hang-timeout", type=float, default=60.0,
+    s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S,
                    help="seconds a worker may leave a tick, a send or a tokenize unanswered before it is replaced")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO", type=str.upper,
@@ -134,30 +136,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
-    s.add_argument("--max-conversation-bytes", type=_positive(int), default=16 << 20,
-                   help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
-    s.add_argument("--max-message-bytes", type=_positive(int), default=1 << 20,
-                   help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
-    s.add_argument("--max-conversation-events", type=_positive(int), default=10_000,
-                   help="events one conversation may hold; more is refused with 413 (default 10000)")
+    s.add_argument("--max-conversation-bytes", type=_positive(int), default=D.MAX_CONVERSATION_BYTES,
+                   help=f"bytes a conversation's events may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_BYTES})")
+    s.add_argument("--max-message-bytes", type=_positive(int), default=D.MAX_MESSAGE_BYTES,
+                   help=f"bytes one conversation message may hold; more is refused with 413 "
+                        f"(default {D.MAX_MESSAGE_BYTES})")
+    s.add_argument("--max-conversation-events", type=_positive(int), default=D.MAX_CONVERSATION_EVENTS,
+                   help=f"events one conversation may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_EVENTS})")
     s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
                    help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
                         f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
                         f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
-    s.add_argument("--body-timeout", type=_positive(float), default=30.0,
-                   help="seconds a request body may take to arrive; then 408 and the connection closes (default 30)")
-    s.add_argument("--ws-idle-timeout", type=_positive(float), default=300.0,
+    s.add_argument("--body-timeout", type=_positive(float), default=D.BODY_TIMEOUT_S,
+                   help="seconds a request body may take to arrive; then 408 and the connection closes "
+                        f"(default {D.BODY_TIMEOUT_S:g})")
+    s.add_argument("--ws-idle-timeout", type=_positive(float), default=D.WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay with no message from the client and no session to follow; "
-                        "then it is closed with 1001 (default 300)")
-    s.add_argument("--max-queue", type=_positive(int), default=256,
+                        f"then it is closed with 1001 (default {D.WS_IDLE_TIMEOUT_S:g})")
+    s.add_argument("--max-queue", type=_positive(int), default=D.MAX_QUEUE,
                    help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
-                        "(default 256)")
+                        f"(default {D.MAX_QUEUE})")
     s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
                    help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
                         "default: only the models cache directory and the models given here)")
-    s.add_argument("--max-models", type=int, default=4, metavar="N",
+    s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
-                        "with 429 too_many_models (default 4)")
+                        f"with 429 too_many_models (default {D.MAX_MODELS})")
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
