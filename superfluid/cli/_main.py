@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -18,6 +19,8 @@ from ..models._files import default_model_path, model_name, resolve_runtime
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
+from ._launch import add_launch_parsers
+from ._top import add_top_parser
 
 __all__ = ["main"]
 
@@ -77,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-budget", type=int, default=4096)
     s.add_argument("--tick-target-ms", type=int, default=250)
     s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
-    s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
+    s.add_argument("--no-tui", action="store_true",
+                   help="no live monitor: log lines on stderr instead (default: the monitor when stdout is a "
+                        "terminal; q in it drains and quits)")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--api-key", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
@@ -124,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    add_top_parser(sub)
+    add_launch_parsers(sub)
     return parser
 
 
@@ -208,6 +215,8 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        return int(args.run(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ..daemon._server import serve
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.api_keys and not is_loopback_listener(host):
         print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
-        trio.run(serve, config)
+        monitor = not args.no_tui and sys.stdout.isatty()
+        trio.run(functools.partial(serve, config, monitor=monitor))
     except (JournalLocked, WalCorrupt) as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2

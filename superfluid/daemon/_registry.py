@@ -174,6 +174,7 @@ class ModelRegistry:
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
                                 created=int(time.time()))
             self.loaded[source.name] = model
+            self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
             self.known[source.name] = source
             if make_default or self.default is None:
                 self.default = source.name
