@@ -38,7 +38,7 @@ import psutil
 
 from .._private import FILE_MODE, make_private_dir
 
-__all__ = ["AGENTS", "add_launch_parsers", "launch_main", "stop_main"]
+__all__ = ["AGENTS", "add_launch_parsers", "launch_main", "split_agent_args", "stop_main"]
 
 DEFAULT_HTTP = "127.0.0.1:8453"
 PLACEHOLDER_KEY = "superfluid"   # agents that insist on a token get this one when the daemon has no keys
@@ -189,13 +189,13 @@ _BY_NAME = {alias: a for a in AGENTS.values() for alias in (a.name, *a.aliases)}
 
 def add_launch_parsers(sub: Any) -> None:
     names = ", ".join(AGENTS)
-    p = sub.add_parser("launch", help="start a coding agent pointed at this daemon (starting it if needed)",
+    p = sub.add_parser("launch", usage="superfluid launch [AGENT] [options] [-- AGENT ARGS]", help="start a coding agent pointed at this daemon (starting it if needed)",
                        description=f"Point a coding agent ({names}) at the daemon on --http and exec it. If nothing "
                                    "answers there, `superfluid serve` starts in the background first (log "
                                    "$SUPERFLUID_HOME/logs/serve.log; `superfluid stop` stops it). With no agent, "
                                    "list the agents and whether each is installed.")
     p.add_argument("agent", nargs="?", help=f"one of {names} (or an alias)")
-    p.add_argument("agent_args", nargs="*", metavar="-- ARGS", help="passed to the agent")
+    p.set_defaults(agent_args=[])  # what follows `--` (split off before parsing: split_agent_args)
     p.add_argument("--model", help="the model to use (default: the server's default model; a server launch starts "
                                    "serves this one: a GGUF path, or 'mock')")
     p.add_argument("--http", metavar="HOST:PORT",
@@ -213,6 +213,14 @@ def add_launch_parsers(sub: Any) -> None:
     s.add_argument("--timeout", type=float, default=30.0, metavar="SEC",
                    help="seconds to wait for it to exit after SIGTERM before SIGKILL (default 30)")
     s.set_defaults(run=stop_main)
+
+
+def split_agent_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``launch ... -- ARGS``: (the arguments to parse, the agent's arguments)."""
+    if argv[:1] == ["launch"] and "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
 
 
 # -- talking to the daemon ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from ..models._files import default_model_path, model_name, resolve_runtime
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
-from ._launch import add_launch_parsers
+from ._launch import add_launch_parsers, split_agent_args
 from ._top import add_top_parser
 
 __all__ = ["main"]
@@ -214,8 +214,11 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if args.command != "serve":
+        if agent_args:
+            args.agent_args = agent_args
         return int(args.run(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
