@@ -38,6 +38,12 @@ def _exports(out: str) -> dict[str, str]:
     return {m[1]: shlex.split(m[2])[0] if m[2] else "" for m in re.finditer(r"^export (\w+)=(.*)$", out, re.M)}
 
 
+def _private_json(path: Path) -> dict:
+    """A per-run file's JSON, after checking it is 0600 in a 0700 directory."""
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    return json.loads(path.read_text())
+
+
 async def test_launch_print_for_each_agent(tmp_path: Path) -> None:
     """--print against a running daemon: base URL, token, model (in every Claude tier variable),
     context size, the per-run opencode config (0600, the key by reference only), codex's provider
@@ -69,9 +75,8 @@ async def test_launch_print_for_each_agent(tmp_path: Path) -> None:
         opencode = (await _cli(tmp_path, "launch", "opencode", "--http", http, "--print",
                                SUPERFLUID_API_KEY="")).stdout.decode()
         path = Path(_exports(opencode)["OPENCODE_CONFIG"])
-        config = json.loads(path.read_text())
+        config = _private_json(path)
         assert path.is_relative_to(tmp_path / "home" / "launch")
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         provider = config["provider"]["superfluid"]
         assert provider["options"] == {"baseURL": f"{d.url}/v1", "apiKey": "{env:SUPERFLUID_API_KEY}"}
         assert provider["models"]["mock"]["limit"]["context"] == 8192 and config["model"] == "superfluid/mock"
@@ -167,12 +172,17 @@ async def test_launch_starts_a_daemon_runs_a_fake_agent_and_stop_stops_only_that
     assert nothing.returncode == 1 and "nothing stopped" in nothing.stderr.decode()
 
 
+def _sleeper(*args: str) -> subprocess.Popen[bytes]:
+    """A process whose command line carries ``args`` (and does nothing for two minutes)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", *args])
+
+
 async def test_stop_never_signals_a_process_launch_did_not_start(tmp_path: Path) -> None:
     """The pid file must name the very process launch started: a reused pid (another start time)
     or a process that is not `superfluid serve` is left alone, and the stale pid file removed."""
     pidfile = tmp_path / "home" / "launch" / "serve.pid"
     pidfile.parent.mkdir(parents=True)
-    lookalike = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "superfluid", "serve"])
+    lookalike = _sleeper("superfluid", "serve")
     try:
         started = psutil.Process(lookalike.pid).create_time()
         for record in ({"pid": lookalike.pid, "create_time": started - 100},       # the pid was reused

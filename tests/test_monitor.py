@@ -61,6 +61,10 @@ def screen(name: str) -> str:
                           check=True).stdout
 
 
+def press(name: str, key: str) -> None:
+    subprocess.run(["tmux", "send-keys", "-t", name, key], check=True)
+
+
 def alternate_on(name: str) -> bool:
     out = subprocess.run(["tmux", "display-message", "-p", "-t", name, "#{alternate_on}"], capture_output=True,
                          text=True, check=True).stdout
@@ -105,7 +109,7 @@ async def test_monitor_shows_lanes_and_tokens_q_drains_and_restores_the_terminal
             rows = re.findall(r"agent +decode +(\d+) +(\d+)", busy)
             assert len(rows) == 3 and all(int(tokens) > 0 for _prompt, tokens in rows)
             assert re.search(r"decode +[1-9][\d.]* tok/s", busy)
-            subprocess.run(["tmux", "send-keys", "-t", name, "q"], check=True)
+            press(name, "q")
             await wait_screen(name, "draining: no new requests")
         # the streams finished their 400 tokens under the drain, then the daemon exited
         done = await wait_screen(name, r"^TTY=")
@@ -123,7 +127,7 @@ async def test_monitor_ctrl_c_restores_the_terminal_and_no_tui_logs_plainly(tmp_
                f"--sessions {tmp_path / 's1'}")
     with tmux(command, tmp_path) as name:
         await wait_screen(name, r"lanes 0/8")
-        subprocess.run(["tmux", "send-keys", "-t", name, "C-c"], check=True)
+        press(name, "C-c")
         done = await wait_screen(name, r"^TTY=")
         assert "TTY=icanon" in done and not alternate_on(name)
     command = (f"{sys.executable} -m superfluid serve --runtime mock --http 127.0.0.1:{port} --no-tui "
@@ -172,11 +176,11 @@ async def test_top_in_a_terminal_over_two_daemons_quits_on_q(tmp_path: Path) -> 
         with tmux(f"{sys.executable} -m superfluid top {addr_a} {addr_b}", tmp_path) as name:
             text = await wait_screen(name, r"2/2 up")
             assert re.search(rf"{addr_a} +up +1 +0/4", text) and re.search(rf"{addr_b} +up +1 +0/2", text)
-            subprocess.run(["tmux", "send-keys", "-t", name, "q"], check=True)
+            press(name, "q")
             done = await wait_screen(name, r"^TTY=", seconds=20)
             assert "EXIT=0" in done and "TTY=icanon" in done and not alternate_on(name)
         with tmux(f"{sys.executable} -m superfluid top {addr_a}", tmp_path) as name:
             await wait_screen(name, r"1/1 up")
-            subprocess.run(["tmux", "send-keys", "-t", name, "Escape"], check=True)
+            press(name, "Escape")
             done = await wait_screen(name, r"^TTY=", seconds=20)
             assert "EXIT=0" in done
