@@ -35,6 +35,9 @@ from _common import ROOT, commit, free_port, median, round_orders  # noqa: E402
 from throughput import model_id, one_round  # noqa: E402
 
 
+SOCKET = f"sf-bench-{os.getpid()}"  # a tmux server of our own
+
+
 class TmuxServer:
     """``superfluid serve`` in a detached tmux session of its own."""
 
@@ -49,7 +52,7 @@ class TmuxServer:
                 "--log-level", "WARNING", *extra]
         self.log = Path(self.sessions_dir) / "stderr.log"
         command = f"cd {shlex.quote(str(ROOT))} && PYTHONPATH={shlex.quote(str(ROOT))} {shlex.join(argv)} 2>{self.log}"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", "160", "-y", "50", command],
+        subprocess.run(["tmux", "-L", SOCKET, "new-session", "-d", "-s", self.session, "-x", "160", "-y", "50", command],
                        check=True)
         self.pid: int | None = None
 
@@ -75,7 +78,7 @@ class TmuxServer:
         return times.user + times.system
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session], capture_output=True,
+        return subprocess.run(["tmux", "-L", SOCKET, "capture-pane", "-p", "-t", self.session], capture_output=True,
                               text=True, check=False).stdout
 
     def stop(self) -> None:
@@ -85,7 +88,7 @@ class TmuxServer:
                 psutil.Process(self.pid).wait(15)
             except psutil.Error:
                 pass
-        subprocess.run(["tmux", "kill-session", "-t", self.session], check=False, capture_output=True)
+        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", self.session], check=False, capture_output=True)
         shutil.rmtree(self.sessions_dir, ignore_errors=True)
 
 

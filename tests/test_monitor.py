@@ -27,6 +27,11 @@ from .test_sessions import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _names = itertools.count()
+SOCKET = f"sf-test-{os.getpid()}"  # a tmux server of our own: other tmux sessions on the machine are never touched
+
+
+def _tmux(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["tmux", "-L", SOCKET, *args], text=True, **kw)  # type: ignore[call-overload]
 
 
 def test_sparkline_and_quantile() -> None:
@@ -49,25 +54,23 @@ def tmux(command: str, tmp_path: Path) -> Iterator[str]:
     shell = (f"cd {ROOT} && PYTHONPATH={ROOT} {command}; echo EXIT=$?; "
              f"stty -a | grep -o -- '-\\?icanon' | sed 's/^/TTY=/'; sleep 600")
     env = {**os.environ, "SUPERFLUID_HOME": str(tmp_path / "home")}
-    subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "160", "-y", "50", shell], check=True, env=env)
+    _tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", shell, check=True, env=env)
     try:
         yield name
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", name], check=False)
+        _tmux("kill-session", "-t", name, check=False)
 
 
 def screen(name: str) -> str:
-    return subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True,
-                          check=True).stdout
+    return _tmux("capture-pane", "-p", "-t", name, capture_output=True, check=True).stdout
 
 
 def press(name: str, key: str) -> None:
-    subprocess.run(["tmux", "send-keys", "-t", name, key], check=True)
+    _tmux("send-keys", "-t", name, key, check=True)
 
 
 def alternate_on(name: str) -> bool:
-    out = subprocess.run(["tmux", "display-message", "-p", "-t", name, "#{alternate_on}"], capture_output=True,
-                         text=True, check=True).stdout
+    out = _tmux("display-message", "-p", "-t", name, "#{alternate_on}", capture_output=True, check=True).stdout
     return out.strip() == "1"
 
 

@@ -128,8 +128,9 @@ def _toml(value: str | int) -> str:
 def _codex(t: Target, run_dir: Path, args: list[str]) -> Plan:
     provider = {"name": "superfluid", "base_url": f"{t.base}/v1", "wire_api": "responses",
                 "env_key": "SUPERFLUID_API_KEY"}
+    # web_search: a built-in tool the daemon does not run (refused 400 unsupported_tool)
     flags = [f"model_provider={_toml('superfluid')}", f"model={_toml(t.model)}",
-             f"model_context_window={t.n_ctx}",
+             f"model_context_window={t.n_ctx}", f"web_search={_toml('disabled')}",
              *(f"model_providers.superfluid.{k}={_toml(v)}" for k, v in provider.items())]
     command = ["codex"]
     for flag in flags:
@@ -170,7 +171,8 @@ def _ollama(t: Target, run_dir: Path, args: list[str]) -> Plan:
 AGENTS: dict[str, Agent] = {a.name: a for a in (
     Agent(name="claude", binary="claude", api="Anthropic /v1/messages", aliases=("claude-code",), min_ctx=32768,
           install="npm install -g @anthropic-ai/claude-code", plan=_claude),
-    Agent(name="codex", binary="codex", api="Responses /v1/responses", aliases=("codex-cli",),
+    # codex's instructions and tools alone are some 18k tokens
+    Agent(name="codex", binary="codex", api="Responses /v1/responses", aliases=("codex-cli",), min_ctx=32768,
           install="npm install -g @openai/codex", plan=_codex),
     Agent(name="pi", binary="pi", api="Chat Completions", aliases=("pi-coding-agent",),
           install="npm install -g @mariozechner/pi-coding-agent", plan=_chat("pi")),

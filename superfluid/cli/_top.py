@@ -86,7 +86,8 @@ def _fetch(url: str, key: str | None, timeout: float) -> tuple[int | None, str]:
     except urllib.error.HTTPError as exc:
         return exc.code, ""
     except (OSError, ValueError) as exc:
-        return None, str(getattr(exc, "reason", exc))
+        reason = getattr(exc, "reason", exc)
+        return None, str(getattr(reason, "strerror", None) or reason)
 
 
 def _totals(text: str) -> dict[str, Any]:
@@ -151,11 +152,11 @@ def _n(v: float) -> str:
 
 
 def render(nodes: list[Node], fleet: collections.deque[float], width: int = 120) -> RenderableType:
-    table = Table(header_style="bold", box=None, padding=(0, 2))
+    table = Table(header_style="bold", box=None, padding=(0, 1))
     for column, justify in (("server", "left"), ("state", "left"), ("models", "right"), ("lanes", "right"),
-                            ("queue", "right"), ("KV", "right"), ("decode tok/s", "right"),
-                            ("prefill tok/s", "right"), ("", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+                            ("queue", "right"), ("KV", "right"), ("decode/s", "right"), ("prefill/s", "right")):
+        table.add_column(column, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    table.add_column("", overflow="ellipsis", no_wrap=True, max_width=max(6, width - 90))  # squeezed first
     styles = {"up": "green", "401": "yellow", "down": "red"}
     for node in nodes:
         state = Text(node.state, style=styles.get(node.state, "magenta"))
@@ -167,7 +168,7 @@ def render(nodes: list[Node], fleet: collections.deque[float], width: int = 120)
         table.add_row(node.address, state, str(node.models), f"{node.lanes:.0f}/{node.lanes_total:.0f}",
                       f"{node.queue:.0f}", kv, "–" if node.decode is None else f"{node.decode:.1f}",
                       "–" if node.prefill is None else f"{node.prefill:.0f}",
-                      Text(sparkline(node.history, 20), style="green"))
+                      Text(sparkline(node.history, max(6, min(30, width - 90))), style="green"))
     up = sum(1 for n in nodes if n.state == "up")
     total = fleet[-1] if fleet else 0.0
     spark_w = max(10, min(HISTORY, width - 40))

@@ -7,6 +7,7 @@ Nursery tree (daemon)::
     ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
     │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
+    ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
 """
 
