@@ -203,7 +203,7 @@ async def test_stop_never_signals_a_process_launch_did_not_start(tmp_path: Path)
 
 @pytest.mark.parametrize("agent", ["codex"])
 async def test_launch_a_missing_agent_is_one_line(tmp_path: Path, agent: str) -> None:
-    async with open_daemon(mock_config()) as d:
+    async with open_daemon(mock_config("mock?n_ctx=65536")) as d:  # a window codex is content with: no warning
         done = await _cli(tmp_path, "launch", agent, "--http", d.url.removeprefix("http://"), PATH="/nonexistent")
     err = done.stderr.decode()
     assert done.returncode == 1 and err.count("\n") == 1 and "not installed" in err and "npm install" in err

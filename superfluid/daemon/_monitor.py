@@ -105,8 +105,8 @@ class _Captured:
                 self._file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 root.addHandler(self._file)
             except OSError as exc:
-                self.log_file = None
                 logging.getLogger("superfluid").warning("monitor: cannot write %s: %s", self.log_file, exc)
+                self.log_file = None
         return self
 
     def __exit__(self, *exc: object) -> None:
