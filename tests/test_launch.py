@@ -183,22 +183,24 @@ async def test_stop_never_signals_a_process_launch_did_not_start(tmp_path: Path)
     pidfile = tmp_path / "home" / "launch" / "serve.pid"
     pidfile.parent.mkdir(parents=True)
     lookalike = _sleeper("superfluid", "serve")
+    other = _sleeper("something-else")
     try:
         started = psutil.Process(lookalike.pid).create_time()
         for record in ({"pid": lookalike.pid, "create_time": started - 100},       # the pid was reused
-                       {"pid": os.getpid(), "create_time": psutil.Process().create_time()}):  # not a serve
+                       {"pid": other.pid, "create_time": psutil.Process(other.pid).create_time()}):  # not a serve
             pidfile.write_text(json.dumps(record))
             refused = await _cli(tmp_path, "stop")
             assert refused.returncode == 1 and "no longer running" in refused.stderr.decode()
             assert not pidfile.exists()
-            assert lookalike.poll() is None
+            assert lookalike.poll() is None and other.poll() is None
         # the same record with its true start time is ours: stopped
         pidfile.write_text(json.dumps({"pid": lookalike.pid, "create_time": started}))
         assert (await _cli(tmp_path, "stop", "--timeout", "5")).returncode == 0
         assert lookalike.wait(timeout=10) is not None
     finally:
-        lookalike.kill()
-        lookalike.wait()
+        for proc in (lookalike, other):
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("agent", ["codex"])
