@@ -27,9 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import attrs
 import trio
-from rich.console import Group, RenderableType
-from rich.panel import Panel
-from rich.table import Table
+from rich.console import RenderableType
 from rich.text import Text
 
 from .._private import FILE_MODE, make_private_dir
@@ -272,52 +270,59 @@ class Monitor:
         return r, decode, prefill, window
 
     def frame(self, height: int = 50, width: int = 120) -> RenderableType:
-        """One frame of the view (reads the state; advances the rate history)."""
+        """One frame of the view (reads the state; advances the rate history). Plain styled
+        text in fixed columns: rich's tables and panels cost some 20 ms a frame, this ~2."""
         now = self.clock()
         views = snapshot(self.registry, self.metrics)
         live = {v.name for v in views}
         for gone in set(self._rates) - live:
             del self._rates[gone]
         up = int(now - self.started)
-        state = Text(" draining: no new requests ", style="black on yellow") if self.draining else Text("")
-        header = Text.assemble(("superfluid ", "bold"), (" ".join(self.binds), "cyan"),
-                               f"  up {up // 3600}:{up // 60 % 60:02d}:{up % 60:02d}  ", state,
-                               ("  q quits (drains)", "dim"))
-        parts: list[RenderableType] = [header]
+        out = Text(no_wrap=True, overflow="crop")
+        out.append("superfluid ", "bold")
+        out.append(" ".join(self.binds), "cyan")
+        out.append(f"  up {up // 3600}:{up // 60 % 60:02d}:{up % 60:02d}  ")
+        if self.draining:
+            out.append(" draining: no new requests ", "black on yellow")
+        out.append("  q quits (drains)\n", "dim")
         used = 1
-        spark_w = max(10, min(HISTORY, width - 70))
+        spark_w = max(10, min(HISTORY, width - 62))
         for view in views:
             rates, decode, prefill, window = self._rate(view, now)
             kv = (f"KV {_fmt_n(view.kv_used)}/{_fmt_n(view.kv_total)} ({view.kv_used / view.kv_total:.0%})"
                   if view.kv_total else f"KV {_fmt_n(view.kv_used)}")
             queues = "  ".join(f"{SHORT[k]} {n}" for k, n in view.queues.items())
-            stats = Table.grid(padding=(0, 2))
-            stats.add_row(Text(f"lanes {view.busy}/{view.lanes_total}", style="bold"), f"queue: {queues}", kv)
-            stats.add_row(f"decode {decode:7.1f} tok/s", Text(sparkline(rates.decode_hist, spark_w), style="green"),
-                          f"TTFT p50 {_fmt_s(quantile(0.5, window))}  p99 {_fmt_s(quantile(0.99, window))}")
-            stats.add_row(f"prefill {prefill:6.0f} tok/s", Text(sparkline(rates.prefill_hist, spark_w), style="blue"),
-                          f"preemptions {view.preemptions:.0f}  respawns {view.respawns:.0f}")
-            room = max(1, (height - used - 8) // max(1, len(views)) - 6)
-            lanes = Table(box=None, padding=(0, 2), show_edge=False, header_style="dim")
-            for column in ("lane", "class", "phase", "prompt", "tokens"):
-                lanes.add_column(column, justify="right" if column in ("prompt", "tokens") else "left")
-            for i, row in enumerate(view.lanes[:room]):
-                lanes.add_row(str(i + 1), SHORT[row.klass], row.phase, str(row.prompt), str(row.tokens))
-            if len(view.lanes) > room:
-                lanes.add_row("…", f"{len(view.lanes) - room} more", "", "", "")
-            body: list[RenderableType] = [stats]
+            out.append(_rule(f"{view.name} ({view.runtime})", width), "bold")
+            out.append(f"lanes {view.busy}/{view.lanes_total}".ljust(14), "bold")
+            out.append(f"queue: {queues}   {kv}\n")
+            out.append(f"decode {decode:8.1f} tok/s  ")
+            out.append(sparkline(rates.decode_hist, spark_w).ljust(spark_w), "green")
+            out.append(f"  TTFT p50 {_fmt_s(quantile(0.5, window))}  p99 {_fmt_s(quantile(0.99, window))}\n")
+            out.append(f"prefill {prefill:7.0f} tok/s  ")
+            out.append(sparkline(rates.prefill_hist, spark_w).ljust(spark_w), "blue")
+            out.append(f"  preemptions {view.preemptions:.0f}  respawns {view.respawns:.0f}\n")
+            used += 4
+            room = max(1, (height - used - 6) // max(1, len(views)) - 5)
             if view.lanes:
-                body.append(lanes)
-            parts.append(Panel(Group(*body), title=f"[bold]{view.name}[/] ({view.runtime})", title_align="left"))
-            used += 5 + min(len(view.lanes), room) + (1 if view.lanes else 0)
+                out.append(f"  {'lane':<6}{'class':<13}{'phase':<11}{'prompt':>8}{'tokens':>9}\n", "dim")
+                for i, row in enumerate(view.lanes[:room]):
+                    out.append(f"  {i + 1:<6}{SHORT[row.klass]:<13}{row.phase:<11}{row.prompt:>8}{row.tokens:>9}\n")
+                if len(view.lanes) > room:
+                    out.append(f"  …     {len(view.lanes) - room} more\n", "dim")
+                used += 1 + min(len(view.lanes), room) + (len(view.lanes) > room)
+        where = f" (also in {self.log_file})" if self.log_file else ""
+        out.append(_rule(f"log{where}", width), "bold")
         room = max(3, height - used - 2)
-        logs = Text()
         for level, line in list(self.tail.lines)[-room:]:
             style = "red" if level >= logging.ERROR else "yellow" if level >= logging.WARNING else ""
-            logs.append(line[: max(20, width - 4)] + "\n", style=style)
-        where = f" (also in {self.log_file})" if self.log_file else ""
-        parts.append(Panel(logs, title=f"log{where}", title_align="left", height=room + 2))
-        return Group(*parts)
+            out.append(line[: width - 1] + "\n", style)
+        out.rstrip()
+        return out
+
+
+def _rule(title: str, width: int) -> str:
+    head = f"── {title} "
+    return head + "─" * max(0, width - len(head) - 1) + "\n"
 
 
 async def run_monitor(registry: ModelRegistry, metrics: Metrics, *, binds: list[str], on_quit: Callable[[], None],
