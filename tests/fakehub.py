@@ -56,6 +56,7 @@ class FakeHub:
         self.lie_size: dict[str, int] = {}
         self.lie_etag: dict[str, str] = {}
         self.served = 0
+        self.served_by_range: dict[str, int] = {}  # body bytes sent, by the request's Range header ("" none)
         self.requests: list[tuple[str, str, str]] = []
         self.lock = threading.Lock()
         hub = self
@@ -176,6 +177,7 @@ class FakeHub:
             pos += len(data)
             with self.lock:
                 self.served += len(data)
+                self.served_by_range[rng] = self.served_by_range.get(rng, 0) + len(data)
             if self.rate:
                 time.sleep(len(data) / self.rate)
 

@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -43,21 +43,26 @@ import trio
 from .._private import make_private_dir
 from ._files import cache_dir
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 __all__ = ["HubRef", "PullCancelled", "PullError", "PullProgress", "Pulled", "Quant", "cached", "fetch", "hub_cache",
-           "is_offline", "parse_hub_id", "pull", "pull_lock_path", "quants", "resolve", "superfluid_home"]
+           "fetch_async", "is_offline", "parse_hub_id", "pull", "resolve_async", "pull_lock_path", "quants", "resolve", "superfluid_home"]
 
 DEFAULT_QUANT = "Q4_K_M"
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$", re.IGNORECASE)
 _QUANT = re.compile(r"(?:^|[-._])((?:UD[-_])?(?:I?Q\d+(?:_[A-Z0-9]+)*|T?Q\d_\d|BF16|F16|F32|FP16|FP32|MXFP4(?:_MOE)?))$",
                     re.IGNORECASE)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 256 << 10
 
 
 class PullError(Exception):
-    """A pull that cannot go on; the message is one line for a person."""
+    """A pull that cannot go on; the message is one line for a person. ``kind``:
+    ``not_found`` (repo, revision, quant), ``ambiguous`` (a tag matching several
+    quants, or none given), ``unreachable`` (the hub), ``integrity`` (size or
+    sha256 wrong: the download was removed), ``failed`` (the transfer broke off)."""
+
+    def __init__(self, message: str, kind: str = "failed") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class PullCancelled(Exception):
@@ -98,11 +103,12 @@ class HubRef:
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def parse_hub_id(arg: str) -> HubRef | None:
+def parse_hub_id(arg: str, *, disk: bool = True) -> HubRef | None:
     """``arg`` as a hub id, or None if it is a path: an id contains ``/`` (before an
-    optional ``:tag``), does not exist on disk, does not start with ``.``, ``/`` or ``~``
-    and does not end in ``.gguf``."""
-    if not arg or arg[0] in "./~" or arg.lower().endswith(".gguf") or os.path.exists(arg):
+    optional ``:tag``), does not exist on disk (``disk``: checked; over HTTP it is not,
+    so no client learns what exists), does not start with ``.``, ``/`` or ``~`` and does
+    not end in ``.gguf``."""
+    if not arg or arg[0] in "./~" or arg.lower().endswith(".gguf") or (disk and os.path.exists(arg)):
         return None
     repo, _, tag = arg.partition(":")
     if not _REPO.fullmatch(repo) or ".." in repo or (tag and not re.fullmatch(r"[\w.-]+", tag)):
@@ -154,23 +160,23 @@ def pick(ref: HubRef, found: list[Quant]) -> Quant:
     """
     have = ", ".join(q.describe() for q in found)
     if not found:
-        raise PullError(f"{ref.repo} has no GGUF files")
+        raise PullError(f"{ref.repo} has no GGUF files", "not_found")
     tag = ref.tag
     if tag is None:
         exact = [q for q in found if q.label.lower() == DEFAULT_QUANT.lower()]
         if len(exact) == 1 or len(found) == 1:
             return (exact or found)[0]
         raise PullError(f"{ref.repo} has several quants and none is {DEFAULT_QUANT}; name one as {ref.repo}:QUANT "
-                        f"(it has: {have})")
+                        f"(it has: {have})", "ambiguous")
     exact = [q for q in found if q.label.lower() == tag.lower()]
     tail = [q for q in found if re.search(rf"(?:^|[-._]){re.escape(tag)}$", q.label, re.IGNORECASE)]
     match = exact or tail
     if len(match) == 1:
         return match[0]
     if not match:
-        raise PullError(f"{ref.repo} has no quant {tag!r} (it has: {have})")
+        raise PullError(f"{ref.repo} has no quant {tag!r} (it has: {have})", "not_found")
     raise PullError(f"{ref.repo}: {tag!r} is ambiguous: it matches {', '.join(q.label for q in match)} "
-                    f"(it has: {have})")
+                    f"(it has: {have})", "ambiguous")
 
 
 # -- the cache ---------------------------------------------------------------------------------------------------
@@ -227,7 +233,7 @@ def cached(ref: HubRef, revision: str = "main") -> Pulled | None:
     except PullError as exc:
         if ref.tag is not None and not any(ref.tag.lower() in f.lower() for f in files):
             return None  # not cached: worth asking the hub
-        raise PullError(f"{exc} [in the cache]") from None
+        raise PullError(f"{exc} [in the cache]", exc.kind) from None
     parts = _split_total(q.files)
     if parts and parts != len(q.files):
         return None  # some parts missing: pull again
@@ -267,15 +273,15 @@ def _hub_error(ref: HubRef, exc: BaseException) -> PullError:
 
     endpoint = constants.ENDPOINT
     if isinstance(exc, GatedRepoError):
-        return PullError(f"{ref.repo} is gated on {endpoint}: accept its terms there and set HF_TOKEN")
+        return PullError(f"{ref.repo} is gated on {endpoint}: accept its terms there and set HF_TOKEN", "not_found")
     if isinstance(exc, RepositoryNotFoundError):
-        return PullError(f"{ref.repo}: no such model on {endpoint} (or it is private: set HF_TOKEN)")
+        return PullError(f"{ref.repo}: no such model on {endpoint} (or it is private: set HF_TOKEN)", "not_found")
     if isinstance(exc, RevisionNotFoundError):
-        return PullError(f"{ref.repo}: no such revision on {endpoint}")
+        return PullError(f"{ref.repo}: no such revision on {endpoint}", "not_found")
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, HfHubHTTPError):
-        return PullError(f"{ref.repo}: {endpoint} answered {str(exc).splitlines()[0]}")
-    return PullError(f"{ref.repo}: cannot reach {endpoint} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''});"
-                     " --offline uses only the cache")
+        return PullError(f"{ref.repo}: {endpoint} answered {first}", "unreachable")
+    return PullError(f"{ref.repo}: cannot reach {endpoint} ({first}); --offline uses only the cache", "unreachable")
 
 
 def resolve(ref: HubRef, revision: str = "main") -> Plan:
@@ -295,7 +301,8 @@ def resolve(ref: HubRef, revision: str = "main") -> Plan:
         for name in quant.files:
             meta = get_hf_file_metadata(hf_hub_url(ref.repo, name, revision=commit))
             if meta.etag is None or meta.commit_hash is None:
-                raise PullError(f"{ref.repo}: {name} has no ETag or commit on the hub; is HF_ENDPOINT a hub?")
+                raise PullError(f"{ref.repo}: {name} has no ETag or commit on the hub; is HF_ENDPOINT a hub?",
+                                "unreachable")
             plans.append(FilePlan(name, meta.location, meta.etag, meta.size))
     except PullError:
         raise
@@ -413,7 +420,7 @@ def fetch(plan: Plan, stop: threading.Event, progress: PullProgress) -> Pulled:
 
 
 def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullProgress) -> Path:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -431,6 +438,9 @@ def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullP
                 start = 0
             progress.completed = progress.resumed_from = start
             progress.status = f"pulling {fp.etag[:12]}"
+            # http_get reads DOWNLOAD_CHUNK_SIZE (10 MB) before each write: a cancelled pull would
+            # stop, and the progress move, only every 10 MB. 256 KiB keeps both prompt.
+            constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, _CHUNK)
             try:
                 http_get(fp.url, _Sink(f, stop, progress), resume_size=start, headers=build_hf_headers(),
                          expected_size=fp.size, displayed_filename=fp.name, tqdm_class=_Silent)  # type: ignore[arg-type]
@@ -441,7 +451,7 @@ def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullP
                 if fp.size is not None and f.tell() > fp.size or "Consistency check failed" in str(exc):
                     partial.unlink(missing_ok=True)
                     raise PullError(f"{plan.ref.repo}: {fp.name} is not the size the hub announced "
-                                    f"({fp.size} bytes); the download was removed") from None
+                                    f"({fp.size} bytes); the download was removed", "integrity") from None
                 raise PullError(f"{plan.ref.repo}: {fp.name}: download interrupted ({exc}); pull again to "
                                 "resume") from None
             except Exception as exc:  # noqa: BLE001 - transport errors, one line
@@ -453,7 +463,7 @@ def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullP
             if got != fp.etag:
                 partial.unlink(missing_ok=True)
                 raise PullError(f"{plan.ref.repo}: {fp.name} failed its sha256 check (got {got[:12]}, the hub says "
-                                f"{fp.etag[:12]}); the download was removed")
+                                f"{fp.etag[:12]}); the download was removed", "integrity")
         os.replace(partial, blob)
         progress.finished.append((fp.name, blob.stat().st_size, progress.resumed_from, time.monotonic() - began))
     else:
@@ -470,29 +480,45 @@ def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullP
 
 # -- from trio ---------------------------------------------------------------------------------------------------
 
-async def pull(ref: HubRef, *, revision: str = "main", offline: bool = False, progress: PullProgress | None = None,
-               on_plan: Callable[[Plan], None] | None = None) -> Pulled:
+async def pull(ref: HubRef, *, revision: str = "main", offline: bool = False,
+               progress: PullProgress | None = None) -> Pulled:
     """Pull ``ref`` (offline: find it in the cache only) and record it in the library.
 
     Raises:
         PullError: one line for a person.
 
-    Cancellation: the transfer stops at its next chunk (the thread is told, then
-    waited for up to 5 s, shielded); what it wrote stays ``.incomplete`` and the
-    next pull resumes it.
+    Cancellation: as :func:`fetch_async`.
     """
     from ._library import record_pull
 
-    progress = progress if progress is not None else PullProgress()
     if offline or is_offline():
         found = await trio.to_thread.run_sync(cached, ref, revision)
         if found is None:
-            raise PullError(f"{ref} is not in the cache ({hub_cache()}) and the pull is offline")
+            raise PullError(f"{ref} is not in the cache ({hub_cache()}) and the pull is offline", "not_found")
         await trio.to_thread.run_sync(record_pull, found)
         return found
-    plan = await trio.to_thread.run_sync(resolve, ref, revision, abandon_on_cancel=True)
-    if on_plan is not None:
-        on_plan(plan)
+    plan = await resolve_async(ref, revision)
+    return await fetch_async(plan, progress if progress is not None else PullProgress())
+
+
+async def resolve_async(ref: HubRef, revision: str = "main") -> Plan:
+    """:func:`resolve` in a thread (abandoned when cancelled: it writes nothing)."""
+    return await trio.to_thread.run_sync(resolve, ref, revision, abandon_on_cancel=True)
+
+
+async def fetch_async(plan: Plan, progress: PullProgress) -> Pulled:
+    """:func:`fetch` in a thread, then the pull is recorded in the library.
+
+    Raises:
+        PullError: one line for a person.
+
+    Cancellation: the transfer stops at its next chunk (the thread is told, then
+    waited for up to 5 s, shielded, so it has let go of the file and the lock);
+    what it wrote stays ``.incomplete``, never linked into a snapshot, and the next
+    pull resumes it.
+    """
+    from ._library import record_pull
+
     stop = threading.Event()
     done = threading.Event()
 
