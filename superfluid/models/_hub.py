@@ -419,11 +419,23 @@ def fetch(plan: Plan, stop: threading.Event, progress: PullProgress) -> Pulled:
         lock.release()
 
 
+def _headers_for(url: str) -> dict[str, str]:
+    """The hub's headers (the token) for ``url``, without the token when the hub
+    redirected to another host (a signed CDN URL), as huggingface_hub does."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers()
+    if urlsplit(url).netloc != urlsplit(constants.ENDPOINT).netloc:
+        headers.pop("authorization", None)
+    return headers
+
+
 def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullProgress) -> Path:
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import build_hf_headers
-
     storage = _storage(plan.ref.repo)
     pointer = storage / "snapshots" / plan.commit / fp.name
     blob = storage / "blobs" / fp.etag
@@ -442,7 +454,7 @@ def _fetch_file(plan: Plan, fp: FilePlan, stop: threading.Event, progress: PullP
             # stop, and the progress move, only every 10 MB. 256 KiB keeps both prompt.
             constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, _CHUNK)
             try:
-                http_get(fp.url, _Sink(f, stop, progress), resume_size=start, headers=build_hf_headers(),
+                http_get(fp.url, _Sink(f, stop, progress), resume_size=start, headers=_headers_for(fp.url),
                          expected_size=fp.size, displayed_filename=fp.name, tqdm_class=_Silent)  # type: ignore[arg-type]
             except PullCancelled:
                 raise
