@@ -70,6 +70,38 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def test_hub_ids_and_quant_names(tmp_path: Path) -> None:
+    from superfluid.models._hub import HubRef, PullError, parse_hub_id, pick, quants
+
+    assert parse_hub_id("unsloth/Qwen3-4B-GGUF:UD-Q4_K_XL") == HubRef("unsloth/Qwen3-4B-GGUF", "UD-Q4_K_XL")
+    assert parse_hub_id("org/repo") == HubRef("org/repo")
+    for path in ("./org/repo", "/abs/x", "~/x", "model.gguf", "org/model.gguf", "noslash", "a/b/c", "org/..", ""):
+        assert parse_hub_id(path) is None, path
+    (tmp_path / "org" / "repo").mkdir(parents=True)
+    assert parse_hub_id(str(tmp_path / "org" / "repo")) is None  # absolute; and a relative one that exists:
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert parse_hub_id("org/repo") is None and parse_hub_id("org/repo", disk=False) == HubRef("org/repo")
+    finally:
+        os.chdir(cwd)
+    files = {"M-Q4_K_M.gguf": 10, "M-UD-Q4_K_M.gguf": 11, "M-IQ2_XXS.gguf": 5, "M-BF16-00001-of-00002.gguf": 50,
+             "M-BF16-00002-of-00002.gguf": 40, "mmproj-M-F16.gguf": 3, "README.md": 1, "M.Q8_0.gguf": 20}
+    found = {q.label: q for q in quants(files)}
+    assert sorted(found) == ["BF16", "IQ2_XXS", "Q4_K_M", "Q8_0", "UD-Q4_K_M"]
+    assert found["BF16"].files == ("M-BF16-00001-of-00002.gguf", "M-BF16-00002-of-00002.gguf")
+    assert found["BF16"].size == 90
+    every = list(found.values())
+    assert pick(HubRef("o/r"), every).label == "Q4_K_M"  # the default
+    assert pick(HubRef("o/r", "ud-q4_k_m"), every).label == "UD-Q4_K_M"
+    assert pick(HubRef("o/r", "XXS"), every).label == "IQ2_XXS"  # the end of exactly one quant
+    with pytest.raises(PullError, match="ambiguous: it matches Q4_K_M, UD-Q4_K_M"):
+        pick(HubRef("o/r", "K_M"), every)
+    with pytest.raises(PullError, match="none is Q4_K_M"):
+        pick(HubRef("o/r"), [found["BF16"], found["Q8_0"]])
+    assert pick(HubRef("o/r"), [found["Q8_0"]]).label == "Q8_0"  # the only one
+
+
 def test_pull_picks_the_quant_and_a_wrong_tag_lists_the_quants(env: dict[str, str], hub: FakeHub) -> None:
     r = _sf(env, "pull", "org/repo:q4_k_m")  # any case; the exact label wins over UD-Q4_K_M
     assert r.returncode == 0, r.stderr
@@ -237,6 +269,11 @@ def test_the_ollama_client_pulls_lists_copies_and_removes(env: dict[str, str], h
         sha = hub.repos["org/repo"][Q4KM].sha256
         assert pulling and all(p.digest == f"sha256:{sha}" and p.total == SYNTHETIC for p in pulling)
         assert pulling[-1].completed == SYNTHETIC and pulling[0].status == f"pulling {sha[:12]}"
+        hub.lie_etag["SmolLM2-135M-Instruct-UD-Q4_K_M.gguf"] = hashlib.sha256(b"another file").hexdigest()
+        with pytest.raises(ollama.ResponseError) as info:  # mid-stream: an {"error"} line
+            list(client.pull("org/repo:UD-Q4_K_M", stream=True))
+        assert "failed its sha256 check" in info.value.error
+        hub.lie_etag.clear()
         assert client.pull("org/repo:UD-Q4_K_M", stream=False).status == "success"
         with pytest.raises(ollama.ResponseError) as info:
             client.pull("org/repo:Q5_K_S")
@@ -273,13 +310,15 @@ def test_a_client_that_disconnects_cancels_its_pull(env: dict[str, str], hub: Fa
             for line in r.iter_lines():
                 if json.loads(line).get("completed", 0) > 0:
                     break
-        served = hub.served
-        time.sleep(1.0)
-        assert hub.served - served < 200_000  # the transfer stopped with the client (a chunk or two in flight)
-        assert _partials(env) and not (_storage(env) / "snapshots").exists()
+        time.sleep(1.0)  # a chunk in flight lands, the connection to the hub closes
+        partial, = _partials(env)
+        kept, served = partial.stat().st_size, hub.served
+        time.sleep(1.0)  # at 1 MiB/s a transfer still running would add about a megabyte to both
+        assert partial.stat().st_size == kept < SYNTHETIC and hub.served == served
+        assert not (_storage(env) / "snapshots").exists()
         hub.rate, before = 0, hub.served
         final = httpx.post(d.url + "/api/pull", json={"model": "org/repo:Q4_K_M", "stream": False}, timeout=60)
-        assert final.json() == {"status": "success"} and hub.served - before < SYNTHETIC
+        assert final.json() == {"status": "success"} and hub.served - before == SYNTHETIC - kept
     finally:
         d.stop()
 

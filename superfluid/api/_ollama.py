@@ -399,18 +399,19 @@ async def api_pull(app: App, scope: dict[str, Any], receive: Receive, send: Send
             raise ApiError(400, f"'{raw}' is not a Hugging Face model id: superfluid pulls org/repo[:QUANT] "
                                 "(e.g. unsloth/Qwen3-4B-GGUF:Q4_K_M)")
         progress = PullProgress()
-        try:
-            async with watch_disconnect(receive):
+        async with watch_disconnect(receive):  # a client that leaves cancels the pull
+            try:
                 plan = await resolve_async(ref)
                 if not stream:
                     pulled = await fetch_async(plan, progress)
-                    _register(app, pulled.name, pulled.path)
-                    await send_json(send, 200, {"status": "success"})
-                    return
-                await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-                await _stream_pull(app, send, plan, progress)
-        except PullError as exc:
-            raise ApiError(_PULL_STATUS.get(exc.kind, 502), str(exc)) from None
+            except PullError as exc:
+                raise ApiError(_PULL_STATUS.get(exc.kind, 502), str(exc)) from None
+            if not stream:
+                _register(app, pulled.name, pulled.path)
+                await send_json(send, 200, {"status": "success"})
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+            await _stream_pull(app, send, plan, progress)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 

@@ -113,7 +113,7 @@ def hub_model(spec: str, *, offline: bool) -> Pulled | None:
     ref = parse_hub_id(spec)
     if ref is None:
         return None
-    found = cached(ref)
+    found = cached(ref, strict=offline)
     if found is not None:
         return found
     return run_pull(ref, offline=offline)

@@ -29,6 +29,7 @@ matches a quant exactly (any case), else as the end of exactly one quant.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -205,11 +206,12 @@ def _storage(repo: str) -> Path:
     return hub_cache() / ("models--" + repo.replace("/", "--"))
 
 
-def cached(ref: HubRef, revision: str = "main") -> Pulled | None:
+def cached(ref: HubRef, revision: str = "main", *, strict: bool = False) -> Pulled | None:
     """The quant ``ref`` names, if all its files are in the cache (no network).
 
     Raises:
-        PullError: the repo is cached but the tag matches no cached quant, or several.
+        PullError: ``strict`` (offline: the cache is all there is) and the repo is
+            cached but the tag matches none of its cached quants, or several.
     """
     storage = _storage(ref.repo)
     try:
@@ -231,9 +233,13 @@ def cached(ref: HubRef, revision: str = "main") -> Pulled | None:
     try:
         q = pick(ref, found)
     except PullError as exc:
-        if ref.tag is not None and not any(ref.tag.lower() in f.lower() for f in files):
-            return None  # not cached: worth asking the hub
-        raise PullError(f"{exc} [in the cache]", exc.kind) from None
+        if not strict:
+            return None  # the hub may have it
+        if exc.kind == "ambiguous":
+            raise PullError(f"{exc} [offline: in the cache]", exc.kind) from None
+        have = ", ".join(q.describe() for q in found)
+        raise PullError(f"{ref} is not in the cache and the pull is offline (the cache has {ref.repo}: {have})",
+                        exc.kind) from None
     parts = _split_total(q.files)
     if parts and parts != len(q.files):
         return None  # some parts missing: pull again
@@ -504,7 +510,7 @@ async def pull(ref: HubRef, *, revision: str = "main", offline: bool = False,
     from ._library import record_pull
 
     if offline or is_offline():
-        found = await trio.to_thread.run_sync(cached, ref, revision)
+        found = await trio.to_thread.run_sync(functools.partial(cached, ref, revision, strict=True))
         if found is None:
             raise PullError(f"{ref} is not in the cache ({hub_cache()}) and the pull is offline", "not_found")
         await trio.to_thread.run_sync(record_pull, found)
