@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, TextIO
 import trio
 
 if TYPE_CHECKING:
-    from ..models._hub import Plan, PullProgress
+    from ..models._hub import PullProgress
 
 __all__ = ["show_progress"]
 
@@ -91,7 +91,3 @@ async def _bar(what: str, progress: PullProgress, out: TextIO, interval: float) 
         finally:
             draw()
 
-
-def plan_line(plan: Plan) -> str:
-    size = plan.quant.size
-    return f"{plan.ref.repo}:{plan.quant.label}" + (f" ({_mb(size)})" if size else "")
