@@ -19,6 +19,9 @@ from ..models._files import default_model_path, model_name, resolve_runtime
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
+from .. import __version__
+from ..models._hub import PullError
+from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
 
 __all__ = ["main"]
 
@@ -43,10 +46,13 @@ def _class_lanes(value: str) -> dict[QosClass, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superfluid", description="A local LLM serving daemon on trio.")
+    parser.add_argument("--version", action="version", version=f"superfluid {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
+    s.add_argument("--offline", action="store_true",
+                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
     s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
     s.add_argument("--http", type=_hostport, help=f"HOST:PORT (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST)
@@ -131,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
     return parser
 
 
@@ -190,6 +197,10 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
         if runtime == "mock" and not spec.startswith("mock"):
             spec = "mock"
+        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        if pulled is not None:
+            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            continue
         if runtime != "mock" and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
@@ -215,6 +226,8 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in MODEL_COMMANDS:
+        return MODEL_COMMANDS[args.command](args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ..daemon._server import serve
@@ -226,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
-    sources = tuple(_sources(args))
+    try:
+        sources = tuple(_sources(args))
+    except (PullError, PullInterrupted) as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        return 130 if isinstance(exc, PullInterrupted) else 1
     mistake = _check_limits(args, sources)
     if mistake is not None:
         print(f"superfluid: {mistake}", file=sys.stderr)
