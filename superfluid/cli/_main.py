@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import sys
@@ -23,6 +24,11 @@ from ..nursery import WorkerDied, WorkerLoadFailed
 from ..worker._main import RUNTIMES
 from ._errors import USAGE, CliError, HelpFormatter, Parser, suggest
 from ..sched import PlannerConfig, QosClass, parse_qos
+from .. import __version__
+from ..models._hub import PullError
+from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
+from ._launch import add_launch_parsers, split_agent_args
+from ._top import add_top_parser
 
 __all__ = ["main"]
 
@@ -64,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a GGUF file, or 'mock' (default: the embedded SmolLM2-135M-Instruct, fetched once)")
     s.add_argument("--model", dest="models", action="append", default=[], metavar="MODEL",
                    help="another model to serve beside the first (repeatable; default: none)")
+    s.add_argument("--offline", action="store_true",
+                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
     s.add_argument("--runtime", action="append", default=[], metavar="ID|MODEL=ID",
                    help=f"the runtime of every model, or of MODEL ({', '.join(RUNTIMES)}; default: mock for "
                         "'mock', else llamacpp)")
@@ -111,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of a scheduler tick while nothing waits (50 ms while a job is queued)")
     s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S,
                    help="seconds a worker may leave a tick, a send or a tokenize unanswered before it is replaced")
-    s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
+    s.add_argument("--no-tui", action="store_true",
+                   help="no live monitor: log lines on stderr instead (default: the monitor when stdout is a "
+                        "terminal; q in it drains and quits)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], metavar="LEVEL",
                    help="least severe log records written (DEBUG, INFO, WARNING, ERROR, CRITICAL; "
@@ -171,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ._session import add_session_parser
 
     add_session_parser(sub)
+    add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
+    add_top_parser(sub)
+    add_launch_parsers(sub)
     return parser
 
 
@@ -238,6 +251,10 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
         if runtime == "mock" and not spec.startswith("mock"):
             spec = "mock"
+        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        if pulled is not None:
+            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            continue
         if runtime != "mock":
             _check_model_file(Path(spec))
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
@@ -272,7 +289,14 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage)."""
+    argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command in MODEL_COMMANDS:
+        return MODEL_COMMANDS[args.command](args)
+    if getattr(args, "run", None) is not None:  # top, launch, stop (cli/_top.py, cli/_launch.py)
+        if agent_args:
+            args.agent_args = agent_args
+        return int(args.run(args))
     try:
         if args.command == "session":
             from ._session import run_session
@@ -301,7 +325,12 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc), USAGE) from None
     _check_port(host, port)  # before a model loads: a port in use fails at once
-    sources = tuple(_sources(args))
+    try:
+        sources = tuple(_sources(args))
+    except PullInterrupted as exc:
+        raise CliError(str(exc), 130) from None
+    except PullError as exc:
+        raise CliError(str(exc)) from None
     mistake = _check_limits(args, sources)
     if mistake is not None:
         raise CliError(mistake, USAGE)
@@ -328,7 +357,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not config.api_keys and not is_loopback_listener(host):
         print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
-        trio.run(serve, config)
+        monitor = not args.no_tui and sys.stdout.isatty()
+        trio.run(functools.partial(serve, config, monitor=monitor))
     except Exception as exc:  # noqa: BLE001 - the process boundary: one line, never a traceback
         raise _startup_error(exc, host, port) from None
     except BaseExceptionGroup as group:
