@@ -24,7 +24,6 @@ from ..nursery import WorkerDied, WorkerLoadFailed
 from ..worker._main import RUNTIMES
 from ._errors import USAGE, CliError, HelpFormatter, Parser, suggest
 from ..sched import PlannerConfig, QosClass, parse_qos
-from .. import __version__
 from ..models._hub import PullError
 from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
 from ._launch import add_launch_parsers, split_agent_args
