@@ -163,7 +163,7 @@ class MlxEngine:
                  deterministic: bool = False) -> None:
         if max_batch < 1 or max_context < 2:
             raise ValueError("max_batch must be >= 1 and max_context >= 2")
-        config = check_model_dir(model_dir)
+        check_model_dir(model_dir)
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
