@@ -17,8 +17,11 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
 * :meth:`MlxEngine.decode` runs each row as its own forward pass over its
   sequence's cache, all rows' graphs evaluated together in one ``mx.eval``;
   the handle per row is that row's last-position logits as a float32 numpy
-  array. (A batched forward over lanes with mlx-lm's ``BatchKVCache`` is the
-  next step; see ``bench/mlx_vs_server.py``.)
+  array. A decode round (one token for each of several sequences) can instead
+  run as one batched pass (``_DecodeView``: per-layer caches left-padded into
+  a batch, a per-row mask and RoPE offsets); that is the default on a GPU
+  device only, as it was slower on the CPU (``SUPERFLUID_MLX_BATCH_DECODE=0|1``
+  overrides).
 * Sampling runs on the host in numpy, per lane: logit bias, penalties (last
   64 tokens, llama.cpp's rules), then greedy (argmax, first of equal maxima)
   or top-k, top-p, min-p, temperature and a draw from
@@ -191,6 +194,12 @@ class MlxEngine:
                    "deterministic": deterministic, "quantization": self.config.get("quantization")},
         )
         self._eog_set = frozenset(eog)
+        # A decode round as one batched forward pass, or one pass per lane. On the CPU device
+        # MLX's matmuls do not gain from more rows (8 rows cost ~8.5x one) and the batch costs
+        # pads and concatenations: 8 lanes took 12.0 s a round batched vs 7.5 s per lane
+        # (2 busy cores, load ~20; same logits). On a GPU the batch is the point.
+        default = "1" if "gpu" in str(mx.default_device()).lower() else "0"
+        self.batch_decode = os.environ.get("SUPERFLUID_MLX_BATCH_DECODE", default) == "1"
 
     def _eog(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -237,14 +246,18 @@ class MlxEngine:
 
     def decode(self, rows: list[BatchRow]) -> list[Any]:
         mx = self._mx
+        for row in rows:
+            if not row.tokens:
+                raise ValueError(f"an empty batch row for sequence {row.seq}")
+            held = self._caches[row.seq][0].offset
+            if held != row.pos0:
+                raise RuntimeError(f"sequence {row.seq} holds {held} positions; row starts at {row.pos0}")
+        if self.batch_decode and len(rows) > 1 and all(len(r.tokens) == 1 for r in rows):
+            return self._decode_round(rows)
         pending: list[tuple[int, Any]] = []
         outs: list[Any] = [None] * len(rows)
         for i, row in enumerate(rows):
-            if not row.tokens:
-                raise ValueError(f"an empty batch row for sequence {row.seq}")
             cache = self._caches[row.seq]
-            if cache[0].offset != row.pos0:
-                raise RuntimeError(f"sequence {row.seq} holds {cache[0].offset} positions; row starts at {row.pos0}")
             logits = self.model(mx.array([list(row.tokens)]), cache=cache)
             if row.want_logits:
                 pending.append((i, logits[0, -1, :].astype(mx.float32)))
@@ -256,6 +269,23 @@ class MlxEngine:
             if i >= 0:
                 outs[i] = np.array(arr, copy=True)
         return outs
+
+    def _decode_round(self, rows: list[BatchRow]) -> list[Any]:
+        """One token for each of several sequences in one batched forward pass: each
+        layer's per-sequence caches are appended to, then left-padded into one batch."""
+        mx = self._mx
+        per_layer = list(zip(*(self._caches[r.seq] for r in rows), strict=True))
+        lens = [self._caches[r.seq][0].offset + 1 for r in rows]
+        lmax = max(lens)
+        keep = mx.arange(lmax)[None, :] >= mx.array([lmax - n for n in lens])[:, None]
+        mask = keep.reshape(len(rows), 1, 1, lmax)
+        offset = mx.array([n - 1 for n in lens])
+        views = [_DecodeView(list(caches), offset, mask, lmax, mx) for caches in per_layer]
+        logits = self.model(mx.array([[r.tokens[0]] for r in rows]), cache=views)
+        out = logits[:, -1, :].astype(mx.float32)
+        mx.eval(out)
+        host = np.array(out, copy=True)
+        return [host[i] if r.want_logits else None for i, r in enumerate(rows)]
 
     # -- sampling ----------------------------------------------------------------------
 
@@ -311,6 +341,30 @@ class MlxEngine:
 
     def close(self) -> None:
         self._caches = []
+
+
+class _DecodeView:
+    """One layer's cache for a batched decode round over per-sequence ``KVCache`` s
+    (what mlx-lm's attention asks of a cache: ``offset``, ``make_mask``, ``update_and_fetch``)."""
+
+    def __init__(self, caches: list[Any], offset: Any, mask: Any, lmax: int, mx: Any) -> None:
+        self.caches, self.offset, self._mask, self._lmax, self._mx = caches, offset, mask, lmax, mx
+
+    def make_mask(self, *_args: Any, **_kw: Any) -> Any:
+        return self._mask
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        mx = self._mx
+        ks, vs = [], []
+        for i, cache in enumerate(self.caches):
+            k, v = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            pad = self._lmax - k.shape[2]
+            if pad:
+                widths = [(0, 0), (0, 0), (pad, 0), (0, 0)]
+                k, v = mx.pad(k, widths), mx.pad(v, widths)
+            ks.append(k)
+            vs.append(v)
+        return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
 
 
 class _Exported:
