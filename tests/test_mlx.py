@@ -93,14 +93,17 @@ def test_mlx_memory_fit_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 # -- the baseRT binding layer against a compiled fake library -------------------------
 
 
-@pytest.fixture(scope="module")
-def fake_basert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("basert") / "libbasert.so"
+def build_fake(out: Path, *defines: str) -> Path:
     gcc = shutil.which("gcc") or shutil.which("cc")
     assert gcc, "gcc is needed to build the fake libbasert"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out), str(FAKE_LIB_SRC)],
+    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", *defines, "-o", str(out), str(FAKE_LIB_SRC)],
                    check=True, timeout=120)
     return out
+
+
+@pytest.fixture(scope="module")
+def fake_basert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fake(tmp_path_factory.mktemp("basert") / "libbasert.so")
 
 
 def test_basert_binding_drives_the_executor(fake_basert: Path, tmp_path: Path) -> None:
@@ -138,10 +141,9 @@ def test_basert_refuses_a_bundle_without_magic_and_a_missing_library(fake_basert
         load_basert(str(bad), max_batch=1, max_context=64, lib=str(fake_basert))
     with pytest.raises(BaseRTMissing, match="--basert-lib"):
         load_basert(str(bad), max_batch=1, max_context=64, lib=str(tmp_path / "nope.so"))
-    not_basert = tmp_path / "libnot.so"
-    shutil.copy(fake_basert, not_basert)
-    with pytest.raises(BaseRTMissing):
-        load_basert(str(bad), max_batch=1, max_context=64, lib="/lib/x86_64-linux-gnu/libm.so.6")
+    other_abi = build_fake(tmp_path / "libbasert2.so", "-DFAKE_ABI=2")
+    with pytest.raises(BaseRTMissing, match="ABI 2"):
+        load_basert(str(bad), max_batch=1, max_context=64, lib=str(other_abi))
 
 
 # -- the real MLX runtime --------------------------------------------------------------
@@ -230,10 +232,10 @@ async def test_mlx_worker_kill_mid_stream_continues() -> None:
     body = {"model": "smol-mlx", "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
             "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
     async with open_daemon(mlx_config(max_batch=1)) as d:
-        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with d.client.stream("POST", "/v1/chat/completions", json=body, timeout=600) as r:
             ref = stream_text(await sse_events(r))
         killed = False
-        async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with d.client.stream("POST", "/v1/chat/completions", json=body, timeout=600) as r:
             events = []
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and not killed and '"content":"' in line and len(events) >= 3:
