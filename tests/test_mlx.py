@@ -279,3 +279,41 @@ def test_mlx_batched_decode_round_matches_per_lane_passes() -> None:
             assert np.allclose(a, b, atol=0.05), float(np.abs(a - b).max())
     finally:
         engine.close()
+
+
+def test_mlx_host_sampler_is_counter_seeded_and_applies_its_stages() -> None:
+    """The MLX (and baseRT) host sampler in numpy: no model needed."""
+    import numpy as np
+
+    from superfluid.worker._mlx import _LaneSampler
+
+    class Fake:
+        class info:  # noqa: N801 - stands in for ModelInfo
+            n_vocab = 50
+
+        @staticmethod
+        def piece(tok: int) -> bytes:
+            return bytes([65 + tok % 26])
+
+    rng = np.random.default_rng(0)
+    logits = [rng.normal(size=50).astype(np.float32) for _ in range(12)]
+    hot = Sampling(temperature=1.5, seed=7)
+    whole = _LaneSampler(Fake, hot)  # type: ignore[arg-type]
+    draws = [whole.sample(x, k) for k, x in enumerate(logits)]
+    assert len(set(draws)) > 3                      # a real distribution, not argmax
+    resumed = _LaneSampler(Fake, hot)  # type: ignore[arg-type]
+    assert [resumed.sample(x, k) for k, x in enumerate(logits) if k >= 6] == draws[6:]
+    other = _LaneSampler(Fake, Sampling(temperature=1.5, seed=8))  # type: ignore[arg-type]
+    assert [other.sample(x, k) for k, x in enumerate(logits)] != draws
+    x = logits[0]
+    top = int(np.argmax(x))
+    assert _LaneSampler(Fake, Sampling(temperature=2.0, top_k=1, seed=1)).sample(x, 0) == top  # type: ignore[arg-type]
+    banned = _LaneSampler(Fake, Sampling(logit_bias=((top, -float("inf")),)))  # type: ignore[arg-type]
+    assert banned.sample(x, 0) != top
+    pen = _LaneSampler(Fake, Sampling(presence_penalty=100.0))  # type: ignore[arg-type]
+    pen.accept(top)
+    assert pen.sample(x, 1) != top
+    lp, best = pen.logprobs(x, top, 3)
+    assert best[0][0] == top and abs(best[0][2] - lp) < 1e-9 and len(best) == 3
+    with pytest.raises(ValueError, match="grammar"):
+        _LaneSampler(Fake, Sampling(grammar="json"))  # type: ignore[arg-type]
