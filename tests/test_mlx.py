@@ -317,3 +317,20 @@ def test_mlx_host_sampler_is_counter_seeded_and_applies_its_stages() -> None:
     assert best[0][0] == top and abs(best[0][2] - lp) < 1e-9 and len(best) == 3
     with pytest.raises(ValueError, match="grammar"):
         _LaneSampler(Fake, Sampling(grammar="json"))  # type: ignore[arg-type]
+
+
+def test_the_daemon_side_never_imports_mlx(tmp_path: Path) -> None:
+    """Serving an MLX directory loads mlx only in the worker process."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    code = (
+        "import sys\n"
+        "import superfluid.cli._main, superfluid.daemon._server, superfluid.api._app\n"
+        "from superfluid.models._files import resolve_runtime\n"
+        f"assert resolve_runtime({str(tmp_path)!r}, None) == 'mlx'\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'llama_cpp')]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
