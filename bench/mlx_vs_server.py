@@ -20,11 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402
-from _common import ROOT, Server, commit, free_port, median, round_orders, superfluid_argv  # noqa: E402
+from _common import (ROOT, Server, commit, free_port, median, round_orders, stream_request,  # noqa: E402
+                     superfluid_argv)
 
 
 def mlx_server_argv(model: str, port: int, lanes: int) -> list[str]:
@@ -32,21 +34,46 @@ def mlx_server_argv(model: str, port: int, lanes: int) -> list[str]:
             "--decode-concurrency", str(lanes), "--prompt-concurrency", str(lanes)]
 
 
+async def one_round(url: str, model: str, conc: int, tokens: int, prompts: list[str]) -> float:
+    """Aggregate tokens/s of one round: every prompt once, ``conc`` at a time (tokens from ``usage``
+    where the server reports it, else text chunks)."""
+    results: list[dict] = []
+    async with httpx.AsyncClient(base_url=url, timeout=900,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        limiter = trio.CapacityLimiter(conc)
+
+        async def one(prompt: str) -> None:
+            async with limiter:
+                body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                        "ignore_eos": True, "stream_options": {"include_usage": True}}
+                results.append(await stream_request(client, "/v1/completions", body))
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            for prompt in prompts:
+                n.start_soon(one, prompt)
+        wall = trio.current_time() - t0
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        raise RuntimeError(f"errors: {errors[:2]}")
+    return sum((r["usage"] or {}).get("completion_tokens") or r["tokens"] for r in results) / wall
+
+
 async def run(args: argparse.Namespace, servers: dict[str, Server]) -> None:
     concs = [int(c) for c in args.concurrency.split(",")]
-    throughput.PROMPTS = throughput.PROMPTS[: args.prompts]
+    prompts = throughput.PROMPTS[: args.prompts]
     ids = {}
     for name, srv in servers.items():
         srv.wait_ready()
-        ids[name] = throughput.model_id(srv.url)
-        await throughput.one_round(srv.url, ids[name], max(concs), min(args.tokens, 8))  # warm-up
+        # mlx_lm.server's /v1/models lists the Hugging Face cache; "default_model" is its --model
+        ids[name] = "default_model" if name == "mlx_lm.server" else throughput.model_id(srv.url)
+        await one_round(srv.url, ids[name], max(concs), min(args.tokens, 8), prompts)  # warm-up
     rows = []
     for k, conc in enumerate(concs):
         runs: dict[str, list[float]] = {name: [] for name in servers}
         for order in round_orders(list(servers), args.rounds, args.order_seed + k):
             for name in order:
-                tps, _ttft = await throughput.one_round(servers[name].url, ids[name], conc, args.tokens)
-                runs[name].append(tps)
+                runs[name].append(await one_round(servers[name].url, ids[name], conc, args.tokens, prompts))
         ratio = median([a / b for a, b in zip(runs["superfluid-mlx"], runs["mlx_lm.server"], strict=True)])
         rows.append((conc, median(runs["superfluid-mlx"]), median(runs["mlx_lm.server"]), ratio))
         print(f"  {conc} concurrent: ours {rows[-1][1]:.1f} tok/s, mlx_lm.server {rows[-1][2]:.1f} tok/s, "
