@@ -58,6 +58,16 @@ class TooManyModels(Exception):
                          f"{', '.join(loaded)}; unload one first")
 
 
+def _library_sources(config: ServeConfig) -> list[ModelSource]:
+    """The models pulled or copied before (``models/_library.py``), known by their names,
+    but for the files of models given at startup (known already, by their served names)."""
+    from ..models._library import entries
+
+    startup = {os.path.realpath(s.spec) for s in config.models if s.runtime != "mock"}
+    return [ModelSource(spec=str(e.path), runtime="llamacpp", name=e.name) for e in entries()
+            if e.kind in ("pull", "copy") and (e.kind == "copy" or os.path.realpath(e.path) not in startup)]
+
+
 class ModelRegistry:
     def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery,
                  committer: Committer | None = None, cpu: CpuYield | None = None) -> None:
@@ -76,7 +86,7 @@ class ModelRegistry:
         # owners whose task is alive (an unloaded model's worker may still be shutting down)
         self._owners = 0
         self._owner_gone = trio.Event()
-        for source in (*config.models, *self._model_dir_files()):
+        for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
 
     # -- what may be loaded -------------------------------------------------------------
@@ -174,6 +184,7 @@ class ModelRegistry:
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
                                 created=int(time.time()))
             self.loaded[source.name] = model
+            self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
             self.known[source.name] = source
             if make_default or self.default is None:
                 self.default = source.name
@@ -220,9 +231,15 @@ class ModelRegistry:
                 log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
                           exc_info=exc.__cause__ or exc)
                 self.metrics.for_model(owner.name).inc("superfluid_model_failures_total")
+            # a fresh scheduler at once: requests that arrive while the actor is down wait in its
+            # inbox for the restarted actor instead of meeting the failed one's 503
+            owner.renew(self._scheduler(owner.name))
+            task_status = trio.TASK_STATUS_IGNORED
             if not tracker.allow(trio.current_time()):
                 log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
                           owner.name, owner.policy.max_restarts, owner.policy.window_s)
+                owner.scheduler.close(f"model '{owner.name}' failed {owner.policy.max_restarts} times and was "
+                                      "unloaded; a request naming it loads it again", code="model_failed")
                 if self.loaded.get(owner.name) is not None and self.loaded[owner.name].owner is owner:
                     del self.loaded[owner.name]
                     if self.default == owner.name:
@@ -230,9 +247,9 @@ class ModelRegistry:
                 return
             await trio.sleep(owner.policy.backoff_s)
             if owner.stopped:  # unloaded while it was down
+                message, code = owner.stop_reason
+                owner.scheduler.close(message, code=code)
                 return
-            owner.renew(self._scheduler(owner.name))
-            task_status = trio.TASK_STATUS_IGNORED
             log.warning("model %s: restarting its actor", owner.name)
 
     async def get(self, name: str) -> ServedModel | None:
