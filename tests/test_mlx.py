@@ -218,7 +218,7 @@ async def test_mlx_serves_every_dialect() -> None:
             await oa.chat.completions.create(model="smol-mlx", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=2, response_format={"type": "json_object"})
         an = anthropic.AsyncAnthropic(base_url=d.url, api_key="x", timeout=300)
-        msg = await an.messages.create(model="smol-mlx", max_tokens=4, temperature=0,
+        msg = await an.messages.create(model="smol-mlx", max_tokens=4, extra_body={"temperature": 0},
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert msg.content[0].text.startswith("The capital"), msg
         ol = ollama.AsyncClient(host=d.url, timeout=300)
