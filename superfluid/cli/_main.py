@@ -255,15 +255,22 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
             continue
         if runtime != "mock":
-            _check_model_file(Path(spec))
+            _check_model_file(Path(spec), directory_ok=runtime == "mlx")
+        if runtime == "basert":
+            from ..worker._basert import BaseRTMissing, find_library
+
+            try:
+                find_library()
+            except BaseRTMissing as exc:
+                raise CliError(f"{spec}: {exc}") from None
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
     return out
 
 
-def _check_model_file(path: Path) -> None:
+def _check_model_file(path: Path, *, directory_ok: bool = False) -> None:
     if not path.exists():
         raise CliError(f"model file not found: {path}")
-    if not path.is_file():
+    if not path.is_file() and not (directory_ok and path.is_dir()):
         raise CliError(f"model {path} is not a file")
     if not os.access(path, os.R_OK):
         raise CliError(f"model file {path} is not readable (permission denied)")
