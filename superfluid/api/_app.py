@@ -280,11 +280,11 @@ class App:
             raise ApiError(400, "invalid request: runtime must be a string", param="runtime")
         reg = self.registry
         if ident not in reg.known:
-            from ..models._files import resolve_runtime
+            from ..runtime._choose import _runtime_refusal
 
-            rid = resolve_runtime(ident, runtime)
-            if rid not in ("mock", "llamacpp"):
-                raise ApiError(400, f"unknown runtime {rid!r}", code="unsupported_runtime", param="runtime")
+            refusal = _runtime_refusal(ident, runtime)
+            if refusal is not None:
+                raise ApiError(400, refusal, code="unsupported_runtime", param="runtime")
         source = reg.lookup(ident, runtime)
         if source is None:
             # the same answer whether or not such a file exists: no oracle for paths outside

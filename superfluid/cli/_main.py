@@ -14,7 +14,7 @@ import trio
 
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
-from ..models._files import default_model_path, model_name, resolve_runtime
+from ..models._files import default_model_path, model_name
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
-    s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
+    s.add_argument("--runtime", action="append", default=[],
+                   help="ID[@INSTALL], or MODEL=ID[@INSTALL] (llamacpp, mlx, basert, mock; auto: by the model's "
+                        "format, the default); `superfluid runtimes` lists them")
     s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8453)
@@ -164,6 +166,10 @@ def _prompt_bytes(value: str) -> int:
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
+    """The models to serve, each with its runtime and worker, chosen and checked before
+    anything loads. Raises SystemExit: a missing file (1), a runtime refused (2), in one line."""
+    from ..runtime._choose import RuntimeRefused, choose, split_selector
+
     specs = ([args.model] if args.model else []) + list(args.models)
     default_runtime = None
     per_model: dict[str, str] = {}
@@ -174,18 +180,24 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         else:
             default_runtime = r
     if not specs:
-        if default_runtime == "mock":
+        if split_selector(default_runtime)[0] == "mock":
             specs = ["mock"]
         else:
             specs = [str(default_model_path())]
     out = []
     for spec in specs:
-        runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
-        if runtime == "mock" and not spec.startswith("mock"):
+        selector = per_model.get(spec, default_runtime)
+        if split_selector(selector)[0] == "mock" and not spec.startswith("mock"):
             spec = "mock"
-        if runtime != "mock" and not Path(spec).exists():
+        if not (spec == "mock" or spec.startswith("mock?")) and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
-        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
+        try:
+            choice = choose(spec, selector)
+        except RuntimeRefused as exc:
+            print(f"superfluid: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        runtime = choice.info.id
+        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
 
 

@@ -61,11 +61,15 @@ def default_model_path(*, fetch: bool = True) -> Path:
 
 
 def resolve_runtime(spec: str, runtime: str | None) -> str:
-    if runtime:
-        return {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp"}.get(runtime, runtime)
-    if spec == "mock" or spec.startswith("mock?"):
-        return "mock"
-    return "llamacpp"
+    """The runtime id for model ``spec``: ``runtime`` (an id or alias; None or ``auto``: by
+    the model's format, see ``superfluid.runtime``).
+
+    Raises:
+        UnknownRuntime: ``runtime`` names no runtime (a ValueError, one line).
+    """
+    from ..runtime import resolve
+
+    return resolve(spec, runtime).id
 
 
 def model_name(spec: str, runtime: str) -> str:
@@ -73,8 +77,11 @@ def model_name(spec: str, runtime: str) -> str:
         from urllib.parse import parse_qsl
 
         return dict(parse_qsl(spec.partition("?")[2])).get("name", "mock")
-    name = Path(spec).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    name = Path(spec.rstrip("/")).name
+    for suffix in (".gguf", ".base"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def gemma_test_model_path() -> Path:

@@ -77,11 +77,14 @@ class WorkerSpec:
     start_timeout_s: float = 120.0
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
+    # the command prefix that starts the worker (an install's interpreter with -m superfluid.worker,
+    # or a SUPERFLUID_WORKER_<ID> executable); empty: this interpreter
+    command: tuple[str, ...] = ()
 
 
 def worker_argv(spec: WorkerSpec) -> list[str]:
     argv = [
-        sys.executable, "-m", "superfluid.worker", f"superfluid-worker-{spec.runtime}",
+        *(spec.command or (sys.executable, "-m", "superfluid.worker")), f"superfluid-worker-{spec.runtime}",
         "--model", spec.model, "--max-batch", str(spec.max_batch), "--max-context", str(spec.max_context),
     ]
     if spec.threads:
