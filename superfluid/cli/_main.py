@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    from ._runtimes import add_parsers as add_runtime_parsers
+
+    add_runtime_parsers(sub)
     return parser
 
 
@@ -220,6 +223,10 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("runtimes", "runtime"):
+        from ._runtimes import run as run_runtime_command
+
+        return run_runtime_command(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ..daemon._server import serve

@@ -31,8 +31,8 @@ from typing import Any
 from .._private import make_private_dir
 
 __all__ = [
-    "GPU_BACKENDS", "RECORD", "STAGING", "OLD", "LockBusy", "cleanup", "current", "home", "installs", "lock",
-    "pinned", "rank_key", "read_record", "runtime_dir", "set_pinned", "switch_current", "try_lock",
+    "GPU_BACKENDS", "RECORD", "STAGING", "OLD", "LockBusy", "acquire_lock", "cleanup", "current", "home", "installs",
+    "pinned", "rank_key", "read_record", "release_lock", "runtime_dir", "set_pinned", "switch_current", "try_lock",
 ]
 
 RECORD = "runtime.json"
@@ -145,33 +145,44 @@ def rank_key(record: dict[str, Any]) -> tuple[Any, ...]:
     return (record.get("backend") in GPU_BACKENDS, _version_key(str(record.get("version", ""))))
 
 
-@contextlib.contextmanager
-def try_lock(rid: str) -> Iterator[None]:
-    """Hold the runtime's lock, or raise :class:`LockBusy` at once. The kernel drops an
-    ``flock`` with its process, so a killed install never leaves the lock held."""
+def acquire_lock(rid: str) -> int:
+    """Take the runtime's lock at once and return its fd (give it to :func:`release_lock`).
+    The kernel drops an ``flock`` with its process, so a killed install never leaves it held.
+
+    Raises:
+        LockBusy: another process holds it.
+    """
     base = runtime_dir(rid)
     make_private_dir(base)
     fd = os.open(base / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            try:
-                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                pid = int(text) if text.isdigit() else None
-            except OSError:
-                pid = None
-            raise LockBusy(pid) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise LockBusy(int(text) if text.isdigit() else None) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    os.close(fd)  # closing drops the flock
+
+
+@contextlib.contextmanager
+def try_lock(rid: str) -> Iterator[None]:
+    """Hold the runtime's lock for the block, or raise :class:`LockBusy` at once."""
+    fd = acquire_lock(rid)
+    try:
         yield
     finally:
-        os.close(fd)  # closing drops the flock
-
-
-lock = try_lock
+        release_lock(fd)
 
 
 def cleanup(rid: str) -> list[str]:

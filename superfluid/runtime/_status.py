@@ -236,7 +236,13 @@ def states(rid: str, *, check: bool = True) -> list[InstallState]:
     if not rows:
         reason = info.platforms() or why
         row = InstallState(rid, None, "not installed", formats=formats)
-        row.problems.append({"problem": reason or why or "not installed", "fix": install_command(rid)})
+        fix = install_command(rid)
+        if info.engine is not None and importlib.util.find_spec(info.engine) is None:
+            fix = f"a superfluid whose worker has the {rid} engine ({info.engine})"
+        elif info.source is None and info.requires and info.engine is not None:
+            fix = (f"install {', '.join(info.requires)} into superfluid's environment, set {env_var(rid)}, "
+                   f"or `{install_command(rid)}`")
+        row.problems.append({"problem": why or reason or "not installed", "fix": fix})
         rows.append(row)
     return rows
 
