@@ -16,7 +16,7 @@ from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name
 from ..journal import JournalLocked, WalCorrupt
-from ..nursery import WorkerLoadFailed
+from ..nursery import WorkerDied, WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
 
 __all__ = ["main"]
@@ -272,13 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:
-        startup, rest = group.split((WorkerLoadFailed, JournalLocked, WalCorrupt))
+        startup, rest = group.split((WorkerLoadFailed, WorkerDied, JournalLocked, WalCorrupt))
         if rest is not None or startup is None:
             raise
         for exc in _leaves(startup):
-            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else ""
+            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else \
+                "worker did not start: " if isinstance(exc, WorkerDied) else ""
             print(f"superfluid: {prefix}{exc}", file=sys.stderr)
-        return 3 if startup.subgroup(WorkerLoadFailed) else 2
+        if startup.subgroup(WorkerLoadFailed):
+            return 3
+        return 1 if startup.subgroup(WorkerDied) else 2
     except KeyboardInterrupt:
         return 0
     return 0

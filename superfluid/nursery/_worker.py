@@ -245,7 +245,14 @@ async def _open_worker_nursery(
             try:
                 assert process.stdin is not None
                 with trio.fail_after(spec.start_timeout_s):
-                    await process.stdin.send_all(link.send(Hello()))
+                    gone = False
+                    try:
+                        await process.stdin.send_all(link.send(Hello()))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        gone = True  # it exited before reading a byte (a worker that cannot start)
+                    if gone:
+                        rc = await process.wait()
+                        raise WorkerDied(f"worker exited during startup (exit status {rc}): {' '.join(argv[:1])}")
                     broken: ProtocolError | None = None
                     try:
                         ack = await _read_event(process, link)
