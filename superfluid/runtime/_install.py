@@ -558,8 +558,6 @@ class _Run:
         site = _site_packages(env)
         if not site.is_dir():
             raise InstallError(f"the new environment has no {site}")
-        # superfluid's worker side, after the install's own packages
-        (site / "superfluid-daemon.pth").write_text("\n".join(daemon_paths()) + "\n", encoding="utf-8")
 
     async def fetch_packages(self) -> None:
         plan = self.plan
@@ -605,6 +603,9 @@ class _Run:
             got = found.get(re.sub(r"[-_.]+", "-", p.name).lower())
             if got != p.version:
                 raise InstallError(f"{p.name}=={p.version} is not in the new environment (found {got})")
+        # superfluid's worker side, after the install's own packages (written after pip ran, so
+        # pip never mistakes superfluid's environment for the install's)
+        (site / "superfluid-daemon.pth").write_text("\n".join(daemon_paths()) + "\n", encoding="utf-8")
 
     # both
 
