@@ -566,3 +566,29 @@ def test_dry_run_prints_the_plan_and_fetches_nothing(home: Path) -> None:
     assert proc.returncode == 2 and "no 'metal' backend" in proc.stderr
     proc = cli("runtime", "install", "mock")
     assert proc.returncode == 2 and "built in" in proc.stderr
+
+
+def test_python_runtime_ignores_what_superfluid_environment_has(served: tuple[Path, Server], home: Path) -> None:
+    """A package superfluid's own environment holds at the pinned version is still installed
+    into the private environment (pip must not see superfluid's site-packages)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        have = version("diskcache")  # present with the llamacpp extra, unused by superfluid itself
+    except PackageNotFoundError:
+        pytest.skip("needs a distribution in superfluid's environment that the worker does not import")
+    root, server = served
+    pkg = root / "simple" / "diskcache"
+    pkg.mkdir(parents=True)
+    wheel = _wheel(pkg, "diskcache", have)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    (pkg / "index.html").write_text(f'<a href="{wheel.name}#sha256={sha}">{wheel.name}</a>')
+    source = registry.PythonSource(version=have, packages=(registry.Package("diskcache", have, (sha,)),),
+                                   index=f"{server.url}/simple")
+    info = registry.register(registry.RuntimeInfo(id="sfdc", aliases=(), engine="superfluid.worker._mock",
+                                                  formats=(), requires=("diskcache",), source=source))
+    try:
+        record = trio.run(inst.install, inst.make_plan("sfdc"))
+    finally:
+        del registry.RUNTIMES[info.id]
+    assert record["check"]["modules"]["diskcache"]["file"].startswith(str(home))
