@@ -5,6 +5,7 @@ No internet."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import hashlib
 import http.server
@@ -592,3 +593,22 @@ def test_python_runtime_ignores_what_superfluid_environment_has(served: tuple[Pa
     finally:
         del registry.RUNTIMES[info.id]
     assert record["check"]["modules"]["diskcache"]["file"].startswith(str(home))
+
+
+def test_serve_installs_on_first_use_unless_offline(toy_registered: registry.RuntimeInfo, home: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from superfluid.cli._main import _sources, build_parser
+
+    registry.RUNTIMES["sftoy"] = dataclasses.replace(toy_registered, formats=("mock",))
+    offline = build_parser().parse_args(["serve", "mock", "--runtime", "sftoy", "--offline"])
+    with pytest.raises(SystemExit) as exited:
+        _sources(offline)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == ("superfluid: runtime sftoy is not installed (sftoy is not importable): "
+                                               "run `superfluid runtime install sftoy`")
+    assert _home.installs("sftoy") == []
+    (source,) = _sources(build_parser().parse_args(["serve", "mock", "--runtime", "sftoy"]))
+    assert "installing it (--offline refuses instead)" in capsys.readouterr().err
+    assert source.runtime == "sftoy"
+    assert source.worker == (str(home / "runtimes" / "sftoy" / "1.0-cpu" / "env" / "bin" / "python"), "-m",
+                             "superfluid.worker")

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runtime", action="append", default=[],
                    help="ID[@INSTALL], or MODEL=ID[@INSTALL] (llamacpp, mlx, basert, mock; auto: by the model's "
                         "format, the default); `superfluid runtimes` lists them")
+    s.add_argument("--offline", action="store_true",
+                   help="fetch nothing: a runtime that is not installed is refused (default: installed on first use)")
     s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8453)
@@ -197,8 +199,13 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         try:
             choice = choose(spec, selector)
         except RuntimeRefused as exc:
-            print(f"superfluid: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
+            if exc.install is None or args.offline:
+                print(f"superfluid: {exc}", file=sys.stderr)
+                raise SystemExit(2) from None
+            from ._runtimes import install_on_first_use
+
+            install_on_first_use(exc.install)
+            choice = choose(spec, selector)
         runtime = choice.info.id
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["add_parsers", "run"]
+__all__ = ["add_parsers", "install_on_first_use", "run"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -108,6 +108,21 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     except KeyboardInterrupt:
         return _fail("interrupted; the installs are as they were", 130)
+
+
+def install_on_first_use(rid: str) -> None:
+    """``serve`` met a runtime with no install: install it now, with progress. Raises
+    SystemExit (one line) if that fails."""
+    from ..runtime import _install
+
+    print(f"superfluid: runtime {rid} is not installed; installing it (--offline refuses instead)",
+          file=sys.stderr)
+    try:
+        plan = _install.make_plan(rid)
+        trio.run(lambda: _install.install(plan, progress=_TermProgress()))
+    except _install.InstallError as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        raise SystemExit(2 if exc.usage else 1) from None
 
 
 # -- runtimes -------------------------------------------------------------------------------

@@ -12,7 +12,12 @@ __all__ = ["Choice", "RuntimeRefused", "choose", "split_selector"]
 
 
 class RuntimeRefused(Exception):
-    """The model cannot be served as asked; the message is one line that says what to do."""
+    """The model cannot be served as asked; the message is one line that says what to do.
+    ``install``: the runtime id whose ``runtime install`` would fix it (serve may install it)."""
+
+    def __init__(self, message: str, *, install: str | None = None) -> None:
+        super().__init__(message)
+        self.install = install
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ def choose(spec: str, selector: str | None) -> Choice:
     try:
         worker = worker_command(info.id, install)
     except RuntimeUnavailable as exc:
-        raise RuntimeRefused(str(exc)) from None
+        raise RuntimeRefused(str(exc), install=info.id if exc.installable and install is None else None) from None
     return Choice(info, install, worker)
 
 

@@ -33,7 +33,12 @@ CHECK_TIMEOUT_S = 60.0
 
 
 class RuntimeUnavailable(Exception):
-    """No worker can run this runtime here; the message is one line that says what to do."""
+    """No worker can run this runtime here; the message is one line that says what to do.
+    ``installable``: the runtime has no install at all and ``runtime install`` would make one."""
+
+    def __init__(self, message: str, *, installable: bool = False) -> None:
+        super().__init__(message)
+        self.installable = installable
 
 
 def env_var(rid: str) -> str:
@@ -120,7 +125,8 @@ def worker_command(rid: str, install: str | None = None) -> tuple[str, ...]:
         why = _in_process(info)
         if info.engine is not None and importlib.util.find_spec(info.engine) is None:
             raise RuntimeUnavailable(f"runtime {rid} is not available: {why}")
-        raise RuntimeUnavailable(f"runtime {rid} is not installed ({why}): run `{install_command(rid)}`")
+        raise RuntimeUnavailable(f"runtime {rid} is not installed ({why}): run `{install_command(rid)}`",
+                                 installable=info.source is not None and info.platforms() is None)
     if name not in _home.installs(rid):
         if install is not None:
             known = ", ".join([*_home.installs(rid), IN_PROCESS]) or "none"
