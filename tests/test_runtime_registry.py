@@ -97,3 +97,24 @@ def test_serve_refuses_a_base_bundle_with_the_install_command(tmp_path: Path) ->
     assert proc.stderr.strip() == ("superfluid: runtime basert is not installed (this build has no basert "
                                    "engine): run `superfluid runtime install basert --from URL --sha256 H "
                                    "--version V`")
+
+
+async def test_http_load_refuses_a_runtime_typed(tmp_path: Path) -> None:
+    from .conftest import mock_config, open_daemon
+
+    base = tmp_path / "model.base"
+    base.write_bytes(b"BASE" + b"\0" * 12)
+    async with open_daemon(mock_config(model_dirs=(tmp_path,))) as d:
+        cases = [
+            ({"id": "mock?name=other", "runtime": "vllm"}, "unknown runtime 'vllm' (known: llamacpp, mlx, basert, mock)"),
+            ({"id": "mock?name=other", "runtime": "llama.cpp"},
+             "runtime llamacpp cannot serve mock?name=other: it reads a GGUF file, and this is a mock spec "
+             "(pass --runtime mock, or convert the model)"),
+        ]
+        for body, message in cases:
+            r = await d.client.post("/v1/models/load", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["code"], err["param"], err["message"]) == ("unsupported_runtime", "runtime", message)
+        r = await d.client.post("/v1/models/load", json={"id": "mock?name=other", "runtime": "mock"})
+        assert r.status_code == 200, r.text
