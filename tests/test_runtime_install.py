@@ -612,3 +612,15 @@ def test_serve_installs_on_first_use_unless_offline(toy_registered: registry.Run
     assert source.runtime == "sftoy"
     assert source.worker == (str(home / "runtimes" / "sftoy" / "1.0-cpu" / "env" / "bin" / "python"), "-m",
                              "superfluid.worker")
+
+
+def test_serve_is_a_next_start_too(tmp_path: Path) -> None:
+    _install_v1(tmp_path)
+    sha = worker_archive(tmp_path / "v2.tar.gz", version="2")
+    proc = cli("runtime", "install", "basert", "--from", str(tmp_path / "v2.tar.gz"), "--sha256", sha,
+               "--version", "2", env={"SUPERFLUID_INSTALL_FAULT": "check:kill"})
+    assert proc.returncode == -9 and _leftovers()
+    proc = cli("serve", "mock", "--runtime", "vllm", "--port", "0")  # refused, but only after cleaning up
+    assert proc.returncode == 2
+    assert _leftovers() == []
+    _v1_intact()

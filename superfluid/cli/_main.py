@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
+    from ..runtime._home import cleanup_all
+
+    cleanup_all()  # what an install killed midway left (staging directories), before choosing installs
     sources = tuple(_sources(args))
     mistake = _check_limits(args, sources)
     if mistake is not None:
