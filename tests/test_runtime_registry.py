@@ -99,22 +99,38 @@ def test_serve_refuses_a_base_bundle_with_the_install_command(tmp_path: Path) ->
                                    "--version V`")
 
 
-async def test_http_load_refuses_a_runtime_typed(tmp_path: Path) -> None:
+async def test_http_load_refuses_a_runtime_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from .conftest import mock_config, open_daemon
 
-    base = tmp_path / "model.base"
-    base.write_bytes(b"BASE" + b"\0" * 12)
-    async with open_daemon(mock_config(model_dirs=(tmp_path,))) as d:
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
+    models = tmp_path / "models"
+    models.mkdir()
+    _gguf(models)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _gguf(outside, "secret.gguf")
+    async with open_daemon(mock_config(model_dirs=(models,))) as d:
         cases = [
-            ({"id": "mock?name=other", "runtime": "vllm"}, "unknown runtime 'vllm' (known: llamacpp, mlx, basert, mock)"),
-            ({"id": "mock?name=other", "runtime": "llama.cpp"},
-             "runtime llamacpp cannot serve mock?name=other: it reads a GGUF file, and this is a mock spec "
-             "(pass --runtime mock, or convert the model)"),
+            ({"id": "tiny", "runtime": "vllm"}, "unknown runtime 'vllm' (known: llamacpp, mlx, basert, mock)"),
+            ({"id": str(models / "tiny.gguf"), "runtime": "native"},
+             "runtime basert cannot serve tiny.gguf: it reads a .base bundle, and this is a GGUF file "
+             "(pass --runtime llamacpp, or convert the model)"),
         ]
         for body, message in cases:
             r = await d.client.post("/v1/models/load", json=body)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert (err["code"], err["param"], err["message"]) == ("unsupported_runtime", "runtime", message)
+        # a file outside the allowed places is not read for its format: the same 404 as a missing one
+        for ident in (str(outside / "secret.gguf"), str(outside / "missing.gguf")):
+            r = await d.client.post("/v1/models/load", json={"id": ident, "runtime": "basert"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = await d.client.post("/v1/models/load", json={"id": "mock?name=other", "runtime": "mock"})
         assert r.status_code == 200, r.text
+
+
+def test_detect_never_opens_a_fifo_or_chokes_on_a_nul(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    assert registry.detect_format(fifo) is None  # opening it would block until a writer came
+    assert registry.detect_format("sec\x00ret.gguf") is None

@@ -90,15 +90,19 @@ class ModelRegistry:
         if source is not None:
             return source
         selector, _, install = (runtime or "").partition("@")
-        rid = resolve_runtime(ident, selector or None)
+        is_mock = ident == "mock" or ident.startswith("mock?")
+        # an explicit runtime, or a mock spec; a path's format is read only once it is allowed
+        explicit = bool(selector) and selector.lower() != "auto"
+        rid = resolve_runtime(ident, selector) if explicit else ("mock" if is_mock else None)
         if rid == "mock":
-            if ident == "mock" or ident.startswith("mock?"):
+            if is_mock:
                 return ModelSource(spec=ident, runtime=rid, name=model_name(ident, rid))
             return None
         found = self._allowed_file(ident)
         if found is None:
             return None
         name, path = found
+        rid = rid or resolve_runtime(str(path), None)
         return ModelSource(spec=str(path), runtime=rid, name=model_name(name, rid),
                            worker=_worker(rid, install or None))
 

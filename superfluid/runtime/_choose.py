@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._registry import RuntimeInfo, UnknownRuntime, mismatch, resolve
+from ._registry import RuntimeInfo, UnknownRuntime, get, mismatch, resolve
 from ._status import RuntimeUnavailable, worker_command
 
 __all__ = ["Choice", "RuntimeRefused", "choose", "split_selector"]
@@ -55,6 +55,18 @@ def choose(spec: str, selector: str | None) -> Choice:
     except RuntimeUnavailable as exc:
         raise RuntimeRefused(str(exc), install=info.id if exc.installable and install is None else None) from None
     return Choice(info, install, worker)
+
+
+def _selector_refusal(selector: str | None) -> str | None:
+    """Why ``selector`` (``ID[@INSTALL]``) names no runtime, or None; reads no file."""
+    rid, _install = split_selector(selector)
+    if rid is None:
+        return None
+    try:
+        get(rid)
+    except UnknownRuntime as exc:
+        return str(exc)
+    return None
 
 
 def _runtime_refusal(spec: str, selector: str | None) -> str | None:

@@ -179,18 +179,19 @@ def detect_format(spec: str | os.PathLike[str]) -> str | None:
     if text == "mock" or text.startswith("mock?"):
         return "mock"
     path = Path(text)
-    if path.is_dir():
-        if path.suffix == ".base":
-            return "base"
-        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-            return "mlx"
-        return None
-    magic = b""
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError:
-        pass
+        if path.is_dir():
+            if path.suffix == ".base":
+                return "base"
+            if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+                return "mlx"
+            return None
+        magic = b""
+        if path.is_file():  # never open a FIFO or a device: a read there may block or never end
+            with open(path, "rb") as f:
+                magic = f.read(4)
+    except (OSError, ValueError):  # unreadable, or a name no file system takes (a NUL byte)
+        return None
     if magic == GGUF_MAGIC:
         return "gguf"
     if magic == BASE_MAGIC:
