@@ -187,9 +187,11 @@ def detect_format(spec: str | os.PathLike[str]) -> str | None:
                 return "mlx"
             return None
         magic = b""
-        if path.is_file():  # never open a FIFO or a device: a read there may block or never end
+        if path.is_file():
             with open(path, "rb") as f:
                 magic = f.read(4)
+        elif path.exists():  # a FIFO or a device: never opened (a read may block or never end)
+            return None
     except (OSError, ValueError):  # unreadable, or a name no file system takes (a NUL byte)
         return None
     if magic == GGUF_MAGIC:
