@@ -451,6 +451,12 @@ def _manifest(root: Path) -> dict[str, str]:
     return files
 
 
+def _have_pip() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("pip") is not None
+
+
 def _site_packages(env: Path) -> Path:
     return env / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
@@ -549,8 +555,10 @@ class _Run:
         await self.enter("stage", "a private environment")
         env = self.staging / "env"
         uv = shutil.which("uv")
-        argv = [uv, "venv", "--quiet", "--python", sys.executable, str(env)] if uv else \
-            [sys.executable, "-m", "venv", "--without-pip", str(env)]
+        if uv:
+            argv = [uv, "venv", "--quiet", "--python", sys.executable, str(env)]
+        else:  # pip runs from superfluid's environment (--python); a pip of its own only if there is none
+            argv = [sys.executable, "-m", "venv", *(["--without-pip"] if _have_pip() else []), str(env)]
         with trio.fail_after(300):
             rc = await _run_logged(argv, env=_pip_env(), log=self.log, progress=self.progress)
         if rc != 0:
@@ -568,8 +576,12 @@ class _Run:
         source = [p.name for p in plan.packages if not p.binary]
         python = str(self.staging / "env" / "bin" / "python")
         uv = shutil.which("uv")
-        base = [uv, "pip", "install", "--python", python] if uv else \
-            [sys.executable, "-m", "pip", "--python", python, "install", "--progress-bar", "off"]
+        if uv:
+            base = [uv, "pip", "install", "--python", python]
+        elif _have_pip():
+            base = [sys.executable, "-m", "pip", "--python", python, "install", "--progress-bar", "off"]
+        else:
+            base = [python, "-m", "pip", "install", "--progress-bar", "off"]
         argv = [*base, "--require-hashes", "--no-deps", "--index-url", plan.index or "", "-r", str(reqs)]
         if binary:
             argv += ["--only-binary", ",".join(binary)]
