@@ -624,3 +624,24 @@ def test_serve_is_a_next_start_too(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert _leftovers() == []
     _v1_intact()
+
+
+def test_update_installs_the_tested_build_and_makes_it_the_default(toy_registered: registry.RuntimeInfo,
+                                                                  home: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from superfluid.cli._main import build_parser
+    from superfluid.cli._runtimes import run
+
+    # an older install of another kind, pinned: update moves the default (and the pin) to the tested build
+    base = _home.runtime_dir("sftoy")
+    (base / "0.9-cpu").mkdir(parents=True)
+    (base / "0.9-cpu" / "runtime.json").write_text(json.dumps({"id": "sftoy", "version": "0.9", "backend": "cpu"}))
+    _home.set_pinned("sftoy", "0.9-cpu")
+    _home.switch_current("sftoy", "0.9-cpu")
+    dry = run(build_parser().parse_args(["runtime", "update", "sftoy", "--dry-run"]))
+    assert dry == 0 and "install sftoy 1.0-cpu" in capsys.readouterr().out
+    assert _home.installs("sftoy") == ["0.9-cpu"]
+    assert run(build_parser().parse_args(["runtime", "update", "sftoy"])) == 0
+    assert "installed sftoy 1.0-cpu (1.0, cpu) - the default" in capsys.readouterr().out
+    assert _home.current("sftoy") == "1.0-cpu" and _home.pinned("sftoy") == "1.0-cpu"
+    assert _home.installs("sftoy") == ["0.9-cpu", "1.0-cpu"]
