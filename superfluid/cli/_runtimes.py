@@ -51,7 +51,7 @@ class _TermProgress:
 
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream if stream is not None else sys.stderr  # looked up now: tests swap it
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
         self.current = ""
         self.live = False
 
