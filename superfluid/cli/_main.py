@@ -17,12 +17,11 @@ import trio
 from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
-from ..models._files import default_model_path, model_name, resolve_runtime
+from ..models._files import default_model_path, model_name
 from .. import __version__
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerDied, WorkerLoadFailed
-from ..worker._main import RUNTIMES
-from ._errors import USAGE, CliError, HelpFormatter, Parser, suggest
+from ._errors import USAGE, CliError, HelpFormatter, Parser
 from ..sched import PlannerConfig, QosClass, parse_qos
 from ..models._hub import PullError
 from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
@@ -70,10 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", dest="models", action="append", default=[], metavar="MODEL",
                    help="another model to serve beside the first (repeatable; default: none)")
     s.add_argument("--offline", action="store_true",
-                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
-    s.add_argument("--runtime", action="append", default=[], metavar="ID|MODEL=ID",
-                   help=f"the runtime of every model, or of MODEL ({', '.join(RUNTIMES)}; default: mock for "
-                        "'mock', else llamacpp)")
+                   help="fetch nothing: a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, "
+                        "never pulled, and a runtime that is not installed is refused (default: installed on "
+                        "first use)")
+    s.add_argument("--runtime", action="append", default=[],
+                   help="ID[@INSTALL], or MODEL=ID[@INSTALL] (llamacpp, mlx, basert, mock; auto: by the model's "
+                        "format, the default); `superfluid runtimes` lists them")
     s.add_argument("--http", type=_hostport, metavar="HOST:PORT",
                    help=f"address to listen on; overrides --host and --port (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST, help="address to listen on")
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
     add_top_parser(sub)
     add_launch_parsers(sub)
+    from ._runtimes import add_parsers as add_runtime_parsers
+
+    add_runtime_parsers(sub)
     return parser
 
 
@@ -223,7 +227,11 @@ def _prompt_bytes(value: str) -> int:
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
-    """The models named on the command line. Raises CliError (one line)."""
+    """The models to serve, each with its runtime and worker, chosen and checked before
+    anything loads. Raises CliError (a missing or unreadable file, 1) or SystemExit (a runtime
+    refused, 2), in one line."""
+    from ..runtime._choose import split_selector
+
     specs = ([args.model] if args.model else []) + list(args.models)
     default_runtime = None
     per_model: dict[str, str] = {}
@@ -233,12 +241,8 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             per_model[m] = rid
         else:
             default_runtime = r
-    for rid in [default_runtime, *per_model.values()]:
-        if rid is not None and resolve_runtime("", rid) not in RUNTIMES:
-            raise CliError(f"unknown runtime {rid!r}{suggest(rid, list(RUNTIMES))}; known: {', '.join(RUNTIMES)}",
-                           USAGE)
     if not specs:
-        if default_runtime == "mock":
+        if split_selector(default_runtime)[0] == "mock":
             specs = ["mock"]
         else:
             try:
@@ -247,33 +251,58 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
                 raise CliError(f"no model given and the default one is not available: {exc}") from None
     out = []
     for spec in specs:
-        runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
-        if runtime == "mock" and not spec.startswith("mock"):
+        selector = per_model.get(spec, default_runtime)
+        if split_selector(selector)[0] == "mock" and not spec.startswith("mock"):
             spec = "mock"
-        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        is_mock = spec == "mock" or spec.startswith("mock?")
+        pulled = hub_model(spec, offline=args.offline) if not is_mock else None  # org/repo[:QUANT]
         if pulled is not None:
-            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            choice = _choose(str(pulled.path), selector, args)
+            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.repo,
+                                   worker=choice.worker))
             continue
-        if runtime != "mock":
-            _check_model_file(Path(spec), directory_ok=runtime == "mlx")
+        if not is_mock:
+            _check_model_file(Path(spec))
+        choice = _choose(spec, selector, args)
+        runtime = choice.info.id
         if runtime == "basert":
             from ..worker._basert import BaseRTMissing, find_library
 
             try:
                 find_library()
             except BaseRTMissing as exc:
-                raise CliError(f"{spec}: {exc}") from None
-        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
+                raise SystemExit(f"superfluid: {spec}: {exc}") from None
+        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
 
 
-def _check_model_file(path: Path, *, directory_ok: bool = False) -> None:
+def _choose(spec: str, selector: str | None, args: argparse.Namespace) -> Any:
+    """The runtime Choice for one model; a runtime with no install is installed here unless
+    --offline. Raises SystemExit: refused (2) or the install failed (1), in one line."""
+    from ..runtime._choose import RuntimeRefused, choose
+
+    try:
+        return choose(spec, selector)
+    except RuntimeRefused as exc:
+        if exc.install is None or args.offline:
+            print(f"superfluid: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        rid = exc.install
+    from ._runtimes import install_on_first_use
+
+    install_on_first_use(rid)
+    try:
+        return choose(spec, selector)
+    except RuntimeRefused as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _check_model_file(path: Path) -> None:
     if not path.exists():
         raise CliError(f"model file not found: {path}")
-    if not path.is_file() and not (directory_ok and path.is_dir()):
-        raise CliError(f"model {path} is not a file")
     if not os.access(path, os.R_OK):
-        raise CliError(f"model file {path} is not readable (permission denied)")
+        raise CliError(f"model {path} is not readable (permission denied)")
 
 
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
@@ -297,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage)."""
     argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command in ("runtimes", "runtime"):
+        from ._runtimes import run as run_runtime_command
+
+        return run_runtime_command(args)
     if args.command in MODEL_COMMANDS:
         return MODEL_COMMANDS[args.command](args)
     if getattr(args, "run", None) is not None:  # top, launch, stop (cli/_top.py, cli/_launch.py)
@@ -331,6 +364,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc), USAGE) from None
     _check_port(host, port)  # before a model loads: a port in use fails at once
+    from ..runtime._home import cleanup_all
+
+    cleanup_all()  # what an install killed midway left (staging directories), before choosing installs
     try:
         sources = tuple(_sources(args))
     except PullInterrupted as exc:

@@ -92,15 +92,15 @@ def is_basert_bundle(spec: str) -> bool:
 
 
 def resolve_runtime(spec: str, runtime: str | None) -> str:
-    if runtime:
-        return {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "native": "basert"}.get(runtime, runtime)
-    if spec == "mock" or spec.startswith("mock?"):
-        return "mock"
-    if is_mlx_dir(spec):
-        return "mlx"
-    if is_basert_bundle(spec):
-        return "basert"
-    return "llamacpp"
+    """The runtime id for model ``spec``: ``runtime`` (an id or alias; None or ``auto``: by
+    the model's format, see ``superfluid.runtime``).
+
+    Raises:
+        UnknownRuntime: ``runtime`` names no runtime (a ValueError, one line).
+    """
+    from ..runtime import resolve
+
+    return resolve(spec, runtime).id
 
 
 def model_name(spec: str, runtime: str) -> str:
@@ -108,7 +108,7 @@ def model_name(spec: str, runtime: str) -> str:
         from urllib.parse import parse_qsl
 
         return dict(parse_qsl(spec.partition("?")[2])).get("name", "mock")
-    name = Path(spec).name
+    name = Path(spec.rstrip("/")).name
     for suffix in (".gguf", ".base"):
         if name.endswith(suffix):
             return name[: -len(suffix)]

@@ -199,3 +199,9 @@ class BaseRTEngine:
 def load_basert(bundle: str, *, max_batch: int, max_context: int, lib: str | None = None) -> BaseRTEngine:
     """Raises BaseRTMissing (no library) or RuntimeError (the bundle did not open)."""
     return BaseRTEngine(bundle, find_library(lib), max_batch=max_batch, max_context=max_context)
+
+
+def open_engine(model: str, *, max_batch: int, max_context: int, threads: int, deterministic: bool = False,
+                lib: str | None = None) -> BaseRTEngine:
+    """The registry's entry point (``superfluid.runtime``): the library from ``lib``, else ``BASERT_LIB``."""
+    return load_basert(model, max_batch=max_batch, max_context=max_context, lib=lib)

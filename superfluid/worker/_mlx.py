@@ -474,3 +474,10 @@ def _draw(x: np.ndarray, s: Sampling, seed: int) -> int:
     rng = np.random.default_rng(seed)
     pick = int(rng.choice(len(order), p=probs)) if len(order) > 1 else 0
     return int(order[pick])
+
+
+def open_engine(model: str, *, max_batch: int, max_context: int, threads: int,
+                deterministic: bool = False) -> MlxEngine:
+    """The registry's entry point (``superfluid.runtime``)."""
+    return MlxEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
+                     deterministic=deterministic)
