@@ -226,13 +226,6 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             raise SystemExit(f"superfluid: model file not found: {spec}")
         choice = _choose(spec, selector, args)
         runtime = choice.info.id
-        if runtime == "basert":
-            from ..worker._basert import BaseRTMissing, find_library
-
-            try:
-                find_library()
-            except BaseRTMissing as exc:
-                raise SystemExit(f"superfluid: {spec}: {exc}") from None
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
 
