@@ -82,6 +82,7 @@ class _Conn:
         self.last = 0.0
         self.max_gap = 0.0
         self.tokens = 0
+        self.chunks = 0
         self.error: str | None = None
 
     def feed(self, data: bytes, now: float) -> bool:
@@ -139,6 +140,7 @@ class _Conn:
             if b'"text":""' in event or b'"content":""' in event or b'"delta":{}' in event:
                 if not (self.probe and m):
                     continue
+            self.chunks += 1
             if self.first is None:
                 self.first = now
             elif now - self.last > self.max_gap:
@@ -170,7 +172,7 @@ def loadgen(port: int, streams: int, per_stream: int, tokens: int, probes: int) 
     for _ in range(streams):
         open_conn(request, per_stream)
     total = streams * per_stream
-    results: list[tuple[float, float, float, int, str | None]] = []  # ttft, wall, max_gap, tokens, error
+    results: list[tuple[float, float, float, int, str | None, int]] = []  # ttft, wall, max_gap, tokens, error, chunks
     probe_results: list[tuple[float, str | None]] = []
     probe_at = [int(total * (i + 1) / (probes + 1)) for i in range(probes)]
     t_start = time.perf_counter()
@@ -199,7 +201,7 @@ def loadgen(port: int, streams: int, per_stream: int, tokens: int, probes: int) 
                 if c.probe:
                     probe_results.append((ttft, c.error))
                 else:
-                    results.append((ttft, now - c.t0, c.max_gap, c.tokens, c.error))
+                    results.append((ttft, now - c.t0, c.max_gap, c.tokens, c.error, c.chunks))
                     if probe_at and len(results) >= probe_at[0]:
                         probe_at.pop(0)
                         open_conn(probe_request, 1, probe=True)
@@ -285,6 +287,7 @@ def run_one(streams: int, max_batch: int, tokens: int, per_stream: int, probes: 
         "daemon_cores": (c1 - c0) / out["wall"] if out["wall"] else 0.0,
         "ttft_p50": _pct([r[0] for r in res], 50), "ttft_p99": _pct([r[0] for r in res], 99),
         "max_gap": max((r[2] for r in res), default=0.0),
+        "tok_chunk": delivered / max(1, sum(r[5] for r in res)),
         "probe_ttft": [p[0] for p in out["probes"]],
         "rss0": rss0, "rss1": rss1, "errors": errors,
     }
@@ -292,14 +295,14 @@ def run_one(streams: int, max_batch: int, tokens: int, per_stream: int, probes: 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| streams | --max-batch | tokens/req | requests | delivered tok/s (wall, busy machine) | "
-            "daemon CPU µs/token | worker CPU µs/token | daemon cores | TTFT p50 | TTFT p99 | max chunk gap | "
+            "daemon CPU µs/token | worker CPU µs/token | daemon cores | tokens/chunk | TTFT p50 | TTFT p99 | max chunk gap | "
             "interactive TTFT (max) | RSS before → after | errors |")
-    lines = [head, "|" + "---|" * 14]
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         probe = max(r["probe_ttft"]) if r["probe_ttft"] else float("nan")
         lines.append(
             f"| {r['streams']} | {r['max_batch']} | {r['tokens']} | {r['requests']} | {r['tok_s']:,.0f} | "
-            f"{r['cpu_us_tok']:.1f} | {r['worker_us_tok']:.1f} | {r['daemon_cores']:.2f} | "
+            f"{r['cpu_us_tok']:.1f} | {r['worker_us_tok']:.1f} | {r['daemon_cores']:.2f} | {r['tok_chunk']:.1f} | "
             f"{r['ttft_p50'] * 1000:.0f} ms | {r['ttft_p99'] * 1000:.0f} ms | {r['max_gap'] * 1000:.0f} ms | "
             f"{probe * 1000:.0f} ms | {r['rss0'] / 2**20:.0f} → {r['rss1'] / 2**20:.0f} MiB | {len(r['errors'])} |")
     return "\n".join(lines)
