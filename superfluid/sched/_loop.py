@@ -542,6 +542,8 @@ class Scheduler:
     async def _plan_and_send(self, worker: LinkHandle, *, send_tick: bool) -> bool:
         """Plan, send the plan's preemptions and admissions, and (if
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
+        if not send_tick and not any(self.queues.values()):
+            return False  # nothing to admit or preempt and no tick to send: the plan would be empty
         plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
                                  prefill_tok_s=self._prefill_rate, held=self._held())
         # the plan is applied with no checkpoint in between and goes out in one write (one
