@@ -17,7 +17,7 @@ from trio_websocket import open_websocket_url
 
 from superfluid.daemon._model import ServedModel
 from superfluid.api._http import ApiError
-from superfluid.api._openai import ChatRequest, parse_messages, render_chat
+from superfluid.api._chat import ChatRequest, parse_messages, render_chat
 from superfluid.api._params import template_kwargs_from
 from superfluid.chat import ChatTemplate, TemplateRenderError
 from superfluid.chat._template import CHATML

@@ -18,15 +18,14 @@ from ..chat import Delta, ToolCall, ToolChoice
 from ..proto import encode_sse_json
 from ._generate import tokenize
 from ._http import ApiError, Receive, Send, send_json, answer_errors
-from ._openai import (
-    SSE_HEADERS, ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from,
-)
+from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from
+from ._sse import SSE_HEADERS
 from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["count_tokens", "messages"]
 

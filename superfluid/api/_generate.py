@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
-    from ._app import App
+    from ._host import App
     from ._tenancy import Owner
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane", "access_log",

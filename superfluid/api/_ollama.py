@@ -23,16 +23,14 @@ from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
 from ._generate import access_log
 from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
-from ._openai import (
-    ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
-)
+from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["api_chat", "api_embed", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",
            "root"]

@@ -24,15 +24,16 @@ import attrs
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ._http import ApiError, Receive, Send, send_json
-from ._openai import (
-    SSE_HEADERS, ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of,
-    thinking_kwargs, tool_from,
+from ._chat import (
+    ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of, thinking_kwargs,
+    tool_from,
 )
+from ._sse import SSE_HEADERS
 from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
-    from ._app import App
+    from ._host import App
 
 __all__ = ["ResponseStore", "responses"]
 

@@ -26,18 +26,17 @@ from ..proto import SSE_DONE, encode_sse_json
 from ..sched import Unavailable
 from ._generate import Follower, open_lane, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
+from ._sse import SSE_HEADERS
 from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Job
-    from ._app import App
+    from ._host import App
 
 __all__ = ["cancel_generation", "delete_generation", "follower_at", "get_session", "live_session", "run_resumable",
            "session_info", "stream_live", "stream_session"]
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def _usage(job: Any) -> dict[str, Any]:
