@@ -542,7 +542,7 @@ class Scheduler:
     async def _plan_and_send(self, worker: LinkHandle, *, send_tick: bool) -> bool:
         """Plan, send the plan's preemptions and admissions, and (if
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
-        if not send_tick and not any(self.queues.values()):
+        if not send_tick and not (any(self.queues.values()) and self._may_admit()):
             return False  # nothing to admit or preempt and no tick to send: the plan would be empty
         plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
                                  prefill_tok_s=self._prefill_rate, held=self._held())
@@ -573,6 +573,14 @@ class Scheduler:
         if frames:
             await worker.send(*frames)
         return ticked
+
+    def _may_admit(self) -> bool:
+        """Whether a plan could admit or preempt: a lane is free, or a job that preempts waits.
+        (Every lane busy and only agents waiting, as under a backlog, was a plan of 256
+        ``LaneView``s per worker event that came out empty.)"""
+        q = self.queues
+        return (len(self.running) < self.config.planner.max_batch
+                or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION]))
 
     async def _next_events(self, gen: int, *, timed: bool, worker: LinkHandle) -> list[Any]:
         """Wait for the next inbox item, then take whatever else is already
