@@ -313,7 +313,7 @@ def memory(total: int, streams: int, tokens: int, pin: bool, extra: list[str]) -
     try:
         daemon = psutil.Process(server.proc.pid)
         step = 1000
-        per = max(1, step // streams)
+        per = -(-step // streams)  # at least 1,000 a step: the first sample is the level after 1,000
         samples: list[tuple[int, float]] = []
         done = 0
         print(f"\nMemory: {total:,} requests of {tokens} tokens at {streams} concurrent, commit {commit()}\n")

@@ -111,9 +111,9 @@ class JournalConfig:
 
     compact_at_bytes: int = 64 * _MiB
     keep_finished: int = 1000
-    # also compact when this many finished generation sessions are in memory (at least twice
+    # also compact when this many finished generation sessions are in memory (at least 1.5 x
     # keep_finished): short requests fill memory long before 64 MiB of log (~3 KB a session)
-    compact_at_finished: int = 2000
+    compact_at_finished: int = 1500
     keep_interrupted: int = 1000
     keep_conversations: int = 10_000  # at most this many idle conversations, the most recently touched...
     conversation_ttl_s: float = 30 * 86400.0  # ...and only those touched within this
@@ -265,7 +265,7 @@ class Journal:
 
     def _finished_limit(self) -> int:
         limit = self.config.compact_at_finished
-        return max(limit, 2 * self.config.keep_finished) if limit > 0 else 0
+        return max(limit, self.config.keep_finished * 3 // 2) if limit > 0 else 0
 
     def _too_many_finished(self) -> bool:
         return 0 < self._finished_at < self._finished
