@@ -20,6 +20,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
+from superfluid.client import aiter_sse
 from superfluid.daemon._config import ModelSource
 from superfluid.daemon._metrics import Metrics
 from superfluid.suite._client import metric_sum
@@ -246,10 +247,10 @@ async def stream(client: httpx.AsyncClient, payload: dict[str, Any], headers: di
         if r.status_code != 200:
             await r.aread()
             return r.status_code, "", r.json()["error"]
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for event in aiter_sse(r.aiter_bytes()):
+            if not event.data or event.data == "[DONE]":
                 continue
-            obj = json.loads(line[6:])
+            obj = event.json()
             if "error" in obj:
                 error = obj["error"]
                 continue

@@ -152,6 +152,23 @@ async def test_every_sampling_field_is_bounded_and_named(daemon: Daemon) -> None
     assert r.status_code == 200, r.text   # Ollama's "random seed"
 
 
+async def test_a_bad_repeat_penalty_names_the_field_the_client_sent(daemon: Daemon) -> None:
+    """Both spellings (llama.cpp's ``repeat_penalty``, HF's ``repetition_penalty``), wrong in type or
+    range, on the completion routes and in a conversation's ``sampling``: a 400 whose ``param`` and
+    message name that field (an earlier version named a scratch key, ``"r"``)."""
+    for key in ("repeat_penalty", "repetition_penalty"):
+        for value in (50, -1, "x", True):
+            for route in ("/v1/chat/completions", "/v1/completions"):
+                obj = await refused(daemon, route, {**ROUTES[route], key: value}, key)
+                assert f" {key} " in obj["error"]["message"], obj
+            obj = await refused(daemon, "/v1/sessions", {"model": "mock", "sampling": {key: value}},
+                                f"sampling.{key}")
+            assert f" sampling.{key} " in obj["error"]["message"], obj
+    # both sent: repeat_penalty is the one used, so the one named
+    await refused(daemon, "/v1/chat/completions", {**CHAT, "repeat_penalty": 50, "repetition_penalty": 1.1},
+                  "repeat_penalty")
+
+
 async def test_chat_template_kwargs_are_validated(daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     key = "chat_template_kwargs"

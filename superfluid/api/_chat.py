@@ -30,7 +30,7 @@ from ..chat import (
 )
 from ..proto import Sampling
 from ..sched import QosClass, parse_qos
-from ._generate import Follower, open_lane, prepare, watch_disconnect
+from ._generate import Follower, open_lane, prepare, usage_of, wait_admitted, watch_disconnect
 from ._http import ApiError, Receive, header
 from ._params import integer
 from ._principal import principal_of
@@ -192,10 +192,7 @@ class Reply:
 
     async def wait_admitted(self) -> None:
         """Raises ApiError if the worker refused the job before any token (a status-code error)."""
-        await self.job.wait_started()
-        error = self.job.error
-        if error is not None and not self.job.tokens:
-            raise ApiError.of_job(error)
+        await wait_admitted(self.job)
 
     async def collect(self) -> tuple[str, str, list[Any]]:
         """Run to the end: ``(content, reasoning, logprob rows)``."""
@@ -252,12 +249,6 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
     stops = [*req.stops, *rendered.stops]
     async with open_lane(app, model, job, kind="chat", stops=stops), watch_disconnect(receive):
         yield Reply(model, job, Follower(job, stops), rendered.parser)
-
-
-def usage_of(job: Job) -> dict[str, Any]:
-    n = len(job.tokens)
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n,
-            "prompt_tokens_details": {"cached_tokens": job.cached}}
 
 
 def thinking_kwargs(template_source: str, kwargs: dict[str, Any], *, enable: Any = None, effort: Any = None,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..proto import SSE_DONE, encode_sse_json
+from ..proto import encode_sse_json
 from ._chat import (
     ChatRequest, Reply, grammar_from_response_format, max_tokens_from, open_reply, openai_call, openai_delta,
     parse_messages, parse_tool_choice, parse_tools, qos_of, render_chat, require_grammar, thinking_kwargs, usage_of,
@@ -21,10 +21,12 @@ from ._chat import (
 from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
 from ..proto._sse_template import SseTemplate
 from ._sessions import run_resumable
-from ._generate import Follower, access_log, open_lane, prepare, resumable_requested, watch_disconnect
+from ._generate import (
+    Follower, access_log, open_lane, prepare, resumable_requested, wait_admitted, watch_disconnect,
+)
 from ._http import ApiError, Receive, Send, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
-from ._sse import SSE_HEADERS
+from ._sse import SseResponse
 from ._tenancy import owner_of
 
 if TYPE_CHECKING:
@@ -192,24 +194,24 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
     plain = _template(lambda text: obj({"content": text}, None))  # a content-only chunk (most of them)
 
     await reply.wait_admitted()  # errors before admission (an uncompilable grammar) are HTTP errors
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    sse = SseResponse(send)
+    await sse.start()
     n_calls = 0
     try:
-        await send({"type": "http.response.body", "body": chunk({"role": "assistant", "content": ""}, None),
-                    "more_body": True})
+        await sse.send(chunk({"role": "assistant", "content": ""}, None))
         while True:
             events, rows, done = await reply.next()
             delta, n_calls = openai_delta(events, n_calls)
             if plain is not None and not rows and len(delta) == 1 and "content" in delta:
-                await send({"type": "http.response.body", "body": plain.fill(delta["content"]), "more_body": True})
+                await sse.send(plain.fill(delta["content"]))
             elif delta or rows:
-                await send({"type": "http.response.body", "body": chunk(delta, None, rows), "more_body": True})
+                await sse.send(chunk(delta, None, rows))
             if done:
                 break
-        final = chunk({}, reply.finish, usage=True)
     except ApiError as exc:
-        final = encode_sse_json(exc.body())
-    await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+        await sse.fail(exc)
+        return
+    await sse.end(chunk({}, reply.finish, usage=True))
 
 
 def _template(build: Any, *args: Any) -> SseTemplate | None:
@@ -269,10 +271,9 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
     offset = 0
     held: list[Any] = []
 
-    await job.wait_started()
-    if job.error is not None and not job.tokens:
-        raise ApiError.of_job(job.error)
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    await wait_admitted(job)
+    sse = SseResponse(send)
+    await sse.start()
     try:
         while True:
             text, rows, done = await follower.next_delta()
@@ -282,13 +283,14 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
                 if want_logprobs:
                     logprobs, offset = _completion_logprobs(held, offset)
                 held = []
-                await send({"type": "http.response.body", "body": chunk(text, None, logprobs), "more_body": True})
+                await sse.send(chunk(text, None, logprobs))
             if done:
                 break
-        final = chunk("", follower.finish, _completion_logprobs(held, offset)[0] if want_logprobs and held else None)
-        if usage:
-            final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [], "usage": usage_of(job)})
     except ApiError as exc:
-        final = encode_sse_json(exc.body())
-    await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+        await sse.fail(exc)
+        return
+    final = chunk("", follower.finish, _completion_logprobs(held, offset)[0] if want_logprobs and held else None)
+    if usage:
+        final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [], "usage": usage_of(job)})
+    await sse.end(final)

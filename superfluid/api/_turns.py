@@ -30,7 +30,7 @@ import trio
 
 from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
-from ..proto import SSE_DONE, encode_sse_json
+from ..proto import encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
 from ._generate import RETIRE_S, Follower, check_log, open_session, prepare, reserve, retire, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
@@ -40,7 +40,7 @@ from ._chat import (
 )
 from ._params import sampling_from, stops_from
 from ._principal import principal_of
-from ._sse import SSE_HEADERS
+from ._sse import SseResponse
 from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
@@ -390,28 +390,28 @@ async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> 
     async with watch_disconnect(receive):
         if cursor == 0:
             await reply.wait_admitted()  # refused before any token: an HTTP error
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, (b"x-superfluid-session", turn.generation.encode()),
-                                (b"x-superfluid-conversation", turn.conversation.encode())]})
+        sse = SseResponse(send)
+        await sse.start([(b"x-superfluid-session", turn.generation.encode()),
+                         (b"x-superfluid-conversation", turn.conversation.encode())])
         session.attach()
         try:
             if cursor == 0:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": chunk({"role": "assistant", "content": ""})})
+                await sse.send(chunk({"role": "assistant", "content": ""}))
             n_calls = 0
             try:
                 while True:
                     events, _rows, done = await reply.next()
                     delta, n_calls = openai_delta(events, n_calls)
                     if delta:
-                        await send({"type": "http.response.body", "body": chunk(delta), "more_body": True})
+                        await sse.send(chunk(delta))
                     if done:
                         break
                 final = chunk({}, reply.finish, {"usage": usage_of(session.job),
                                                  "superfluid": await landed_summary(turn)})
             except ApiError as exc:
-                final = encode_sse_json(exc.body())
-            await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+                await sse.fail(exc)
+            else:
+                await sse.end(final)
         finally:
             session.detach()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -12,12 +13,18 @@ from typing import Any
 
 import trio
 
+from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name, resolve_runtime
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
+from .. import __version__
+from ..models._hub import PullError
+from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
+from ._launch import add_launch_parsers, split_agent_args
+from ._top import add_top_parser
 
 __all__ = ["main"]
 
@@ -42,42 +49,49 @@ def _class_lanes(value: str) -> dict[QosClass, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superfluid", description="A local LLM serving daemon on trio.")
+    parser.add_argument("--version", action="version", version=f"superfluid {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
+    s.add_argument("--offline", action="store_true",
+                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
     s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
-    s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8453)
+    s.add_argument("--http", type=_hostport, help=f"HOST:PORT (default {D.HOST}:{D.PORT})")
+    s.add_argument("--host", default=D.HOST)
+    s.add_argument("--port", type=int, default=D.PORT)
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
-    s.add_argument("--resume-ttl", type=float, default=300.0,
+    s.add_argument("--resume-ttl", type=float, default=D.RESUME_TTL_S,
                    help="seconds a resumable generation runs on with no client following it")
-    s.add_argument("--max-batch", type=int, default=8, help="lanes per model (default 8)")
-    s.add_argument("--max-context", type=int, default=4096, help="tokens per lane (default 4096)")
-    s.add_argument("--threads", type=int, default=0, help="engine threads (default: all cores)")
-    s.add_argument("--host-cache-mb", type=int, default=2048,
+    s.add_argument("--max-batch", type=int, default=D.MAX_BATCH, help=f"lanes per model (default {D.MAX_BATCH})")
+    s.add_argument("--max-context", type=int, default=D.MAX_CONTEXT,
+                   help=f"tokens per lane (default {D.MAX_CONTEXT})")
+    s.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
+    s.add_argument("--host-cache-mb", type=int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
-    s.add_argument("--stream-interval-ms", type=int, default=40,
+    s.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
-                        "(default 40; 0: every engine round)")
-    s.add_argument("--agent-stream-interval-ms", type=int, default=100,
+                        f"(default {D.STREAM_INTERVAL_MS}; 0: every engine round)")
+    s.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS,
                    help="the same for requests of the agent and background classes, which programs read "
-                        "(default 100): fewer chunks leave more CPU to the engine")
+                        f"(default {D.AGENT_STREAM_INTERVAL_MS}): fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGUSR1 waits for in-flight work")
+    s.add_argument("--drain-timeout", type=float, default=D.DRAIN_TIMEOUT_S,
+                   help="seconds SIGUSR1 waits for in-flight work")
     s.add_argument("--http-default-qos", type=parse_qos, default=QosClass.AGENT)
     s.add_argument("--no-http-qos-header", action="store_true")
     s.add_argument("--class-lanes", type=_class_lanes, default={}, help="e.g. background=2,agent=6")
-    s.add_argument("--starvation-ticks", type=int, default=8)
-    s.add_argument("--prefill-budget", type=int, default=4096)
-    s.add_argument("--tick-target-ms", type=int, default=250)
-    s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
-    s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
+    s.add_argument("--starvation-ticks", type=int, default=D.STARVATION_TICKS)
+    s.add_argument("--prefill-budget", type=int, default=D.PREFILL_BUDGET)
+    s.add_argument("--tick-target-ms", type=int, default=D.TICK_TARGET_MS)
+    s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S, help="seconds a tick may go unanswered")
+    s.add_argument("--no-tui", action="store_true",
+                   help="no live monitor: log lines on stderr instead (default: the monitor when stdout is a "
+                        "terminal; q in it drains and quits)")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--api-key", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
@@ -96,34 +110,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
-    s.add_argument("--max-conversation-bytes", type=_positive(int), default=16 << 20,
-                   help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
-    s.add_argument("--max-message-bytes", type=_positive(int), default=1 << 20,
-                   help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
-    s.add_argument("--max-conversation-events", type=_positive(int), default=10_000,
-                   help="events one conversation may hold; more is refused with 413 (default 10000)")
+    s.add_argument("--max-conversation-bytes", type=_positive(int), default=D.MAX_CONVERSATION_BYTES,
+                   help=f"bytes a conversation's events may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_BYTES})")
+    s.add_argument("--max-message-bytes", type=_positive(int), default=D.MAX_MESSAGE_BYTES,
+                   help=f"bytes one conversation message may hold; more is refused with 413 "
+                        f"(default {D.MAX_MESSAGE_BYTES})")
+    s.add_argument("--max-conversation-events", type=_positive(int), default=D.MAX_CONVERSATION_EVENTS,
+                   help=f"events one conversation may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_EVENTS})")
     s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
                    help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
                         f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
                         f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
-    s.add_argument("--body-timeout", type=_positive(float), default=30.0,
-                   help="seconds a request body may take to arrive; then 408 and the connection closes (default 30)")
-    s.add_argument("--ws-idle-timeout", type=_positive(float), default=300.0,
+    s.add_argument("--body-timeout", type=_positive(float), default=D.BODY_TIMEOUT_S,
+                   help="seconds a request body may take to arrive; then 408 and the connection closes "
+                        f"(default {D.BODY_TIMEOUT_S:g})")
+    s.add_argument("--ws-idle-timeout", type=_positive(float), default=D.WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay with no message from the client and no session to follow; "
-                        "then it is closed with 1001 (default 300)")
-    s.add_argument("--max-queue", type=_positive(int), default=256,
+                        f"then it is closed with 1001 (default {D.WS_IDLE_TIMEOUT_S:g})")
+    s.add_argument("--max-queue", type=_positive(int), default=D.MAX_QUEUE,
                    help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
-                        "(default 256)")
+                        f"(default {D.MAX_QUEUE})")
     s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
                    help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
                         "default: only the models cache directory and the models given here)")
-    s.add_argument("--max-models", type=int, default=4, metavar="N",
+    s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
-                        "with 429 too_many_models (default 4)")
+                        f"with 429 too_many_models (default {D.MAX_MODELS})")
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
+    add_top_parser(sub)
+    add_launch_parsers(sub)
     return parser
 
 
@@ -183,6 +204,10 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
         if runtime == "mock" and not spec.startswith("mock"):
             spec = "mock"
+        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        if pulled is not None:
+            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            continue
         if runtime != "mock" and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
@@ -207,7 +232,14 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command in MODEL_COMMANDS:
+        return MODEL_COMMANDS[args.command](args)
+    if getattr(args, "run", None) is not None:  # top, launch, stop (cli/_top.py, cli/_launch.py)
+        if agent_args:
+            args.agent_args = agent_args
+        return int(args.run(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ..daemon._server import serve
@@ -219,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
-    sources = tuple(_sources(args))
+    try:
+        sources = tuple(_sources(args))
+    except (PullError, PullInterrupted) as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        return 130 if isinstance(exc, PullInterrupted) else 1
     mistake = _check_limits(args, sources)
     if mistake is not None:
         print(f"superfluid: {mistake}", file=sys.stderr)
@@ -248,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.api_keys and not is_loopback_listener(host):
         print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
-        trio.run(serve, config)
+        monitor = not args.no_tui and sys.stdout.isatty()
+        trio.run(functools.partial(serve, config, monitor=monitor))
     except (JournalLocked, WalCorrupt) as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
