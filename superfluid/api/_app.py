@@ -280,18 +280,22 @@ class App:
         if runtime is not None and not isinstance(runtime, str):
             raise ApiError(400, "invalid request: runtime must be a string", param="runtime")
         reg = self.registry
-        if ident not in reg.known:
-            from ..models._files import resolve_runtime
+        from ..runtime._choose import _runtime_refusal, _selector_refusal
 
-            rid = resolve_runtime(ident, runtime)
-            if rid not in ("mock", "llamacpp"):
-                raise ApiError(400, f"unknown runtime {rid!r}", code="unsupported_runtime", param="runtime")
+        refusal = _selector_refusal(runtime)
+        if refusal is not None:
+            raise ApiError(400, refusal, code="unsupported_runtime", param="runtime")
         source = reg.lookup(ident, runtime)
         if source is None:
             # the same answer whether or not such a file exists: no oracle for paths outside
             # the allowed directories, and nothing outside them reaches a worker
             raise ApiError(404, f"model '{ident}' not found (not a known model, nor a model file in a "
                                 "--model-dir or the models cache directory)", code="model_not_found", param="id")
+        if ident not in reg.known:
+            # checked on the allowed file only: a format read never tells of a file outside them
+            refusal = _runtime_refusal(source.spec, runtime)
+            if refusal is not None:
+                raise ApiError(400, refusal, code="unsupported_runtime", param="runtime")
         if ident in reg.known and runtime is not None and runtime != source.runtime:
             raise ApiError(400, f"model '{ident}' is loaded on runtime {source.runtime}", code="unsupported_runtime")
         try:

@@ -16,9 +16,9 @@ import trio
 from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
-from ..models._files import default_model_path, model_name, resolve_runtime
+from ..models._files import default_model_path, model_name
 from ..journal import JournalLocked, WalCorrupt
-from ..nursery import WorkerLoadFailed
+from ..nursery import WorkerDied, WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
 from .. import __version__
 from ..models._hub import PullError
@@ -55,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
     s.add_argument("--offline", action="store_true",
-                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
-    s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
+                   help="fetch nothing: a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, "
+                        "never pulled, and a runtime that is not installed is refused (default: installed on "
+                        "first use)")
+    s.add_argument("--runtime", action="append", default=[],
+                   help="ID[@INSTALL], or MODEL=ID[@INSTALL] (llamacpp, mlx, basert, mock; auto: by the model's "
+                        "format, the default); `superfluid runtimes` lists them")
     s.add_argument("--http", type=_hostport, help=f"HOST:PORT (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST)
     s.add_argument("--port", type=int, default=D.PORT)
@@ -145,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
     add_top_parser(sub)
     add_launch_parsers(sub)
+    from ._runtimes import add_parsers as add_runtime_parsers
+
+    add_runtime_parsers(sub)
     return parser
 
 
@@ -185,6 +192,10 @@ def _prompt_bytes(value: str) -> int:
 
 
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
+    """The models to serve, each with its runtime and worker, chosen and checked before
+    anything loads. Raises SystemExit: a missing file (1), a runtime refused (2), in one line."""
+    from ..runtime._choose import split_selector
+
     specs = ([args.model] if args.model else []) + list(args.models)
     default_runtime = None
     per_model: dict[str, str] = {}
@@ -195,23 +206,57 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         else:
             default_runtime = r
     if not specs:
-        if default_runtime == "mock":
+        if split_selector(default_runtime)[0] == "mock":
             specs = ["mock"]
         else:
             specs = [str(default_model_path())]
     out = []
     for spec in specs:
-        runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
-        if runtime == "mock" and not spec.startswith("mock"):
+        selector = per_model.get(spec, default_runtime)
+        if split_selector(selector)[0] == "mock" and not spec.startswith("mock"):
             spec = "mock"
-        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        is_mock = spec == "mock" or spec.startswith("mock?")
+        pulled = hub_model(spec, offline=args.offline) if not is_mock else None  # org/repo[:QUANT]
         if pulled is not None:
-            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            choice = _choose(str(pulled.path), selector, args)
+            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.repo,
+                                   worker=choice.worker))
             continue
-        if runtime != "mock" and not Path(spec).exists():
+        if not is_mock and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
-        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
+        choice = _choose(spec, selector, args)
+        runtime = choice.info.id
+        if runtime == "basert":
+            from ..worker._basert import BaseRTMissing, find_library
+
+            try:
+                find_library()
+            except BaseRTMissing as exc:
+                raise SystemExit(f"superfluid: {spec}: {exc}") from None
+        out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
+
+
+def _choose(spec: str, selector: str | None, args: argparse.Namespace) -> Any:
+    """The runtime Choice for one model; a runtime with no install is installed here unless
+    --offline. Raises SystemExit: refused (2) or the install failed (1), in one line."""
+    from ..runtime._choose import RuntimeRefused, choose
+
+    try:
+        return choose(spec, selector)
+    except RuntimeRefused as exc:
+        if exc.install is None or args.offline:
+            print(f"superfluid: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        rid = exc.install
+    from ._runtimes import install_on_first_use
+
+    install_on_first_use(rid)
+    try:
+        return choose(spec, selector)
+    except RuntimeRefused as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
@@ -234,6 +279,10 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 def main(argv: list[str] | None = None) -> int:
     argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command in ("runtimes", "runtime"):
+        from ._runtimes import run as run_runtime_command
+
+        return run_runtime_command(args)
     if args.command in MODEL_COMMANDS:
         return MODEL_COMMANDS[args.command](args)
     if getattr(args, "run", None) is not None:  # top, launch, stop (cli/_top.py, cli/_launch.py)
@@ -251,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
+    from ..runtime._home import cleanup_all
+
+    cleanup_all()  # what an install killed midway left (staging directories), before choosing installs
     try:
         sources = tuple(_sources(args))
     except (PullError, PullInterrupted) as exc:
@@ -290,13 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:
-        startup, rest = group.split((WorkerLoadFailed, JournalLocked, WalCorrupt))
+        startup, rest = group.split((WorkerLoadFailed, WorkerDied, JournalLocked, WalCorrupt))
         if rest is not None or startup is None:
             raise
         for exc in _leaves(startup):
-            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else ""
+            prefix = "model did not load: " if isinstance(exc, WorkerLoadFailed) else \
+                "worker did not start: " if isinstance(exc, WorkerDied) else ""
             print(f"superfluid: {prefix}{exc}", file=sys.stderr)
-        return 3 if startup.subgroup(WorkerLoadFailed) else 2
+        if startup.subgroup(WorkerLoadFailed):
+            return 3
+        return 1 if startup.subgroup(WorkerDied) else 2
     except KeyboardInterrupt:
         return 0
     return 0

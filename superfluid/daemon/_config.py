@@ -17,6 +17,8 @@ class ModelSource:
     spec: str        # a path, or a mock spec
     runtime: str
     name: str
+    # the command that starts its worker (superfluid.runtime.worker_command); empty: this interpreter
+    worker: tuple[str, ...] = ()
 
 
 def secret_digest(secret: str) -> bytes:

@@ -99,16 +99,22 @@ class ModelRegistry:
         source = self.known.get(ident)
         if source is not None:
             return source
-        rid = resolve_runtime(ident, runtime)
+        selector, _, install = (runtime or "").partition("@")
+        is_mock = ident == "mock" or ident.startswith("mock?")
+        # an explicit runtime, or a mock spec; a path's format is read only once it is allowed
+        explicit = bool(selector) and selector.lower() != "auto"
+        rid = resolve_runtime(ident, selector) if explicit else ("mock" if is_mock else None)
         if rid == "mock":
-            if ident == "mock" or ident.startswith("mock?"):
+            if is_mock:
                 return ModelSource(spec=ident, runtime=rid, name=model_name(ident, rid))
             return None
         found = self._allowed_file(ident)
         if found is None:
             return None
         name, path = found
-        return ModelSource(spec=str(path), runtime=rid, name=model_name(name, rid))
+        rid = rid or resolve_runtime(str(path), None)
+        return ModelSource(spec=str(path), runtime=rid, name=model_name(name, rid),
+                           worker=_worker(rid, install or None))
 
     def _roots(self) -> list[Path]:
         return [Path(os.path.realpath(d)) for d in (*self.config.model_dirs, cache_dir())]
@@ -143,7 +149,8 @@ class ModelRegistry:
             for name in names:
                 file = self._allowed_file(str(Path(directory) / name)) if name.endswith(GGUF) else None
                 if file is not None:
-                    found.append(ModelSource(spec=str(file[1]), runtime="llamacpp", name=model_name(name, "llamacpp")))
+                    found.append(ModelSource(spec=str(file[1]), runtime="llamacpp", name=model_name(name, "llamacpp"),
+                                             worker=_worker("llamacpp")))
         return found
 
     # -- loading and unloading -------------------------------------------------------------
@@ -167,7 +174,8 @@ class ModelRegistry:
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
-                              start_timeout_s=cfg.worker_start_timeout_s)
+                              start_timeout_s=cfg.worker_start_timeout_s,
+                              command=source.worker or _worker(source.runtime))
             policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
             owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
 
@@ -266,3 +274,14 @@ class ModelRegistry:
             return None
         return await self.load(source)
 
+
+
+def _worker(rid: str, install: str | None = None) -> tuple[str, ...]:
+    """The worker command of a runtime for a model loaded over HTTP (the API has already
+    refused a runtime that cannot run here); empty: this interpreter."""
+    from ..runtime._status import RuntimeUnavailable, worker_command
+
+    try:
+        return worker_command(rid, install)
+    except (RuntimeUnavailable, ValueError):
+        return ()

@@ -78,11 +78,14 @@ class WorkerSpec:
     start_timeout_s: float = D.WORKER_START_TIMEOUT_S
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
+    # the command prefix that starts the worker (an install's interpreter with -m superfluid.worker,
+    # or a SUPERFLUID_WORKER_<ID> executable); empty: this interpreter
+    command: tuple[str, ...] = ()
 
 
 def worker_argv(spec: WorkerSpec) -> list[str]:
     argv = [
-        sys.executable, "-m", "superfluid.worker", f"superfluid-worker-{spec.runtime}",
+        *(spec.command or (sys.executable, "-m", "superfluid.worker")), f"superfluid-worker-{spec.runtime}",
         "--model", spec.model, "--max-batch", str(spec.max_batch), "--max-context", str(spec.max_context),
     ]
     if spec.threads:
@@ -243,7 +246,14 @@ async def _open_worker_nursery(
             try:
                 assert process.stdin is not None
                 with trio.fail_after(spec.start_timeout_s):
-                    await process.stdin.send_all(link.send(Hello()))
+                    gone = False
+                    try:
+                        await process.stdin.send_all(link.send(Hello()))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        gone = True  # it exited before reading a byte (a worker that cannot start)
+                    if gone:
+                        rc = await process.wait()
+                        raise WorkerDied(f"worker exited during startup (exit status {rc}): {' '.join(argv[:1])}")
                     broken: ProtocolError | None = None
                     try:
                         ack = await _read_event(process, link)

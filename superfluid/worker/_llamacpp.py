@@ -586,3 +586,10 @@ class _LaneSampler:
         if self._chain is not None:
             L.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def open_engine(model: str, *, max_batch: int, max_context: int, threads: int,
+                deterministic: bool = False) -> LlamaEngine:
+    """The registry's entry point (``superfluid.runtime._registry``): every engine module has one."""
+    return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
+                       deterministic=deterministic)

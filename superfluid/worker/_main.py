@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
 import queue
 import sys
@@ -58,6 +59,7 @@ from ..proto import (
     tokenized_pieces,
 )
 from .._cpu import reset_policy
+from ..runtime import _registry as registry
 from ._engine import Engine
 from ._executor import Executor
 from ._mock import InjectedBug
@@ -68,24 +70,20 @@ __all__ = ["load_engine", "main"]
 
 _STOP = object()  # queued by the reader when the link ends: the engine thread returns
 
-RUNTIMES = ("mock", "llamacpp")
 GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False) -> Engine:
-    if runtime == "mock":
-        from ._mock import MockEngine
-
-        return MockEngine(model, n_seq=max(4, max_batch + 2))
-    if runtime == "llamacpp":
-        from ._llamacpp import LlamaEngine
-
-        return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
-                           deterministic=deterministic)
-    raise ValueError(f"unknown runtime {runtime!r}")
+                deterministic: bool = False, basert_lib: str | None = None) -> Engine:
+    """Import the runtime's engine module (the registry names it) and open the model with it."""
+    info = registry.get(runtime)
+    if info.engine is None:
+        raise ValueError(f"runtime {info.id} has no engine in this build")
+    module = importlib.import_module(info.engine)
+    return module.open_engine(model, max_batch=max_batch, max_context=max_context, threads=threads,  # type: ignore[no-any-return]
+                              deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}))
 
 
 class _Worker:
@@ -412,7 +410,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         engine = await trio.to_thread.run_sync(
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads,
-                                deterministic=args.deterministic)
+                                deterministic=args.deterministic, basert_lib=args.basert_lib)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
@@ -442,19 +440,25 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _runtime_version(runtime: str) -> str:
-    if runtime == "llamacpp":
+    """The version of the runtime's library (its first required module), or superfluid's."""
+    info = registry.get(runtime)
+    if info.requires:
         try:
-            import llama_cpp
-
-            return str(llama_cpp.__version__)
+            module = importlib.import_module(info.requires[0])
         except ImportError:
             return "unavailable"
+        return str(getattr(module, "__version__", "unknown"))
     from .. import __version__
 
     return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        from ._check import check
+
+        return check(argv[1:])
     parser = argparse.ArgumentParser(prog="superfluid-worker")
     parser.add_argument("name", help="superfluid-worker-<runtime>")
     parser.add_argument("--model", required=True)
@@ -465,12 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     try:
         args = parser.parse_args(argv)
     except SystemExit:
         return 2
     prefix = "superfluid-worker-"
-    if not args.name.startswith(prefix) or args.name[len(prefix):] not in RUNTIMES:
+    if not args.name.startswith(prefix) or args.name[len(prefix):] not in registry.RUNTIMES:
         print(f"unknown worker name {args.name!r}", file=sys.stderr)
         return 2
     args.runtime = args.name[len(prefix):]

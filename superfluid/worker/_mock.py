@@ -250,3 +250,9 @@ class MockEngine:
 
     def close(self) -> None:
         self.kv = []
+
+
+def open_engine(model: str, *, max_batch: int, max_context: int, threads: int,
+                deterministic: bool = False) -> MockEngine:
+    """The registry's entry point (``superfluid.runtime._registry``): every engine module has one."""
+    return MockEngine(model, n_seq=max(4, max_batch + 2))
