@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
@@ -22,7 +23,7 @@ from ._openai import embeddings
 from ._responses import responses
 
 from ..sessions._conversations import ConversationStore
-from ..daemon._registry import TooManyModels
+from ..daemon._registry import InsufficientMemory, TooManyModels
 from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
 
@@ -76,6 +77,14 @@ def _too_many(exc: TooManyModels) -> ApiError:
     return ApiError(429, str(exc), code="too_many_models")
 
 
+def _no_memory(exc: InsufficientMemory) -> ApiError:
+    return ApiError(507, str(exc), code="insufficient_memory")
+
+
+# the models the current request holds (resolve_model); released when its response ends
+_HELD: ContextVar[list[ServedModel] | None] = ContextVar("superfluid_held_models", default=None)
+
+
 def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
     """An error answered here (before a dialect's handler ran: a body that is not JSON,
     a wrong method, draining) in the envelope of the route's dialect."""
@@ -110,19 +119,40 @@ class App:
             raise ApiError(400, "missing required field: model", param="model")
         if not isinstance(name, str):
             raise ApiError(400, "invalid request: model must be a string", param="model")
-        current_principal().check_model(name)
+        current_principal().check_model(self.registry.resolve_alias(name))
         try:
             model = await self.registry.get(name)
         except TooManyModels as exc:
             raise _too_many(exc) from None
+        except InsufficientMemory as exc:
+            raise _no_memory(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{name}' could not be loaded: {exc}", code="model_load_failed") from None
         if model is None:
             loaded = ", ".join(self.registry.loaded) or "none"
-            raise ApiError(404, f"model '{name}' not found; loaded: {loaded}", code="model_not_found", param="model")
+            served = ", ".join(sorted({*self.registry.known, *self.registry.aliases}))
+            raise ApiError(404, f"model '{name}' not found; loaded: {loaded}; served: {served}",
+                           code="model_not_found", param="model")
+        held = _HELD.get()
+        if held is not None:  # not idle until this request's response has ended (daemon/_lifetime.py)
+            self.registry.hold(model)
+            held.append(model)
         return model
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self._serve(scope, receive, send)
+            return
+        held: list[ServedModel] = []
+        token = _HELD.set(held)
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            _HELD.reset(token)
+            for model in held:
+                self.registry.release(model)
+
+    async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -297,6 +327,8 @@ class App:
             model = await reg.load(source, make_default=True)
         except TooManyModels as exc:
             raise _too_many(exc) from None
+        except InsufficientMemory as exc:
+            raise _no_memory(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{ident}' could not be loaded: {exc}", code="model_load_failed") from None
         reg.default = model.name

@@ -881,6 +881,13 @@ class Scheduler:
             self.metrics.set("superfluid_queue_depth", len(q), **{"class": k.label})
         self._note_cpu()
 
+    @property
+    def active(self) -> bool:
+        """A request has something here: a job queued or running, a reserved place, a
+        tokenize or embedding pending, or a command not applied yet (idle unload waits)."""
+        return bool(self.running or self._tokenize or +self._reserved or any(self.queues.values())
+                    or self.inbox_send.statistics().current_buffer_used)
+
     def statistics(self) -> dict[str, Any]:
         return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),
                 "ticks": self.tick_no, **self.last_tick}
