@@ -18,8 +18,8 @@ from ._sessions import delete_generation, get_session, stream_session
 from ._conversations import route_conversations
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
-from ._ollama import api_chat, api_embed, api_generate, api_ps, api_show, api_tags, api_version, managed, root
-from ._openai import embeddings
+from ._ollama import api_chat, api_generate, api_ps, api_show, api_tags, api_version, managed, root
+from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
 
 from ..sessions._conversations import ConversationStore
@@ -44,15 +44,16 @@ _POST_JSON: dict[str, Handler] = {
     "/chat/completions": chat_completions,
     "/v1/completions": completions,
     "/completions": completions,
-    "/v1/embeddings": embeddings,
+    "/v1/embeddings": openai_embeddings,
+    "/embeddings": openai_embeddings,
     "/v1/responses": responses,
     "/v1/messages": messages,
     "/v1/messages/count_tokens": count_tokens,
     "/api/chat": api_chat,
     "/api/generate": api_generate,
     "/api/show": api_show,
-    "/api/embed": api_embed,
-    "/api/embeddings": api_embed,
+    "/api/embed": ollama_embed,
+    "/api/embeddings": ollama_embeddings,
     "/api/pull": managed,
     "/api/push": managed,
     "/api/create": managed,

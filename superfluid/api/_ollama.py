@@ -1,6 +1,6 @@
 """Ollama dialect: ``/``, ``/api/version``, ``/api/tags``, ``/api/ps``,
-``/api/show``, ``/api/chat``, ``/api/generate``, ``/api/embed``, and 501s for
-model management.
+``/api/show``, ``/api/chat``, ``/api/generate`` (``/api/embed`` is in ``_embed.py``),
+and 501s for model management.
 
 Streams are NDJSON by default (``"stream": false`` gives one object);
 durations are nanoseconds; tool calls arrive whole, with ``arguments`` as an
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ._app import App
 
-__all__ = ["api_chat", "api_embed", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",
+__all__ = ["api_chat", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",
            "root"]
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
@@ -146,14 +146,6 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
         await send_json(send, 200, {"modelfile": "", "parameters": "", "template": template,
                                     "details": _details(model), "model_info": info, "capabilities": caps,
                                     "modified_at": _now()})
-
-    await answer_errors(send, run, lambda exc: {"error": exc.message})
-
-
-async def api_embed(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    async def run(send: Send) -> None:
-        model = await app.resolve_model(_name(app, body.get("model")))
-        raise ApiError(400, f"model '{model.name}' does not support embeddings", code="unsupported_model")
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..sched import Job
     from ._app import App
 
-__all__ = ["ChatRequest", "Rendered", "Reply", "chat_completions", "completions", "embeddings", "open_reply"]
+__all__ = ["ChatRequest", "Rendered", "Reply", "chat_completions", "completions", "open_reply"]
 
 _ids = itertools.count(1)
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -505,16 +505,6 @@ async def chat_completions(app: App, scope: dict[str, Any], receive: Receive, se
 
 async def completions(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     await _generate(app, scope, receive, send, body, chat=False)
-
-
-async def embeddings(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    """``/v1/embeddings``: no runtime serves embeddings yet, so a typed 400."""
-    model = await app.resolve_model(body.get("model"))
-    ack = model.owner.ack
-    reason = ack.capabilities.get("embeddings", "no embedding runtime") if ack else "no embedding runtime"
-    raise ApiError(400, f"model '{model.name}' does not serve embeddings: "
-                   f"{reason if reason is not True else 'embeddings are not wired yet'}",
-                   code="unsupported_model", param="model")
 
 
 async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any], *,

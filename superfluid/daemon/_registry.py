@@ -247,7 +247,7 @@ class ModelRegistry:
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
-                              start_timeout_s=cfg.worker_start_timeout_s)
+                              pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s)
             policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
             owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
 

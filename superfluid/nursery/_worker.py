@@ -74,6 +74,7 @@ class WorkerSpec:
     stream_interval_ms: int = 40
     agent_stream_interval_ms: int = 100
     deterministic: bool = False
+    pooling: str = ""           # embeddings: mean|cls|last ("": the model's own, else mean)
     start_timeout_s: float = 120.0
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
@@ -92,6 +93,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
              "--agent-stream-interval-ms", str(spec.agent_stream_interval_ms)]
     if spec.deterministic:
         argv.append("--deterministic")
+    if spec.pooling:
+        argv += ["--pooling", spec.pooling]
     return argv
 
 
