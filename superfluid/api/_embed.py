@@ -87,7 +87,11 @@ async def _embed(model: ServedModel, items: list[str | list[int]], *, normalize:
             vocabulary), 413 a text too large to tokenize, 503 no worker.
     """
     ids: list[list[int]] = []
-    for item in items:
+    n_vocab = int(model.info.get("n_vocab", 0))
+    for i, item in enumerate(items):
+        if isinstance(item, list) and n_vocab and max(item) >= n_vocab:
+            raise ApiError(400, f"input[{i}] holds token {max(item)}, outside the model's {n_vocab}-token vocabulary",
+                           param="input")
         tokens = item if isinstance(item, list) else await tokenize(model, [(item, False)], add_special=True)
         if truncate and model.n_ctx and len(tokens) > model.n_ctx:
             tokens = tokens[: model.n_ctx]
