@@ -11,7 +11,6 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -29,6 +28,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from superfluid.suite._systems import kv_cells  # noqa: E402  (one sizing rule, shared with the suite)
+from superfluid.client import aiter_sse  # noqa: E402  (the one SSE reader)
 
 
 def commit() -> str:
@@ -113,10 +113,10 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
         if r.status_code != 200:
             out["error"] = f"http {r.status_code}: {(await r.aread())[:200]!r}"
             return out
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for event in aiter_sse(r.aiter_bytes()):
+            if not event.data or event.data == "[DONE]":
                 continue
-            obj = json.loads(line[6:])
+            obj = event.json()
             if "error" in obj:
                 out["error"] = obj["error"]
                 continue

@@ -66,6 +66,7 @@ import httpx
 import psutil
 import trio
 
+from superfluid.client import aiter_sse
 from superfluid.suite._client import metric_sum
 import trio.lowlevel
 
@@ -772,15 +773,13 @@ class Harness:
         n = 0
         last_id = -1
         current_id: str | None = None
-        async for line in r.aiter_lines():
+        async for event in aiter_sse(r.aiter_bytes()):
             if slow_ms:
                 await trio.sleep(slow_ms / 1000)
-            if line.startswith("id: "):
-                current_id = line[4:]
+            current_id = event.id if event.id is not None else current_id
+            if not event.data:
                 continue
-            if not line.startswith("data: "):
-                continue
-            payload = line[6:]
+            payload = event.data
             if req.done_frame:
                 req.problems.append(f"data after [DONE]: {payload[:100]!r}")
             if payload == "[DONE]":

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from superfluid.api._http import ApiError
-from superfluid.api._openai import parse_messages
+from superfluid.api._chat import parse_messages
 from superfluid.api._params import sampling_from, stops_from
 from superfluid.proto import Sampling
 

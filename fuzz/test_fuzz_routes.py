@@ -43,6 +43,8 @@ import trio
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from superfluid.proto import SseDecoder
+
 pytestmark = pytest.mark.fuzz
 
 EXAMPLES = max(10, int(os.environ.get("SUPERFLUID_FUZZ_EXAMPLES", "200")) // 4)
@@ -278,15 +280,9 @@ def typed_error(dialect: str, status: int, raw: bytes) -> dict[str, Any]:
 
 
 def sse_events(raw: bytes) -> list[tuple[str | None, str]]:
-    events: list[tuple[str | None, str]] = []
-    name: str | None = None
-    for line in raw.decode().split("\n"):
-        if line.startswith("event: "):
-            name = line[7:]
-        elif line.startswith("data: "):
-            events.append((name, line[6:]))
-            name = None
-    return events
+    """(event name, data) of a whole SSE body, read with the one decoder (``proto.SseDecoder``)."""
+    decoder = SseDecoder()
+    return [(e.event, e.data) for e in [*decoder.feed(raw), *decoder.end()]]
 
 
 def well_formed_200(route: str, r: httpx.Response) -> None:

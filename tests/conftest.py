@@ -12,6 +12,7 @@ import trio
 from superfluid.models._files import cache_dir
 from superfluid.daemon._config import ModelSource, ServeConfig
 from superfluid.daemon._server import serve
+from superfluid.client import aiter_sse
 from superfluid.sched import PlannerConfig
 
 REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -103,19 +104,16 @@ def worker_pids(runtime: str = "mock") -> list[int]:
 
 async def sse_events(response: httpx.Response) -> list[dict]:
     """Collect the JSON payloads of an SSE response; asserts it ends with [DONE]."""
-    import json
-
     events: list[dict] = []
     done = False
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
+    async for event in aiter_sse(response.aiter_bytes()):
+        if not event.data:
             continue
-        payload = line[len("data: "):]
-        if payload == "[DONE]":
+        if event.data == "[DONE]":
             done = True
             continue
         assert not done, "data after [DONE]"
-        events.append(json.loads(payload))
+        events.append(event.json())
     assert done, "stream ended without [DONE]"
     return events
 

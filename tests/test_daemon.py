@@ -12,6 +12,7 @@ import psutil
 import pytest
 import trio
 
+from superfluid.client import aiter_sse
 from superfluid.sched import PlannerConfig
 
 from superfluid.suite._client import metric_sum
@@ -190,16 +191,14 @@ async def test_worker_sigkill_mid_stream_continues(daemon: Daemon) -> None:
     async with daemon.client.stream("POST", "/v1/chat/completions", json=body) as r:
         events = []
         killed = False
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
-                events.append(json.loads(line[6:]))
+        async for event in aiter_sse(r.aiter_bytes()):
+            if event.data and event.data != "[DONE]":
+                events.append(event.json())
                 # a chunk may carry several tokens: kill a quarter of the way through the text
                 if not killed and len(stream_text(events)) >= len(reference) // 4:
                     os.kill(pid, signal.SIGKILL)
                     killed = True
-            if line == "data: [DONE]":
+            if event.data == "[DONE]":
                 break
     assert killed and not any("error" in e for e in events)
     assert stream_text(events) == reference

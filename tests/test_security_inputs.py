@@ -17,7 +17,7 @@ from trio_websocket import open_websocket_url
 
 from superfluid.daemon._model import ServedModel
 from superfluid.api._http import ApiError
-from superfluid.api._openai import ChatRequest, parse_messages, render_chat
+from superfluid.api._chat import ChatRequest, parse_messages, render_chat
 from superfluid.api._params import template_kwargs_from
 from superfluid.chat import ChatTemplate, TemplateRenderError
 from superfluid.chat._template import CHATML
@@ -150,6 +150,23 @@ async def test_every_sampling_field_is_bounded_and_named(daemon: Daemon) -> None
     await refused(daemon, "/api/chat", {**ROUTES["/api/chat"], "options": {"seed": -5}}, None)
     r = await daemon.client.post("/api/chat", json={**ROUTES["/api/chat"], "options": {"seed": -1}})
     assert r.status_code == 200, r.text   # Ollama's "random seed"
+
+
+async def test_a_bad_repeat_penalty_names_the_field_the_client_sent(daemon: Daemon) -> None:
+    """Both spellings (llama.cpp's ``repeat_penalty``, HF's ``repetition_penalty``), wrong in type or
+    range, on the completion routes and in a conversation's ``sampling``: a 400 whose ``param`` and
+    message name that field (an earlier version named a scratch key, ``"r"``)."""
+    for key in ("repeat_penalty", "repetition_penalty"):
+        for value in (50, -1, "x", True):
+            for route in ("/v1/chat/completions", "/v1/completions"):
+                obj = await refused(daemon, route, {**ROUTES[route], key: value}, key)
+                assert f" {key} " in obj["error"]["message"], obj
+            obj = await refused(daemon, "/v1/sessions", {"model": "mock", "sampling": {key: value}},
+                                f"sampling.{key}")
+            assert f" sampling.{key} " in obj["error"]["message"], obj
+    # both sent: repeat_penalty is the one used, so the one named
+    await refused(daemon, "/v1/chat/completions", {**CHAT, "repeat_penalty": 50, "repetition_penalty": 1.1},
+                  "repeat_penalty")
 
 
 async def test_chat_template_kwargs_are_validated(daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:

@@ -279,7 +279,7 @@ async def test_short_tool_session_on_the_real_model(nursery: trio.Nursery) -> No
 
 def test_thinking_arguments_kwargs_win_and_efforts_are_checked() -> None:
     from superfluid.api import ApiError
-    from superfluid.api._openai import thinking_kwargs
+    from superfluid.api._chat import thinking_kwargs
 
     template = "{% if enable_thinking %}<think>{% endif %}{{ reasoning_effort }}"
     assert thinking_kwargs(template, {"enable_thinking": False}, enable=True) == {"enable_thinking": False}

@@ -18,15 +18,14 @@ from ..chat import Delta, ToolCall, ToolChoice
 from ..proto import encode_sse_json
 from ._generate import tokenize
 from ._http import ApiError, Receive, Send, send_json, answer_errors
-from ._openai import (
-    SSE_HEADERS, ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from,
-)
+from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from
+from ._sse import SseResponse
 from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["count_tokens", "messages"]
 
@@ -204,12 +203,14 @@ async def _whole(send: Send, reply: Reply, mid: str) -> None:
 
 
 async def _stream(send: Send, reply: Reply, mid: str) -> None:
+    sse = SseResponse(send, done=False, error=_error_frame)
+
     async def emit(kind: str, obj: dict[str, Any], more: bool = True) -> None:
-        await send({"type": "http.response.body", "body": encode_sse_json({"type": kind, **obj}, event=kind),
-                    "more_body": more})
+        frame = encode_sse_json({"type": kind, **obj}, event=kind)
+        await (sse.send(frame) if more else sse.end(frame))
 
     await reply.wait_admitted()
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    await sse.start()
     usage = {**_usage(reply), "output_tokens": 0}
     await emit("message_start", {"message": {
         "id": mid, "type": "message", "role": "assistant", "model": reply.model.name, "content": [],
@@ -258,5 +259,9 @@ async def _stream(send: Send, reply: Reply, mid: str) -> None:
                                      "usage": _usage(reply)})
         await emit("message_stop", {}, more=False)
     except ApiError as exc:
-        await send({"type": "http.response.body", "body": encode_sse_json(error_body(exc), event="error"),
-                    "more_body": False})
+        await sse.fail(exc)
+
+
+def _error_frame(exc: ApiError) -> bytes:
+    """An error after the stream started, as Anthropic sends it: an ``error`` event."""
+    return encode_sse_json(error_body(exc), event="error")

@@ -39,7 +39,7 @@ from ..journal import SessionStateError
 from ..proto._wal import body_conversation
 from ._generate import check_log
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
-from ._openai import parse_messages, parse_tools
+from ._chat import parse_messages, parse_tools
 from ._params import template_kwargs_from
 from ._sessions import cancel_generation
 from ._principal import principal_of
@@ -49,7 +49,7 @@ from ._turns import (
 )
 
 if TYPE_CHECKING:
-    from ._app import App
+    from ._host import App
 
 __all__ = ["append_messages", "conversation_info", "create_conversation", "events_page", "fork_conversation",
            "own_conversation", "route_conversations"]

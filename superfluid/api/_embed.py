@@ -23,7 +23,7 @@ from ._http import ApiError, Receive, Send, answer_errors, send_json
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["ollama_embed", "ollama_embeddings", "openai_embeddings"]
 

@@ -28,11 +28,11 @@ if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
-    from ._app import App
+    from ._host import App
     from ._tenancy import Owner
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane", "access_log",
-           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "watch_disconnect"]
+           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted", "watch_disconnect"]
 
 log = logging.getLogger("superfluid.access")
 
@@ -209,8 +209,7 @@ def check_log(app: App) -> None:
 
 def log_refusal(exc: JournalWriteError) -> ApiError:
     """The typed refusal of a request the session log cannot take (507 or 503)."""
-    error = JobError.log_failed(exc)
-    return ApiError(error.status, error.message, code=error.code)
+    return ApiError.of_job(JobError.log_failed(exc))
 
 
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
@@ -225,6 +224,25 @@ def resumable_requested(scope: dict[str, Any]) -> bool:
     from ._http import header
 
     return (header(scope, "x-superfluid-resumable") or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def usage_of(job: Job) -> dict[str, Any]:
+    """A job's OpenAI-shaped ``usage`` (prompt, completion and cached tokens)."""
+    n = len(job.tokens)
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n,
+            "prompt_tokens_details": {"cached_tokens": job.cached}}
+
+
+async def wait_admitted(job: Job) -> None:
+    """Wait until the worker took or refused ``job``.
+
+    Raises:
+        ApiError: the job failed before its first token (a refused grammar, a full
+            context): an HTTP error, since no response has started yet.
+    """
+    await job.wait_started()
+    if job.error is not None and not job.tokens:
+        raise ApiError.of_job(job.error)
 
 
 class Follower:
@@ -251,7 +269,7 @@ class Follower:
             return "".join(out), lps, True
         if job.done:
             if job.error is not None:
-                raise ApiError(job.error.status, job.error.message, code=job.error.code, type=job.error.type)
+                raise ApiError.of_job(job.error)
             out.append(self.text.finish())
             self.finish = job.finish or "stop"
             return "".join(out), lps, True

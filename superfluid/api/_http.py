@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import attrs
 import trio
 
+from .. import _defaults as D
+
 if TYPE_CHECKING:
     from ..sched import JobError
 
@@ -17,7 +19,7 @@ __all__ = ["ApiError", "MAX_BODY", "Receive", "Send", "decode_json", "read_json"
 
 MAX_BODY = 100 * 1024 * 1024
 BODY_TIMEOUT = "superfluid.body_timeout_s"  # scope key: the App sets --body-timeout on every request
-DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = D.BODY_TIMEOUT_S
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

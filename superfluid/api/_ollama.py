@@ -24,9 +24,7 @@ from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
 from ._generate import access_log
 from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
-from ._openai import (
-    ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs,
-)
+from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
@@ -34,7 +32,7 @@ from ..daemon._lifetime import FOREVER, expires_at_wall, parse_keep_alive
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["api_chat", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",
            "root"]

@@ -24,15 +24,16 @@ import attrs
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ._http import ApiError, Receive, Send, send_json
-from ._openai import (
-    SSE_HEADERS, ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of,
-    thinking_kwargs, tool_from,
+from ._chat import (
+    ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of, thinking_kwargs,
+    tool_from,
 )
+from ._sse import SseResponse
 from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
-    from ._app import App
+    from ._host import App
 
 __all__ = ["ResponseStore", "responses"]
 
@@ -281,15 +282,20 @@ async def _whole(reply: Reply, base: dict[str, Any]) -> dict[str, Any]:
 
 async def _stream(send: Send, reply: Reply, base: dict[str, Any]) -> dict[str, Any]:
     seq = 0
+    sse = SseResponse(send, done=False)
 
-    async def emit(kind: str, more: bool = True, **fields: Any) -> None:
+    def frame(kind: str, **fields: Any) -> bytes:
         nonlocal seq
         data = encode_sse_json({"type": kind, "sequence_number": seq, **fields}, event=kind)
         seq += 1
-        await send({"type": "http.response.body", "body": data, "more_body": more})
+        return data
+
+    async def emit(kind: str, more: bool = True, **fields: Any) -> None:
+        data = frame(kind, **fields)
+        await (sse.send(data) if more else sse.end(data))
 
     await reply.wait_admitted()
-    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    await sse.start()
     await emit("response.created", response=base)
     await emit("response.in_progress", response=base)
     output: list[dict[str, Any]] = []
@@ -363,6 +369,6 @@ async def _stream(send: Send, reply: Reply, base: dict[str, Any]) -> dict[str, A
     except ApiError as exc:
         failed = {**base, "status": "failed", "output": output,
                   "error": {"code": exc.code or "server_error", "message": exc.message}}
-        await emit("error", code=exc.code, message=exc.message, param=exc.param)
-        await emit("response.failed", more=False, response=failed)
+        await sse.fail(exc, frame("error", code=exc.code, message=exc.message, param=exc.param)
+                       + frame("response.failed", response=failed))
         return failed

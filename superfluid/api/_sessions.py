@@ -22,28 +22,21 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from ..proto import SSE_DONE, encode_sse_json
+from ..proto import encode_sse_json
 from ..sched import Unavailable
-from ._generate import Follower, open_lane, watch_disconnect
+from ._generate import Follower, open_lane, usage_of, wait_admitted, watch_disconnect
 from ._http import ApiError, Receive, Send, header, send_json
+from ._sse import SseResponse
 from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Job
-    from ._app import App
+    from ._host import App
 
 __all__ = ["cancel_generation", "delete_generation", "follower_at", "get_session", "live_session", "run_resumable",
            "session_info", "stream_live", "stream_session"]
-
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-
-
-def _usage(job: Any) -> dict[str, Any]:
-    n = len(job.tokens)
-    return {"prompt_tokens": len(job.prompt), "completion_tokens": n, "total_tokens": len(job.prompt) + n,
-            "prompt_tokens_details": {"cached_tokens": job.cached}}
 
 
 def follower_at(session: LiveSession, cursor: int) -> Follower:
@@ -74,29 +67,26 @@ async def stream_live(send: Send, session: LiveSession, follower: Follower, *, m
         obj: dict[str, Any] = {"id": rid, "object": obj_name, "created": created, "model": model,
                                "system_fingerprint": "superfluid", "choices": [choice]}
         if usage:
-            obj["usage"] = _usage(job)
+            obj["usage"] = usage_of(job)
         return obj
 
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [*SSE_HEADERS, (b"x-superfluid-session", public_id(session.id).encode())]})
+    sse = SseResponse(send)
+    await sse.start([(b"x-superfluid-session", public_id(session.id).encode())])
     session.attach()
     try:
         if first and chat:
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": encode_sse_json(chunk(None, None, role=True), id=str(follower.cursor))})
+            await sse.send(encode_sse_json(chunk(None, None, role=True), id=str(follower.cursor)))
         while True:
             try:
                 text, _rows, done = await follower.next_delta()
             except ApiError as exc:
-                final = encode_sse_json(exc.body())
-                break
+                await sse.fail(exc)
+                return
             if text:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": encode_sse_json(chunk(text, None), id=str(follower.cursor))})
+                await sse.send(encode_sse_json(chunk(text, None), id=str(follower.cursor)))
             if done:
-                final = encode_sse_json(chunk(None, follower.finish, usage=True), id=str(follower.cursor))
                 break
-        await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+        await sse.end(encode_sse_json(chunk(None, follower.finish, usage=True), id=str(follower.cursor)))
     finally:
         session.detach()
 
@@ -118,9 +108,7 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
                 lane.keep = True
 
         async with watch_disconnect(receive):
-            await job.wait_started()
-            if job.error is not None and not job.tokens:
-                raise ApiError.of_job(job.error)
+            await wait_admitted(job)
             prefix = "chatcmpl" if kind == "chat" else "cmpl"
             await stream_live(tracked, session, Follower(job, stops), model=model.name,
                               rid=f"{prefix}-superfluid-{session.id}", first=True)

@@ -27,7 +27,7 @@ from ._http import ApiError
 from ._principal import principal_of
 
 if TYPE_CHECKING:
-    from ._app import App
+    from ._host import App
 
 __all__ = ["MAX_CACHE_SALT", "SESSION_ID", "Owner", "chosen_id", "owner_of", "public_id", "resolve", "tenant_of"]
 

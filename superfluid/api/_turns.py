@@ -2,7 +2,7 @@
 
 A turn renders the conversation (system, tools, every message) with the
 model's chat template exactly as ``/v1/chat/completions`` does
-(:func:`~superfluid.api._openai.render_chat`), and runs as an ordinary
+(:func:`~superfluid.api._chat.render_chat`), and runs as an ordinary
 resumable generation session: ``Created`` and ``Prompt`` logged before it is
 queued, tokens logged before anyone sees them, followed by token cursor.
 
@@ -11,7 +11,7 @@ sessions sub-nursery (``ModelOwner.start_session``), not in a request, so a
 client leaving never cancels it (nor does ``--resume-ttl``: the conversation
 keeps the reply, so the turn runs to its end); unloading the model ends the
 generation typed, the owner lands that error, and the sub-nursery ends with it. The owner reads the generation as the chat route does (a
-:class:`~superfluid.api._openai.Reply`: content, reasoning, tool calls) and
+:class:`~superfluid.api._chat.Reply`: content, reasoning, tool calls) and
 lands it in the conversation. ``DELETE …/generation`` stops it; what it had
 said lands with ``finish: "cancelled"``. A daemon restart resumes the
 generation (``SessionStore.restore``) and :func:`restore_turns` gives each
@@ -30,21 +30,22 @@ import trio
 
 from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
-from ..proto import SSE_DONE, encode_sse_json
+from ..proto import encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
 from ._generate import RETIRE_S, Follower, check_log, open_session, prepare, reserve, retire, watch_disconnect
 from ._http import ApiError, Receive, Send, send_json
-from ._openai import (
-    ChatRequest, Reply, _max_tokens, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of, render_chat,
-    require_grammar, usage_of,
+from ._chat import (
+    ChatRequest, Reply, max_tokens_from, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of,
+    render_chat, require_grammar, usage_of,
 )
 from ._params import sampling_from, stops_from
 from ._principal import principal_of
+from ._sse import SseResponse
 from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
-    from ._app import App
+    from ._host import App
 
 __all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
            "load_turn", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
@@ -59,7 +60,6 @@ SAMPLING_FIELDS = frozenset({
 GENERATE_FIELDS = SAMPLING_FIELDS | {"stream", "stream_options", "qos", "tool_choice"}
 CLEANUP_S = 5.0      # bound on the shielded landing of a finished turn
 LAND_WAIT_S = 30.0   # a reader waits this long for the owner to land the reply
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 def check_sampling(model: ServedModel, fields: dict[str, Any], prefix: str = "") -> None:
@@ -70,7 +70,7 @@ def check_sampling(model: ServedModel, fields: dict[str, Any], prefix: str = "")
     """
     try:
         sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
-        _max_tokens(fields)
+        max_tokens_from(fields)
         stops_from(fields)
         if not isinstance(fields.get("ignore_eos", False), bool):
             raise ApiError(400, "invalid request: ignore_eos must be a boolean", param="ignore_eos")
@@ -116,7 +116,7 @@ def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str
     shown += [{**m, "content": m.get("content") or ""} for m in messages]
     return ChatRequest(
         messages=shown, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
-        max_tokens=_max_tokens(fields), tools=tools, choice=parse_tool_choice(params.get("tool_choice"), tools),
+        max_tokens=max_tokens_from(fields), tools=tools, choice=parse_tool_choice(params.get("tool_choice"), tools),
         template_kwargs=dict(header["template_kwargs"]), stops=stops_from(fields),
         ignore_eos=bool(fields.get("ignore_eos", False)))
 
@@ -390,28 +390,28 @@ async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> 
     async with watch_disconnect(receive):
         if cursor == 0:
             await reply.wait_admitted()  # refused before any token: an HTTP error
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, (b"x-superfluid-session", turn.generation.encode()),
-                                (b"x-superfluid-conversation", turn.conversation.encode())]})
+        sse = SseResponse(send)
+        await sse.start([(b"x-superfluid-session", turn.generation.encode()),
+                         (b"x-superfluid-conversation", turn.conversation.encode())])
         session.attach()
         try:
             if cursor == 0:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": chunk({"role": "assistant", "content": ""})})
+                await sse.send(chunk({"role": "assistant", "content": ""}))
             n_calls = 0
             try:
                 while True:
                     events, _rows, done = await reply.next()
                     delta, n_calls = openai_delta(events, n_calls)
                     if delta:
-                        await send({"type": "http.response.body", "body": chunk(delta), "more_body": True})
+                        await sse.send(chunk(delta))
                     if done:
                         break
                 final = chunk({}, reply.finish, {"usage": usage_of(session.job),
                                                  "superfluid": await landed_summary(turn)})
             except ApiError as exc:
-                final = encode_sse_json(exc.body())
-            await send({"type": "http.response.body", "body": final + SSE_DONE, "more_body": False})
+                await sse.fail(exc)
+            else:
+                await sse.end(final)
         finally:
             session.detach()
 

@@ -82,10 +82,9 @@ import trio
 from ..journal import JournalWriteError
 from ._generate import RETIRE_S, Lane, log_refusal, open_lane, prepare
 from ._http import ApiError, Receive, Send, decode_json
-from ._openai import (
-    ChatRequest, _max_tokens, grammar_from_response_format, parse_messages, parse_tool_choice, parse_tools, qos_of,
-    render_chat,
-    require_grammar, thinking_kwargs, usage_of,
+from ._chat import (
+    ChatRequest, grammar_from_response_format, max_tokens_from, parse_messages, parse_tool_choice, parse_tools,
+    qos_of, render_chat, require_grammar, thinking_kwargs, usage_of,
 )
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
@@ -98,7 +97,7 @@ if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Job
-    from ._app import App
+    from ._host import App
 
 __all__ = ["LIMITS", "WS_PATH", "WsLimits", "chat_job", "serve_websocket"]
 
@@ -511,7 +510,7 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
     kwargs = template_kwargs_from(body)
     sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
     req = ChatRequest(
-        messages=parse_messages(body), sampling=sampling, max_tokens=_max_tokens(body),
+        messages=parse_messages(body), sampling=sampling, max_tokens=max_tokens_from(body),
         grammar=grammar_from_response_format(body.get("response_format")),
         template_kwargs=thinking_kwargs(model.template.source, kwargs, enable=body.get("enable_thinking"),
                                         effort=body.get("reasoning_effort")),

@@ -12,6 +12,7 @@ from typing import Any
 
 import trio
 
+from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
 from ..daemon._registry import InsufficientMemory
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
@@ -48,36 +49,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
     s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
-    s.add_argument("--http", type=_hostport, help="HOST:PORT (default 127.0.0.1:8453)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8453)
+    s.add_argument("--http", type=_hostport, help=f"HOST:PORT (default {D.HOST}:{D.PORT})")
+    s.add_argument("--host", default=D.HOST)
+    s.add_argument("--port", type=int, default=D.PORT)
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
-    s.add_argument("--resume-ttl", type=float, default=300.0,
+    s.add_argument("--resume-ttl", type=float, default=D.RESUME_TTL_S,
                    help="seconds a resumable generation runs on with no client following it")
-    s.add_argument("--max-batch", type=int, default=8, help="lanes per model (default 8)")
-    s.add_argument("--max-context", type=int, default=4096, help="tokens per lane (default 4096)")
-    s.add_argument("--threads", type=int, default=0, help="engine threads (default: all cores)")
-    s.add_argument("--host-cache-mb", type=int, default=2048,
+    s.add_argument("--max-batch", type=int, default=D.MAX_BATCH, help=f"lanes per model (default {D.MAX_BATCH})")
+    s.add_argument("--max-context", type=int, default=D.MAX_CONTEXT,
+                   help=f"tokens per lane (default {D.MAX_CONTEXT})")
+    s.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
+    s.add_argument("--host-cache-mb", type=int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
-    s.add_argument("--stream-interval-ms", type=int, default=40,
+    s.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
-                        "(default 40; 0: every engine round)")
-    s.add_argument("--agent-stream-interval-ms", type=int, default=100,
+                        f"(default {D.STREAM_INTERVAL_MS}; 0: every engine round)")
+    s.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS,
                    help="the same for requests of the agent and background classes, which programs read "
-                        "(default 100): fewer chunks leave more CPU to the engine")
+                        f"(default {D.AGENT_STREAM_INTERVAL_MS}): fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
-    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGUSR1 waits for in-flight work")
+    s.add_argument("--drain-timeout", type=float, default=D.DRAIN_TIMEOUT_S,
+                   help="seconds SIGUSR1 waits for in-flight work")
     s.add_argument("--http-default-qos", type=parse_qos, default=QosClass.AGENT)
     s.add_argument("--no-http-qos-header", action="store_true")
     s.add_argument("--class-lanes", type=_class_lanes, default={}, help="e.g. background=2,agent=6")
-    s.add_argument("--starvation-ticks", type=int, default=8)
-    s.add_argument("--prefill-budget", type=int, default=4096)
-    s.add_argument("--tick-target-ms", type=int, default=250)
-    s.add_argument("--hang-timeout", type=float, default=60.0, help="seconds a tick may go unanswered")
+    s.add_argument("--starvation-ticks", type=int, default=D.STARVATION_TICKS)
+    s.add_argument("--prefill-budget", type=int, default=D.PREFILL_BUDGET)
+    s.add_argument("--tick-target-ms", type=int, default=D.TICK_TARGET_MS)
+    s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S, help="seconds a tick may go unanswered")
     s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--api-key", metavar="KEY",
@@ -97,37 +100,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
-    s.add_argument("--max-conversation-bytes", type=_positive(int), default=16 << 20,
-                   help="bytes a conversation's events may hold; more is refused with 413 (default 16777216)")
-    s.add_argument("--max-message-bytes", type=_positive(int), default=1 << 20,
-                   help="bytes one conversation message may hold; more is refused with 413 (default 1048576)")
-    s.add_argument("--max-conversation-events", type=_positive(int), default=10_000,
-                   help="events one conversation may hold; more is refused with 413 (default 10000)")
+    s.add_argument("--max-conversation-bytes", type=_positive(int), default=D.MAX_CONVERSATION_BYTES,
+                   help=f"bytes a conversation's events may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_BYTES})")
+    s.add_argument("--max-message-bytes", type=_positive(int), default=D.MAX_MESSAGE_BYTES,
+                   help=f"bytes one conversation message may hold; more is refused with 413 "
+                        f"(default {D.MAX_MESSAGE_BYTES})")
+    s.add_argument("--max-conversation-events", type=_positive(int), default=D.MAX_CONVERSATION_EVENTS,
+                   help=f"events one conversation may hold; more is refused with 413 "
+                        f"(default {D.MAX_CONVERSATION_EVENTS})")
     s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
                    help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
                         f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
                         f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
-    s.add_argument("--body-timeout", type=_positive(float), default=30.0,
-                   help="seconds a request body may take to arrive; then 408 and the connection closes (default 30)")
-    s.add_argument("--ws-idle-timeout", type=_positive(float), default=300.0,
+    s.add_argument("--body-timeout", type=_positive(float), default=D.BODY_TIMEOUT_S,
+                   help="seconds a request body may take to arrive; then 408 and the connection closes "
+                        f"(default {D.BODY_TIMEOUT_S:g})")
+    s.add_argument("--ws-idle-timeout", type=_positive(float), default=D.WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay with no message from the client and no session to follow; "
-                        "then it is closed with 1001 (default 300)")
-    s.add_argument("--max-queue", type=_positive(int), default=256,
+                        f"then it is closed with 1001 (default {D.WS_IDLE_TIMEOUT_S:g})")
+    s.add_argument("--max-queue", type=_positive(int), default=D.MAX_QUEUE,
                    help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
-                        "(default 256)")
+                        f"(default {D.MAX_QUEUE})")
     s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
                    help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
                         "default: only the models cache directory and the models given here)")
-    s.add_argument("--max-models", type=int, default=4, metavar="N",
+    s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
-                        "with 429 too_many_models (default 4)")
+                        f"with 429 too_many_models (default {D.MAX_MODELS})")
     s.add_argument("--idle-timeout", type=_nonneg_float, default=0.0, metavar="SEC",
                    help="unload a model no request has used for SEC seconds; never the default model (the first); "
                         "it loads again on the next request naming it (default 0: never)")
     s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
                    help="let requests name MODEL (a model given here or in a --model-dir) as NAME too, e.g. "
                         "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable)")
-    s.add_argument("--pooling", choices=("mean", "cls", "last", "none"), default=None,
+    s.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
                    help="how embeddings pool a text's token vectors (default: the model's own, else mean)")
     s.add_argument("--no-memory-check", action="store_true",
                    help="load a model even when its weights and KV cache exceed available memory "

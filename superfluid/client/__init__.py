@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._core import ChatStreamError as ChatStreamError
 from ._core import ResumePolicy as ResumePolicy
 from ._core import StreamLost as StreamLost
+from ._sse import aiter_sse as aiter_sse
 from ._sync import SyncChatStream as SyncChatStream
 from ._sync import stream_chat as stream_chat
 from ._trio import ChatStream as ChatStream

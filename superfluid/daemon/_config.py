@@ -6,6 +6,7 @@ from pathlib import Path
 
 import attrs
 
+from .. import _defaults as D
 from ..sched import PlannerConfig, QosClass
 
 __all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir"]
@@ -46,44 +47,44 @@ class ApiKey:
 @attrs.frozen(kw_only=True)
 class ServeConfig:
     models: tuple[ModelSource, ...]
-    host: str = "127.0.0.1"
-    port: int = 8453
+    host: str = D.HOST
+    port: int = D.PORT
     sessions: Path | None = None          # None: ~/.superfluid/sessions
     sessions_cache: bool = False          # start a fresh log, keeping the old one aside
-    resume_ttl_s: float = 300.0           # a resumable generation nobody follows is cancelled after this
-    max_batch: int = 8
-    max_context: int = 4096
-    threads: int = 0
-    host_cache_mb: int = 2048             # evicted prefixes kept in host memory, per model (0: off)
-    stream_interval_ms: int = 40          # tokens wait in the worker at most this long to share a chunk
-    agent_stream_interval_ms: int = 100   # the same for agent and background lanes (programs read them)
+    resume_ttl_s: float = D.RESUME_TTL_S  # a resumable generation nobody follows is cancelled after this
+    max_batch: int = D.MAX_BATCH
+    max_context: int = D.MAX_CONTEXT
+    threads: int = D.THREADS
+    host_cache_mb: int = D.HOST_CACHE_MB  # evicted prefixes kept in host memory, per model (0: off)
+    stream_interval_ms: int = D.STREAM_INTERVAL_MS  # tokens wait in the worker at most this long to share a chunk
+    agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS  # the same for agent and background lanes
     cpu_yield: bool = True                # SCHED_BATCH while no request waits for a first token (_cpu.py)
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = D.DRAIN_TIMEOUT_S
     default_qos: QosClass = QosClass.AGENT
     http_qos_header: bool = True
     planner: PlannerConfig = attrs.field(factory=PlannerConfig)
-    hang_timeout_s: float = 60.0
-    worker_start_timeout_s: float = 300.0
-    max_restarts: int = 3
-    restart_window_s: float = 60.0
+    hang_timeout_s: float = D.HANG_TIMEOUT_S
+    worker_start_timeout_s: float = D.WORKER_START_TIMEOUT_S
+    max_restarts: int = D.MAX_RESTARTS
+    restart_window_s: float = D.RESTART_WINDOW_S
     api_keys: tuple[ApiKey, ...] = ()     # empty: no authentication (one anonymous tenant)
     allowed_hosts: tuple[str, ...] = ()   # Host names answered besides the built-in ones (reverse proxies)
     web_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's pages; "*": any
     rate_limit_rpm: int = 0               # requests a minute per TCP peer (0: no limit)
     insecure_no_auth: bool = False        # serve a non-loopback address with no key anyway
-    max_conversation_bytes: int = 16 << 20  # a conversation's logged events, in bytes (413 beyond)
-    max_message_bytes: int = 1 << 20        # one message of a conversation, in bytes (413 beyond)
-    max_conversation_events: int = 10_000   # events in one conversation (413 beyond)
+    max_conversation_bytes: int = D.MAX_CONVERSATION_BYTES  # a conversation's logged events, in bytes (413 beyond)
+    max_message_bytes: int = D.MAX_MESSAGE_BYTES  # one message of a conversation, in bytes (413 beyond)
+    max_conversation_events: int = D.MAX_CONVERSATION_EVENTS  # events in one conversation (413 beyond)
     max_prompt_bytes: int = 0             # prompt bytes before tokenizing; 0: from the context (api/_generate.py)
-    body_timeout_s: float = 30.0          # a request body not complete within this is answered 408
-    ws_idle_timeout_s: float = 300.0      # a WebSocket with no message and nothing to follow for this is closed
-    max_queue: int = 256                  # queued jobs per QoS class per model; more is answered 429
+    body_timeout_s: float = D.BODY_TIMEOUT_S  # a request body not complete within this is answered 408
+    ws_idle_timeout_s: float = D.WS_IDLE_TIMEOUT_S  # an idle WebSocket (no message, nothing to follow) is closed
+    max_queue: int = D.MAX_QUEUE  # queued jobs per QoS class per model; more is answered 429
     deterministic: bool = False           # llama.cpp: batch-, chunk-, cache- and restart-invariant output (SPEC.md)
     model_dirs: tuple[Path, ...] = ()     # --model-dir: every *.gguf in them may be loaded over HTTP
-    max_models: int = 4                   # models (so worker processes) loaded at once
+    max_models: int = D.MAX_MODELS  # models (so worker processes) loaded at once
     idle_timeout_s: float = 0.0           # --idle-timeout: unload a model idle this long, never the default (0: never)
     aliases: tuple[tuple[str, str], ...] = ()  # --alias NAME=MODEL: another name a request may use for a model
-    pooling: str = ""                     # --pooling for embeddings: mean|cls|last|none ("": the GGUF's, else mean)
+    pooling: str = ""                     # --pooling for embeddings: mean|cls|last ("": the GGUF's, else mean)
     check_memory: bool = True             # refuse a load whose weights + KV exceed available memory
 
 

@@ -311,9 +311,15 @@ class ModelRegistry:
                 log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
                           exc_info=exc.__cause__ or exc)
                 self.metrics.for_model(owner.name).inc("superfluid_model_failures_total")
+            # a fresh scheduler at once: requests that arrive while the actor is down wait in its
+            # inbox for the restarted actor instead of meeting the failed one's 503
+            owner.renew(self._scheduler(owner.name))
+            task_status = trio.TASK_STATUS_IGNORED
             if not tracker.allow(trio.current_time()):
                 log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
                           owner.name, owner.policy.max_restarts, owner.policy.window_s)
+                owner.scheduler.close(f"model '{owner.name}' failed {owner.policy.max_restarts} times and was "
+                                      "unloaded; a request naming it loads it again", code="model_failed")
                 if self.loaded.get(owner.name) is not None and self.loaded[owner.name].owner is owner:
                     del self.loaded[owner.name]
                     if self.default == owner.name:
@@ -321,9 +327,9 @@ class ModelRegistry:
                 return
             await trio.sleep(owner.policy.backoff_s)
             if owner.stopped:  # unloaded while it was down
+                message, code = owner.stop_reason
+                owner.scheduler.close(message, code=code)
                 return
-            owner.renew(self._scheduler(owner.name))
-            task_status = trio.TASK_STATUS_IGNORED
             log.warning("model %s: restarting its actor", owner.name)
 
     async def get(self, name: str) -> ServedModel | None:

@@ -116,6 +116,11 @@ class ModelOwner:
     def stopped(self) -> bool:
         return self._stop is not None
 
+    @property
+    def stop_reason(self) -> tuple[str, str]:
+        """(message, code) the jobs of a stopped model end with."""
+        return self._stop or ("", "model_unloaded")
+
     def stop(self, message: str, *, code: str = "model_unloaded") -> None:
         """End the actor (an unload): every job of the model ends typed (503 ``code``)."""
         self._stop = (message, code)

@@ -6,6 +6,8 @@ from enum import Enum
 
 import attrs
 
+from .. import _defaults as D
+
 __all__ = ["RestartKind", "RestartPolicy", "RestartTracker"]
 
 
@@ -18,8 +20,8 @@ class RestartKind(Enum):
 @attrs.frozen(kw_only=True)
 class RestartPolicy:
     kind: RestartKind = RestartKind.PERMANENT
-    max_restarts: int = 3
-    window_s: float = 60.0
+    max_restarts: int = D.MAX_RESTARTS
+    window_s: float = D.RESTART_WINDOW_S
     backoff_s: float = 0.25
     max_backoff_s: float = 5.0  # a worker that cannot even be spawned is retried at doubling delays up to this
 

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 import trio
 
+from .. import _defaults as D
 from ..proto import (
     DAEMON,
     NEED_DATA,
@@ -67,15 +68,15 @@ class WorkerSpawnFailed(WorkerDied):
 class WorkerSpec:
     runtime: str
     model: str
-    max_batch: int = 8
-    max_context: int = 4096
-    threads: int = 0
-    host_cache_mb: int = 0
-    stream_interval_ms: int = 40
-    agent_stream_interval_ms: int = 100
+    max_batch: int = D.MAX_BATCH
+    max_context: int = D.MAX_CONTEXT
+    threads: int = D.THREADS
+    host_cache_mb: int = 0  # off unless the daemon asks (--host-cache-mb)
+    stream_interval_ms: int = D.STREAM_INTERVAL_MS
+    agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS
     deterministic: bool = False
     pooling: str = ""           # embeddings: mean|cls|last ("": the model's own, else mean)
-    start_timeout_s: float = 120.0
+    start_timeout_s: float = D.WORKER_START_TIMEOUT_S
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 import trio
 
+from .. import _defaults as D
 from ..proto import (
     FAULT_BUG,
     MAX_TICKS_IN_FLIGHT,
@@ -151,9 +152,9 @@ class _Round:
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
     planner: PlannerConfig = attrs.field(factory=PlannerConfig)
-    hang_timeout_s: float = 60.0
+    hang_timeout_s: float = D.HANG_TIMEOUT_S
     lost_limit: int = 3
-    max_queue: int = 256        # jobs waiting per class; a new one beyond is refused (QueueFull)
+    max_queue: int = D.MAX_QUEUE  # jobs waiting per class; a new one beyond is refused (QueueFull)
     max_prompt_bytes: int = 0   # the prompt-size limit the API checks before tokenize (0: from the context)
 
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from .. import _defaults as D
 from ._qos import QosClass
 
 __all__ = ["JobView", "LaneView", "Plan", "Planner", "PlannerConfig"]
@@ -70,14 +71,14 @@ class Plan:
 
 @attrs.frozen(kw_only=True)
 class PlannerConfig:
-    max_batch: int = 8
+    max_batch: int = D.MAX_BATCH
     class_lanes: Mapping[QosClass, int] = attrs.field(factory=dict)
-    starvation_ticks: int = 8
-    prefill_budget: int = 4096
+    starvation_ticks: int = D.STARVATION_TICKS
+    prefill_budget: int = D.PREFILL_BUDGET
     prefill_chunk: int = 512
     latency_prefill_s: float = 0.5
     tick_free_ms: int = 50
-    tick_busy_ms: int = 250
+    tick_busy_ms: int = D.TICK_TARGET_MS
     max_rounds: int = 64
 
     def cap(self, klass: QosClass) -> int:

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import attrs
 
+from ..proto import SseDecoder, SseEvent
+
 __all__ = ["TYPED", "UNTYPED", "Reply", "StreamReader", "read_whole"]
 
 TYPED = ("http", "event")
@@ -150,7 +152,8 @@ def _merge_tool_calls(reply: Reply, deltas: list[Any]) -> None:
 
 
 class StreamReader:
-    """Incremental SSE parser for OpenAI-style chat/completion streams.
+    """Incremental SSE parser for OpenAI-style chat/completion streams
+    (events from :class:`superfluid.proto.SseDecoder`).
 
     ``on_chunk(reply)`` runs after each content-bearing chunk; returning
     ``"abort"`` sets :attr:`abort` and the client closes its socket.
@@ -160,42 +163,32 @@ class StreamReader:
         self.reply = reply
         self.on_chunk = on_chunk
         self.abort = False
-        self._buf = b""
-        self._event_error = False
-        self._event_id: str | None = None
+        # llama-server's own (non-standard) ``error:`` field reports a failed stream
+        self._decoder = SseDecoder(keep=("error",))
 
     def feed(self, data: bytes, now: float) -> None:
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        for raw in lines:
-            if self.abort:  # the client hangs up here; later bytes were never "received"
-                self._buf = b""
-                return
-            self._line(raw.rstrip(b"\r").decode("utf-8", "replace"), now)
+        self._events(self._decoder.feed(data), now)
 
-    def _line(self, line: str, now: float) -> None:
+    def _events(self, events: list[SseEvent], now: float) -> None:
+        for event in events:
+            if self.abort:  # the client hangs up here; later bytes were never "received"
+                return
+            self._event(event, now)
+
+    def _event(self, event: SseEvent, now: float) -> None:
         reply = self.reply
-        if not line:
-            if self._event_error:  # an error event with no data line
+        failed = event.field("error")
+        if failed is not None:
+            reply.fail("event", _error_message(failed.strip()))
+            return
+        event_error = "error" in (event.event or "")
+        payload = event.data.strip()
+        if not payload:
+            if event_error:  # an error event with no data line
                 reply.fail("event", "event: error")
-                self._event_error = False
             return
-        if line.startswith(":"):
-            return
-        if line.startswith("id:"):
-            self._event_id = line[3:].strip()
-            return
-        if line.startswith("event:"):
-            self._event_error = "error" in line[6:]
-            return
-        if line.startswith("error:"):  # llama-server's own (non-standard) SSE field for a failed stream
-            reply.fail("event", _error_message(line[6:].strip()))
-            return
-        if not line.startswith("data:"):
-            return
-        payload = line[5:].strip()
-        if self._event_id is not None:  # the cursor counts once its event's data was read
-            reply.last_event_id, self._event_id = self._event_id, None
+        if event.id is not None:  # the cursor counts once its event's data was read
+            reply.last_event_id = event.id.strip()
         if payload == "[DONE]":
             reply.done = True
             return
@@ -207,8 +200,7 @@ class StreamReader:
         if not isinstance(obj, dict):
             reply.fail("malformed", f"data line is not an object: {payload[:200]}")
             return
-        if self._event_error or ("error" in obj and not obj.get("choices")):
-            self._event_error = False
+        if event_error or ("error" in obj and not obj.get("choices")):
             reply.fail("event", _error_message(payload))
             return
         if isinstance(obj.get("usage"), dict):
@@ -242,10 +234,7 @@ class StreamReader:
 
     def end(self, now: float) -> None:
         """The body ended (cleanly or not): flush and classify truncation."""
-        if self._buf:
-            self._line(self._buf.rstrip(b"\r").decode("utf-8", "replace"), now)
-            self._buf = b""
-        self._line("", now)
+        self._events(self._decoder.end(), now)
         reply = self.reply
         reply.finished_at = now
         if reply.error_kind is None and not reply.aborted and not reply.done and reply.finish_reason is None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import trio
 
+from .. import _defaults as D
 from ..proto import (
     DEFAULT_MAX_FRAME,
     FAULT_BUG,
@@ -454,12 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="superfluid-worker")
     parser.add_argument("name", help="superfluid-worker-<runtime>")
     parser.add_argument("--model", required=True)
-    parser.add_argument("--max-batch", type=int, default=8)
-    parser.add_argument("--max-context", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--host-cache-mb", type=int, default=0)
-    parser.add_argument("--stream-interval-ms", type=int, default=40)
-    parser.add_argument("--agent-stream-interval-ms", type=int, default=100)
+    parser.add_argument("--max-batch", type=int, default=D.MAX_BATCH)
+    parser.add_argument("--max-context", type=int, default=D.MAX_CONTEXT)
+    parser.add_argument("--threads", type=int, default=D.THREADS)
+    parser.add_argument("--host-cache-mb", type=int, default=0)  # off unless the daemon asks
+    parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)
+    parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
     try:

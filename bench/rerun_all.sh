@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Re-run every published comparison at HEAD on a quiet machine, one after another, into
+# bench-results/<commit>/ (one log per benchmark; each prints its own markdown table naming the
+# commit), then regenerate docs/suite-results.md from the suite's result files.
+#
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite throughput sampled qos logcost determinism
+#
+# Refuses to start while the machine is busy (1-minute load average above 0.5): llama.cpp's threads
+# collapse under other load and both sides of every ratio would be measured on a different machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+commit=$(git rev-parse --short HEAD)
+out=bench-results/$commit
+mkdir -p "$out"
+load=$(cut -d' ' -f1 /proc/loadavg)
+if awk "BEGIN{exit !($load > ${SUPERFLUID_BENCH_MAX_LOAD:-0.5})}"; then
+    echo "the machine is busy (load average $load): benchmarks need a quiet machine" >&2
+    exit 1
+fi
+server=$(bash bench/build_llama_server.sh)
+model=$($PY -m superfluid.models | head -1)
+parts=${*:-suite throughput sampled qos logcost determinism}
+for part in $parts; do
+    echo "== $part ($(date -u +%H:%M:%S))"
+    case $part in
+        suite)
+            box=$out/box.json
+            printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "models": {"gguf": "%s"}}\n' \
+                "$(hostname)" "$server" "$(dirname "$server")" "$model" > "$box"
+            $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
+                --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+            $PY -m superfluid.suite compare "$out/suite" > docs/suite-results.md ;;
+        throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
+        sampled) $PY bench/throughput.py --model "$model" --llama-server "$server" --temperature 0.8 --seed 1 \
+                     2>&1 | tee "$out/throughput-sampled.log" ;;
+        qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
+        logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
+        determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        *) echo "unknown part: $part" >&2; exit 2 ;;
+    esac
+done
+echo "results in $out"

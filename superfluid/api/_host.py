@@ -1,0 +1,44 @@
+"""What a route handler sees of the application.
+
+Handlers are typed against this protocol, not against the concrete
+:class:`~superfluid.api._app.App`: ``_app.py`` imports every dialect to route
+to it, so a dialect importing ``_app`` (even for typing) would close a cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import trio
+
+    from ..daemon._config import ServeConfig
+    from ..daemon._metrics import Metrics
+    from ..daemon._model import ServedModel
+    from ..daemon._registry import ModelRegistry
+    from ..sessions._conversations import ConversationStore
+    from ..sessions._resumable import SessionStore
+    from ._guard import Guard
+
+__all__ = ["App"]
+
+
+class App(Protocol):
+    """The application's state and its model lookup (implemented by ``_app.App``)."""
+
+    config: ServeConfig
+    registry: ModelRegistry
+    metrics: Metrics
+    sessions: SessionStore
+    conversations: ConversationStore
+    guard: Guard
+    session_nursery: trio.Nursery
+    accepting: bool
+
+    async def resolve_model(self, name: Any) -> ServedModel:
+        """The named model, loaded on demand if it is known but unloaded.
+
+        Raises:
+            ApiError: 400 missing/invalid, 404 unknown, 503 failed to load.
+        """
+        ...
