@@ -128,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
                         f"with 429 too_many_models (default {D.MAX_MODELS})")
-    s.add_argument("--idle-timeout", type=_nonneg_float, default=0.0, metavar="SEC",
+    s.add_argument("--idle-timeout", type=_nonneg_float, default=D.IDLE_TIMEOUT_S, metavar="SEC",
                    help="unload a model no request has used for SEC seconds; never the default model (the first); "
-                        "it loads again on the next request naming it (default 0: never)")
+                        f"it loads again on the next request naming it (default {D.IDLE_TIMEOUT_S:g}: never)")
     s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
                    help="let requests name MODEL (a model given here or in a --model-dir) as NAME too, e.g. "
                         "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable)")
