@@ -259,6 +259,9 @@ async def test_alias_names_a_model(nursery: trio.Nursery) -> None:
     r = await d.client.post("/api/chat", json={"model": "gpt-4o-mini:latest", "messages": CHAT["messages"],
                                                "stream": False, "options": {"num_predict": 2}})
     assert r.status_code == 200 and r.json()["model"] == "side"
+    listed = {m["id"]: m.get("alias_of") for m in (await d.client.get("/v1/models")).json()["data"]}
+    assert listed == {"main": None, "side": None, "gpt-4o-mini": "side"}
+    assert (await d.client.get("/v1/models/gpt-4o-mini")).json()["id"] == "side"
     r = await d.client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-5"})
     assert r.status_code == 404
     message = r.json()["error"]["message"]

@@ -234,12 +234,13 @@ class App:
             return
         m = re.fullmatch(r"/v1/models/(.+)", path)
         if m and method == "GET":
-            current_principal().check_model(m.group(1))
-            model = self.registry.loaded.get(m.group(1))
+            name = self.registry.resolve_alias(m.group(1))
+            current_principal().check_model(name)
+            model = self.registry.loaded.get(name)
             if model is not None:
                 await send_json(send, 200, model.describe())
-            elif m.group(1) in self.registry.known:
-                await send_json(send, 200, self._known(m.group(1)))
+            elif name in self.registry.known:
+                await send_json(send, 200, self._known(name))
             else:
                 raise ApiError(404, f"model '{m.group(1)}' not found", code="model_not_found")
             return
@@ -300,7 +301,11 @@ class App:
         data = [reg.loaded[reg.default].describe()] if reg.default in reg.loaded else []
         data += [m.describe() for name, m in sorted(reg.loaded.items()) if name != reg.default]
         data += [self._known(name) for name in sorted(reg.known) if name not in reg.loaded]
-        return [d for d in data if current_principal().may_use(d["id"])]
+        data = [d for d in data if current_principal().may_use(d["id"])]
+        # --alias names, for clients that look for their hard-coded name in the list
+        return data + [{"id": alias, "object": "model", "created": 0, "owned_by": "superfluid",
+                        "loaded": target in reg.loaded, "alias_of": target}
+                       for alias, target in sorted(reg.aliases.items()) if current_principal().may_use(target)]
 
     async def _load(self, send: Send, body: dict[str, Any]) -> None:
         ident = body.get("id") or body.get("model") or body.get("name")
