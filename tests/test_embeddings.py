@@ -125,6 +125,9 @@ async def test_embeddings_on_smollm2(nursery: trio.Nursery) -> None:
     await trio.to_thread.run_sync(_ollama_checks, d.url, "smol", dim)
     r = await d.client.post("/v1/embeddings", json={"model": "smol", "input": " ".join(["word"] * 600)})
     assert r.status_code == 400 and "window is 512" in r.json()["error"]["message"]
+    # /api/ps: the weights (the file) and the KV cache of 4 sequences of 512 cells, none of it on a GPU
+    (ps,) = (await d.client.get("/api/ps")).json()["models"]
+    assert ps["size"] == REAL_GGUF.stat().st_size + 4 * 512 * 30 * 2 * 192 * 2 and ps["size_vram"] == 0
     # chat still works beside the embedding context
     r = await d.client.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 3, "temperature": 0,
                                                           "messages": [{"role": "user", "content": "hi"}]})
