@@ -3,7 +3,7 @@
 # bench-results/<commit>/ (one log per benchmark; each prints its own markdown table naming the
 # commit), then regenerate docs/suite-results.md from the suite's result files.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite throughput sampled qos logcost determinism
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite throughput sampled qos logcost determinism monitor
 #
 # Refuses to start while the machine is busy (1-minute load average above 0.5): llama.cpp's threads
 # collapse under other load and both sides of every ratio would be measured on a different machine.
@@ -20,7 +20,7 @@ if awk "BEGIN{exit !($load > ${SUPERFLUID_BENCH_MAX_LOAD:-0.5})}"; then
 fi
 server=$(bash bench/build_llama_server.sh)
 model=$($PY -m superfluid.models | head -1)
-parts=${*:-suite throughput sampled qos logcost determinism}
+parts=${*:-suite throughput sampled qos logcost determinism monitor}
 for part in $parts; do
     echo "== $part ($(date -u +%H:%M:%S))"
     case $part in
@@ -37,6 +37,7 @@ for part in $parts; do
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
         logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
         determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        monitor) $PY bench/monitor_cost.py --model "$model" 2>&1 | tee "$out/monitor-cost.log" ;;
         *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
 done

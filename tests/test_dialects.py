@@ -181,8 +181,9 @@ def _ollama_mock(url: str) -> None:
                          (lambda: client.chat("mock", messages=history, options={"mirostat": 2}), 400),
                          (lambda: client.embed("mock", [""]), 400),
                          (lambda: client.chat("nope", messages=history), 404),
-                         (lambda: client.pull("mock"), 501),
-                         (lambda: client.delete("mock"), 501)):
+                         (lambda: client.pull("mock"), 400),  # not a Hugging Face id (tests/test_pulls.py)
+                         (lambda: client.delete("mock"), 404),  # nothing pulled or copied by that name
+                         (lambda: client.push("mock"), 501)):
         with pytest.raises(ollama.ResponseError) as info:
             call()
         assert info.value.status_code == status, info.value

@@ -5,6 +5,7 @@ check reads a small GGUF header written here (no model is loaded)."""
 from __future__ import annotations
 
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -243,7 +244,7 @@ def test_a_startup_model_that_does_not_fit_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "superfluid", "serve", str(path), "--port", "0",
                            "--sessions", str(tmp_path / "s"), "--log-level", "ERROR"],
                           capture_output=True, text=True, timeout=60,
-                          env={**__import__("os").environ, "SUPERFLUID_MEMORY_AVAILABLE": "1M"})
+                          env={**os.environ, "SUPERFLUID_MEMORY_AVAILABLE": "1M"})
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("superfluid: model did not load: model 'big' needs 900.0 MiB")
@@ -272,7 +273,8 @@ async def test_alias_names_a_model(nursery: trio.Nursery) -> None:
 def test_alias_to_an_unknown_model_is_a_usage_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "superfluid", "serve", "--runtime", "mock",
                            "--alias", "gpt-4=nope", "--sessions", str(tmp_path / "s")],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SUPERFLUID_HOME": str(tmp_path / "home")})  # no pulled models
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "superfluid: --alias gpt-4=nope: no model 'nope' is served (models: mock)")
 

@@ -18,7 +18,8 @@ from ._sessions import delete_generation, get_session, stream_session
 from ._conversations import route_conversations
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
-from ._ollama import api_chat, api_generate, api_ps, api_show, api_tags, api_version, managed, root
+from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_pull, api_show, api_tags,
+                      api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
 
@@ -54,10 +55,10 @@ _POST_JSON: dict[str, Handler] = {
     "/api/show": api_show,
     "/api/embed": ollama_embed,
     "/api/embeddings": ollama_embeddings,
-    "/api/pull": managed,
+    "/api/pull": api_pull,
     "/api/push": managed,
     "/api/create": managed,
-    "/api/copy": managed,
+    "/api/copy": api_copy,
 }
 # Routes served without a JSON body (Ollama discovery, and DELETE /api/delete); each handler checks its method.
 _GET_JSON: dict[str, Handler] = {
@@ -65,7 +66,7 @@ _GET_JSON: dict[str, Handler] = {
     "/api/version": api_version,
     "/api/tags": api_tags,
     "/api/ps": api_ps,
-    "/api/delete": managed,
+    "/api/delete": api_delete,
 }
 
 

@@ -1,6 +1,6 @@
 """Ollama dialect: ``/``, ``/api/version``, ``/api/tags``, ``/api/ps``,
-``/api/show``, ``/api/chat``, ``/api/generate`` (``/api/embed`` is in ``_embed.py``),
-and 501s for model management.
+``/api/show``, ``/api/chat``, ``/api/generate``, ``/api/pull`` (from Hugging Face),
+``/api/delete``, ``/api/copy``, and 501s for push and create (``/api/embed`` is in ``_embed.py``).
 
 Streams are NDJSON by default (``"stream": false`` gives one object);
 durations are nanoseconds; tool calls arrive whole, with ``arguments`` as an
@@ -22,8 +22,8 @@ import trio
 from .. import __version__
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
-from ._generate import access_log
-from ._http import ApiError, Receive, Send, send_json, send_text, answer_errors
+from ._generate import access_log, watch_disconnect
+from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ._host import App
 
-__all__ = ["api_chat", "api_generate", "api_ps", "api_show", "api_tags", "api_version", "managed",
-           "root"]
+__all__ = ["api_chat", "api_copy", "api_delete", "api_generate", "api_ps", "api_pull", "api_show",
+           "api_tags", "api_version", "managed", "root"]
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
 _CHAT_FIELDS = {"model", "messages", "tools", "stream", "format", "options", "keep_alive", "think", "logprobs",
@@ -71,8 +71,12 @@ def _details(model: ServedModel | None) -> dict[str, Any]:
 
 
 def _entry(name: str, model: ServedModel | None) -> dict[str, Any]:
+    # a loaded model file's digest is the sha256 of its real path: `superfluid models`/`rm` match files by it
+    import os
+
+    key = os.path.realpath(model.path) if model is not None and model.runtime != "mock" else name
     return {"name": name, "model": name, "modified_at": _now(), "size": 0,
-            "digest": hashlib.sha256(name.encode()).hexdigest(), "details": _details(model)}
+            "digest": hashlib.sha256(key.encode()).hexdigest(), "details": _details(model)}
 
 
 async def root(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -149,7 +153,7 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
 
 
 async def managed(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    """``/api/pull|push|create|copy|delete``: superfluid serves model files it is given; it manages none."""
+    """``/api/push|create``: superfluid pulls from Hugging Face and pushes to no registry."""
     await send_json(send, 501, {"error": f"{scope['path']} is not supported: superfluid serves the model files "
                                          "it is started with (see `superfluid serve --model`) and manages no registry"})
 
@@ -386,3 +390,180 @@ async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> Non
     except ApiError as exc:
         final = encode_ndjson({"error": exc.message})
     await send({"type": "http.response.body", "body": final, "more_body": False})
+
+
+# -- model management: pull, delete, copy (admin routes: api/_guard.py) ------------------------------------------
+
+_PULL_STATUS = {"not_found": 404, "ambiguous": 400, "unreachable": 502, "integrity": 502, "failed": 502}
+
+
+def _register(app: App, name: str, path: Any) -> None:
+    from ..daemon._config import ModelSource
+
+    app.registry.known[name] = ModelSource(spec=str(path), runtime="llamacpp", name=name)
+
+
+async def api_pull(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``/api/pull``: an ``org/repo[:QUANT]`` from Hugging Face (``models/_hub.py``), its
+    progress as NDJSON in Ollama's shape, or one object with ``stream: false``. A client
+    that disconnects cancels the pull (what arrived is kept, and the next pull resumes it)."""
+    from ..models._hub import PullError, PullProgress, fetch_async, parse_hub_id, resolve_async
+
+    async def run(send: Send) -> None:
+        raw = body.get("model", body.get("name"))
+        if not isinstance(raw, str) or not raw:
+            raise ApiError(400, "model is required")
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool):
+            raise ApiError(400, "stream must be a boolean")
+        principal_of(scope).check_model(raw)
+        ref = parse_hub_id(raw.removesuffix(":latest"), disk=False)
+        if ref is None:
+            raise ApiError(400, f"'{raw}' is not a Hugging Face model id: superfluid pulls org/repo[:QUANT] "
+                                "(e.g. unsloth/Qwen3-4B-GGUF:Q4_K_M)")
+        progress = PullProgress()
+        async with watch_disconnect(receive):  # a client that leaves cancels the pull
+            try:
+                plan = await resolve_async(ref)
+                if not stream:
+                    pulled = await fetch_async(plan, progress)
+            except PullError as exc:
+                raise ApiError(_PULL_STATUS.get(exc.kind, 502), str(exc)) from None
+            if not stream:
+                _register(app, pulled.name, pulled.path)
+                await send_json(send, 200, {"status": "success"})
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+            await _stream_pull(app, send, plan, progress)
+
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
+
+
+async def _stream_pull(app: App, send: Send, plan: Any, progress: Any) -> None:
+    from ..models._hub import PullError, fetch_async
+
+    async def line(obj: dict[str, Any], more: bool = True) -> None:
+        await send({"type": "http.response.body", "body": encode_ndjson(obj), "more_body": more})
+
+    await line({"status": "pulling manifest"})
+    result: list[Any] = []
+
+    async def report() -> None:
+        last: tuple[Any, ...] = ()
+        while True:
+            state = (progress.status, progress.digest, progress.total, progress.completed)
+            if state != last and progress.index:
+                last = state
+                digest = progress.digest
+                if progress.status.startswith(("pulling ", "writing", "verifying")):
+                    await line({"status": f"pulling {digest.removeprefix('sha256:')[:12]}", "digest": digest,
+                                "total": progress.total, "completed": progress.completed})
+                else:
+                    await line({"status": progress.status})
+            await trio.sleep(0.25)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(report)
+            result.append(await fetch_async(plan, progress))
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        failed, rest = group.split(PullError)
+        if rest is not None or failed is None:
+            raise
+        await line({"error": str(failed.exceptions[0])}, more=False)
+        return
+    pulled = result[0]
+    _register(app, pulled.name, pulled.path)
+    digest = progress.digest
+    await line({"status": f"pulling {digest.removeprefix('sha256:')[:12]}", "digest": digest,
+                "total": progress.total, "completed": progress.total})
+    await line({"status": "verifying sha256 digest"})
+    await line({"status": "writing manifest"})
+    await line({"status": "success"}, more=False)
+
+
+def _library_entry(app: App, name: str) -> Any:
+    """The pulled, copied or cached model ``name`` names (``:latest`` allowed), or None."""
+    from ..models._library import find
+
+    return find(name) or (find(name.removesuffix(":latest")) if name.endswith(":latest") else None)
+
+
+def _same_file(app: App, entry: Any) -> tuple[list[str], list[str]]:
+    """The loaded and the known models whose file is ``entry``'s (blocking: resolves paths)."""
+    import os
+
+    real = os.path.realpath(entry.path)
+    reg = app.registry
+    loaded = [n for n, m in reg.loaded.items() if m.runtime != "mock" and os.path.realpath(m.path) == real]
+    known = [n for n, s in reg.known.items() if s.runtime != "mock" and os.path.realpath(s.spec) == real]
+    return loaded, known
+
+
+async def api_delete(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``DELETE /api/delete``: remove a pulled or copied model (or a file of the models
+    cache directory); one this daemon has loaded is unloaded first (409 if it is the
+    only one loaded)."""
+    from ..models._library import remove
+
+    async def run(send: Send) -> None:
+        _method(scope, "DELETE")
+        payload = await read_json(scope, receive)
+        name = payload.get("model", payload.get("name"))
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model is required")
+        principal_of(scope).check_model(name)
+        entry = await trio.to_thread.run_sync(_library_entry, app, name)
+        if entry is None:
+            raise ApiError(404, f"model '{name}' not found")
+        reg = app.registry
+        loaded, known = await trio.to_thread.run_sync(_same_file, app, entry)
+        for other in loaded if entry.kind != "copy" else ():
+            try:
+                await reg.unload(other)
+            except ValueError:
+                raise ApiError(409, f"model '{name}' is the only model loaded; load another one first") from None
+        await trio.to_thread.run_sync(remove, entry)
+        for other in {entry.name, *(known if entry.kind != "copy" else ())}:
+            if other not in reg.loaded:
+                reg.known.pop(other, None)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    await answer_errors(send, run, lambda exc: {"error": exc.message})
+
+
+async def api_copy(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``/api/copy``: ``destination`` becomes another name of ``source``'s file, kept in the
+    library (``$SUPERFLUID_HOME/library``) across restarts."""
+    from pathlib import Path
+
+    from ..models._library import add_copy
+
+    async def run(send: Send) -> None:
+        source, dest = body.get("source"), body.get("destination")
+        if not isinstance(source, str) or not source or not isinstance(dest, str) or not dest:
+            raise ApiError(400, "source and destination are required")
+        principal_of(scope).check_model(source)
+        principal_of(scope).check_model(dest)
+        if dest in app.registry.known or dest in app.registry.loaded:
+            raise ApiError(409, f"a model named '{dest}' already exists")
+        entry = await trio.to_thread.run_sync(_library_entry, app, source)
+        origin: Any = entry
+        if entry is None:
+            known = app.registry.known.get(_name(app, source))
+            if known is None:
+                raise ApiError(404, f"model '{source}' not found")
+            if known.runtime == "mock":
+                raise ApiError(400, f"model '{source}' runs on the mock runtime and has no file to name")
+            origin = Path(known.spec)
+        try:
+            copy = await trio.to_thread.run_sync(add_copy, origin, dest)
+        except ValueError as exc:
+            raise ApiError(409 if "exists" in str(exc) else 400, str(exc)) from None
+        _register(app, copy.name, copy.path)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    await answer_errors(send, run, lambda exc: {"error": exc.message})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -20,6 +21,11 @@ from ..models._files import default_model_path, model_name, resolve_runtime
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerLoadFailed
 from ..sched import PlannerConfig, QosClass, parse_qos
+from .. import __version__
+from ..models._hub import PullError
+from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
+from ._launch import add_launch_parsers, split_agent_args
+from ._top import add_top_parser
 
 __all__ = ["main"]
 
@@ -44,10 +50,13 @@ def _class_lanes(value: str) -> dict[QosClass, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superfluid", description="A local LLM serving daemon on trio.")
+    parser.add_argument("--version", action="version", version=f"superfluid {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve models over HTTP (OpenAI API)")
     s.add_argument("model", nargs="?", help="GGUF path, or 'mock'; default: the embedded SmolLM2-135M")
     s.add_argument("--model", dest="models", action="append", default=[], help="another model (repeatable)")
+    s.add_argument("--offline", action="store_true",
+                   help="a Hugging Face id (org/repo[:QUANT]) is looked for only in the cache, never pulled")
     s.add_argument("--runtime", action="append", default=[], help="ID, or MODEL=ID (llamacpp, mock)")
     s.add_argument("--http", type=_hostport, help=f"HOST:PORT (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST)
@@ -81,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-budget", type=int, default=D.PREFILL_BUDGET)
     s.add_argument("--tick-target-ms", type=int, default=D.TICK_TARGET_MS)
     s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S, help="seconds a tick may go unanswered")
-    s.add_argument("--no-tui", action="store_true", help="accepted for compatibility; there is no TUI yet")
+    s.add_argument("--no-tui", action="store_true",
+                   help="no live monitor: log lines on stderr instead (default: the monitor when stdout is a "
+                        "terminal; q in it drains and quits)")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--api-key", metavar="KEY",
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY) on every route but "
@@ -143,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
                         "throughput and prefix reuse; default off)")
+    add_model_commands(sub, _hostport)  # pull, models, rm (cli/_models.py)
+    add_top_parser(sub)
+    add_launch_parsers(sub)
     return parser
 
 
@@ -219,6 +233,10 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         runtime = resolve_runtime(spec, per_model.get(spec, default_runtime))
         if runtime == "mock" and not spec.startswith("mock"):
             spec = "mock"
+        pulled = hub_model(spec, offline=args.offline) if runtime != "mock" else None  # org/repo[:QUANT]
+        if pulled is not None:
+            out.append(ModelSource(spec=str(pulled.path), runtime=runtime, name=pulled.repo))
+            continue
         if runtime != "mock" and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
@@ -234,7 +252,10 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
         return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
     from ..daemon._registry import model_dir_names
 
+    from ..models._library import entries
+
     names = {s.name for s in sources} | set(model_dir_names(tuple(args.model_dirs)))
+    names |= {e.name for e in entries() if e.kind in ("pull", "copy")} if args.aliases else set()
     for alias, target in args.aliases:
         if target not in names:
             return (f"--alias {alias}={target}: no model {target!r} is served (models: "
@@ -252,7 +273,14 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if args.command in MODEL_COMMANDS:
+        return MODEL_COMMANDS[args.command](args)
+    if getattr(args, "run", None) is not None:  # top, launch, stop (cli/_top.py, cli/_launch.py)
+        if agent_args:
+            args.agent_args = agent_args
+        return int(args.run(args))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from ..daemon._server import serve
@@ -264,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2
-    sources = tuple(_sources(args))
+    try:
+        sources = tuple(_sources(args))
+    except (PullError, PullInterrupted) as exc:
+        print(f"superfluid: {exc}", file=sys.stderr)
+        return 130 if isinstance(exc, PullInterrupted) else 1
     mistake = _check_limits(args, sources)
     if mistake is not None:
         print(f"superfluid: {mistake}", file=sys.stderr)
@@ -294,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     if not config.api_keys and not is_loopback_listener(host):
         print(f"superfluid: warning: serving {host} with no API key (--insecure-no-auth)", file=sys.stderr)
     try:
-        trio.run(serve, config)
+        monitor = not args.no_tui and sys.stdout.isatty()
+        trio.run(functools.partial(serve, config, monitor=monitor))
     except (JournalLocked, WalCorrupt) as exc:
         print(f"superfluid: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ prometheus_client.disable_created_metrics()  # no ``*_created`` series beside ev
 # name: (kind, help, labels besides ``model``)
 _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
     "superfluid_lanes_active": (Gauge, "Lanes currently admitted in a worker.", ()),
+    "superfluid_lanes_total": (Gauge, "Lanes the model's worker has (--max-batch).", ()),
     "superfluid_queue_depth": (Gauge, "Jobs waiting for a lane, by QoS class.", ("class",)),
     "superfluid_preemptions_total": (Counter, "Lanes stopped to make room for a more urgent class.", ()),
     "superfluid_prefill_tokens_total": (Counter, "Prompt tokens prefilled by workers.", ()),

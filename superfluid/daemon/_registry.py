@@ -90,6 +90,16 @@ class InsufficientMemory(Exception):
             f"({source}); lower --max-batch or --max-context, or unload a model")
 
 
+def _library_sources(config: ServeConfig) -> list[ModelSource]:
+    """The models pulled or copied before (``models/_library.py``), known by their names,
+    but for the files of models given at startup (known already, by their served names)."""
+    from ..models._library import entries
+
+    startup = {os.path.realpath(s.spec) for s in config.models if s.runtime != "mock"}
+    return [ModelSource(spec=str(e.path), runtime="llamacpp", name=e.name) for e in entries()
+            if e.kind in ("pull", "copy") and (e.kind == "copy" or os.path.realpath(e.path) not in startup)]
+
+
 class ModelRegistry:
     def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery,
                  committer: Committer | None = None, cpu: CpuYield | None = None) -> None:
@@ -108,7 +118,7 @@ class ModelRegistry:
         # owners whose task is alive (an unloaded model's worker may still be shutting down)
         self._owners = 0
         self._owner_gone = trio.Event()
-        for source in (*config.models, *self._model_dir_files()):
+        for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
         self.aliases: dict[str, str] = dict(config.aliases)
         self.idle_timeout_s = config.idle_timeout_s
@@ -264,6 +274,7 @@ class ModelRegistry:
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
                                 created=int(time.time()), size=size, last_used=trio.current_time())
             self.loaded[source.name] = model
+            self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
             self.known[source.name] = source
             if make_default or self.default is None:
                 self.default = source.name

