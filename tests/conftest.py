@@ -17,6 +17,7 @@ from superfluid.sched import PlannerConfig
 
 REAL_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GGUF", cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"))
 GEMMA_GGUF = Path(os.environ.get("SUPERFLUID_TEST_GEMMA", cache_dir() / "gemma-3-270m-q4_k_m.gguf"))
+MLX_DIR = Path(os.environ.get("SUPERFLUID_TEST_MLX", cache_dir() / "SmolLM2-135M-Instruct-mlx"))
 REQUIRE_REAL = os.environ.get("SUPERFLUID_REQUIRE_REAL") == "1"  # CI: what a real test needs must be there
 
 
@@ -30,9 +31,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     import importlib.util
 
     missing = [] if importlib.util.find_spec("llama_cpp") else ["llama-cpp-python"]
+    if MLX_DIR in marker.args and not importlib.util.find_spec("mlx_lm"):
+        missing.append("mlx-lm")
     missing += [str(path) for path in (marker.args or (REAL_GGUF,)) if not Path(path).exists()]
     if missing:
-        why = f"missing {', '.join(missing)} (pip install -e '.[llamacpp]'; python -m superfluid.models._files)"
+        why = (f"missing {', '.join(missing)} (pip install -e '.[llamacpp,mlx]'; "
+               "python -m superfluid.models --mlx)")
         if REQUIRE_REAL:
             pytest.fail(f"SUPERFLUID_REQUIRE_REAL=1 and {why}", pytrace=False)
         pytest.skip(why)

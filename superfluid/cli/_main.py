@@ -239,6 +239,13 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             continue
         if runtime != "mock" and not Path(spec).exists():
             raise SystemExit(f"superfluid: model file not found: {spec}")
+        if runtime == "basert":
+            from ..worker._basert import BaseRTMissing, find_library
+
+            try:
+                find_library()
+            except BaseRTMissing as exc:
+                raise SystemExit(f"superfluid: {spec}: {exc}") from None
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime)))
     return out
 

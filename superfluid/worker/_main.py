@@ -71,14 +71,14 @@ __all__ = ["load_engine", "main"]
 
 _STOP = object()  # queued by the reader when the link ends: the engine thread returns
 
-RUNTIMES = ("mock", "llamacpp")
+RUNTIMES = ("mock", "llamacpp", "mlx", "basert")
 GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False, pooling: str = "") -> Engine:
+                deterministic: bool = False, pooling: str = "", basert_lib: str | None = None) -> Engine:
     if runtime == "mock":
         from ._mock import MockEngine
 
@@ -88,6 +88,15 @@ def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, t
 
         return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
                            deterministic=deterministic, pooling=pooling)
+    if runtime == "mlx":
+        from ._mlx import MlxEngine
+
+        return MlxEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
+                         deterministic=deterministic)
+    if runtime == "basert":
+        from ._basert import load_basert
+
+        return load_basert(model, max_batch=max_batch, max_context=max_context, lib=basert_lib)
     raise ValueError(f"unknown runtime {runtime!r}")
 
 
@@ -409,7 +418,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         engine = await trio.to_thread.run_sync(
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads,
-                                deterministic=args.deterministic, pooling=args.pooling)
+                                deterministic=args.deterministic, pooling=args.pooling,
+                                basert_lib=args.basert_lib)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
@@ -446,6 +456,13 @@ def _runtime_version(runtime: str) -> str:
             return str(llama_cpp.__version__)
         except ImportError:
             return "unavailable"
+    if runtime == "mlx":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return f"mlx {version('mlx')}, mlx-lm {version('mlx-lm')}"
+        except PackageNotFoundError:
+            return "unavailable"
     from .. import __version__
 
     return __version__
@@ -463,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
+    parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     try:
         args = parser.parse_args(argv)
     except SystemExit:

@@ -1,0 +1,476 @@
+"""The MLX primitive runtime, on mlx-lm (Apple silicon, or the CPU device on Linux).
+
+Contract (the :class:`~superfluid.worker._engine.Engine` and
+:class:`~superfluid.worker._engine.LaneSampler` protocols):
+
+* Loads an MLX model directory (``config.json``, ``*.safetensors``,
+  ``tokenizer.json``) with ``mlx_lm.utils.load_model``. A directory that
+  ships Python code (``*.py`` files, or a config naming a ``model_file`` or an
+  ``auto_map``) is refused unless ``SUPERFLUID_MLX_TRUST_MODEL_CODE=1``.
+  Before loading, the weights must fit: weights + 10% + 1 GiB, leaving
+  max(4 GiB, 10% of RAM) free (``SUPERFLUID_MLX_SKIP_FIT_CHECK=1`` skips it);
+  otherwise :class:`MemoryFitError`.
+* KV: one mlx-lm ``KVCache`` list (one per layer) per sequence
+  (``kv_layout="per_seq"``), so any prefix of any sequence can be reused:
+  ``seq_rm`` trims, ``seq_cp`` copies the first ``p1`` positions (MLX arrays
+  are immutable values, so a copy shares storage until either side writes).
+* :meth:`MlxEngine.decode` runs each row as its own forward pass over its
+  sequence's cache, all rows' graphs evaluated together in one ``mx.eval``;
+  the handle per row is that row's last-position logits as a float32 numpy
+  array. A decode round (one token for each of several sequences) can instead
+  run as one batched pass (``_DecodeView``: per-layer caches left-padded into
+  a batch, a per-row mask and RoPE offsets); that is the default on a GPU
+  device only, as it was slower on the CPU (``SUPERFLUID_MLX_BATCH_DECODE=0|1``
+  overrides).
+* Sampling runs on the host in numpy, per lane: logit bias, penalties (last
+  64 tokens, llama.cpp's rules), then greedy (argmax, first of equal maxima)
+  or top-k, top-p, min-p, temperature and a draw from
+  ``numpy.random.default_rng(counter_seed(seed, k))`` for generated token
+  ``k``, so a re-admitted lane continues the same random stream.
+  Grammars are refused (the capability record says so).
+* Log probabilities come from the raw logits (log-softmax).
+* Tokenization uses ``tokenizers`` on ``tokenizer.json`` (``parse_special``
+  false: control-token text is plain text); pieces are the tokens' bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..proto import Sampling
+from ._engine import BatchRow, ModelInfo
+from ._executor import counter_seed
+
+__all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
+
+PENALTY_LAST_N = 64
+MAX_LOGPROBS = 20
+GIB = 1 << 30
+TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
+SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
+_NO_MEDIA = "text-only runtime: MLX vision models are not served"
+_NO_GRAMMAR = "the MLX runtime has no grammar engine yet (JSON schema and forced tool calls need llama.cpp)"
+
+
+class MemoryFitError(RuntimeError):
+    """The model's weights would not fit in memory with the required headroom."""
+
+
+def check_model_dir(path: str) -> dict[str, Any]:
+    """The directory's ``config.json``, after the checks that precede any load.
+
+    Raises:
+        FileNotFoundError: not an MLX model directory.
+        PermissionError: it ships Python code and ``SUPERFLUID_MLX_TRUST_MODEL_CODE`` is not 1.
+        MemoryFitError: the weights would not fit (unless ``SUPERFLUID_MLX_SKIP_FIT_CHECK=1``).
+    """
+    root = Path(path)
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an MLX model directory (no config.json)")
+    shards = glob.glob(str(root / "*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    config = json.loads((root / "config.json").read_text(encoding="utf-8"))
+    code = sorted(p.name for p in root.glob("*.py"))
+    code += [f"config.json {k}" for k in ("model_file", "auto_map") if k in config]
+    if code and os.environ.get(TRUST_ENV) != "1":
+        raise PermissionError(f"{path} ships Python code ({', '.join(code)}); set {TRUST_ENV}=1 to run it")
+    if os.environ.get(SKIP_FIT_ENV) != "1":
+        import psutil
+
+        weights = sum(os.path.getsize(s) for s in shards)
+        mem = psutil.virtual_memory()
+        need = weights * 1.1 + GIB
+        reserve = max(4 * GIB, 0.1 * mem.total)
+        if need + reserve > mem.available:
+            raise MemoryFitError(
+                f"the weights ({weights / GIB:.1f} GiB) need {need / GIB:.1f} GiB and {reserve / GIB:.1f} GiB must "
+                f"stay free; {mem.available / GIB:.1f} GiB is available ({SKIP_FIT_ENV}=1 skips this check)")
+    return config
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode table, inverted (byte-level BPE token text -> bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class _Vocab:
+    """``tokenizer.json`` through ``tokenizers``: ids, pieces, specials."""
+
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer
+
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{root} has no tokenizer.json")
+        self.tok = Tokenizer.from_file(str(path))
+        self.plain = Tokenizer.from_file(str(path))
+        self.plain.encode_special_tokens = True   # control-token text stays text
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        decoder = spec.get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+        self.byte_level = "ByteLevel" in kinds
+        self.n_vocab = max(self.tok.get_vocab_size(with_added_tokens=True), int(config.get("vocab_size", 0)))
+        tconf_path = root / "tokenizer_config.json"
+        self.tconf = json.loads(tconf_path.read_text(encoding="utf-8")) if tconf_path.is_file() else {}
+        self.specials = {a["content"]: int(a["id"]) for a in spec.get("added_tokens") or () if a.get("special")}
+        self._bytes = _byte_decoder()
+        self._pieces: dict[int, bytes] = {}
+
+    def token_id(self, text: Any) -> int | None:
+        if isinstance(text, dict):
+            text = text.get("content")
+        return None if text is None else self.tok.token_to_id(text)
+
+    def encode(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        tok = self.tok if parse_special else self.plain
+        return list(tok.encode(text, add_special_tokens=add_special).ids)
+
+    def piece(self, token: int) -> bytes:
+        cached = self._pieces.get(token)
+        if cached is not None:
+            return cached
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token {token} is outside the {self.n_vocab}-token vocabulary")
+        text = self.tok.id_to_token(token)
+        if text is None:
+            out = b""
+        elif text in self.specials:
+            out = text.encode("utf-8")
+        elif self.byte_level:
+            out = bytes(self._bytes.get(c, 0x3F) for c in text)
+        elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            out = bytes([int(text[3:5], 16)])   # sentencepiece byte fallback
+        else:
+            out = text.replace("\u2581", " ").encode("utf-8")
+        self._pieces[token] = out
+        return out
+
+
+class MlxEngine:
+    def __init__(self, model_dir: str, *, max_batch: int, max_context: int, threads: int = 0,
+                 deterministic: bool = False) -> None:
+        if max_batch < 1 or max_context < 2:
+            raise ValueError("max_batch must be >= 1 and max_context >= 2")
+        check_model_dir(model_dir)
+        import mlx.core as mx
+        from mlx_lm.utils import load_model
+
+        self._mx = mx
+        root = Path(model_dir)
+        trust = os.environ.get(TRUST_ENV) == "1"
+        self.model, self.config = load_model(root, trust_remote_code=trust)
+        self.vocab = _Vocab(root, self.config)
+        n_ctx_train = int(self.config.get("max_position_embeddings") or 0)
+        n_ctx_seq = min(max_context, n_ctx_train) if n_ctx_train > 0 else max_context
+        n_seq = max(4, max_batch + 2)
+        self._caches: list[list[Any]] = [self._new_cache() for _ in range(n_seq)]
+        eog = self._eog()
+        tconf = self.vocab.tconf
+        bos = self.vocab.token_id(tconf.get("bos_token"))
+        if bos is None:
+            bos = int(self.config.get("bos_token_id") or -1)
+        self.deterministic = deterministic
+        self.info = ModelInfo(
+            name=root.resolve().name, architecture=str(self.config.get("model_type", "unknown")),
+            n_vocab=self.vocab.n_vocab, n_ctx_train=n_ctx_train, n_seq=n_seq, n_ctx_seq=n_ctx_seq,
+            kv_layout="per_seq", bos=bos, eog=eog, chat_template=str(tconf.get("chat_template") or ""),
+            special_tokens=dict(self.vocab.specials), add_bos=bool(tconf.get("add_bos_token", False)),
+            extra={"device": str(mx.default_device()), "n_ctx": n_seq * n_ctx_seq, "threads": threads,
+                   "deterministic": deterministic, "quantization": self.config.get("quantization")},
+        )
+        self._eog_set = frozenset(eog)
+        # A decode round as one batched forward pass, or one pass per lane. On the CPU device
+        # MLX's matmuls do not gain from more rows (8 rows cost ~8.5x one) and the batch costs
+        # pads and concatenations: 8 lanes took 12.0 s a round batched vs 7.5 s per lane
+        # (2 busy cores, load ~20; same logits). On a GPU the batch is the point.
+        default = "1" if "gpu" in str(mx.default_device()).lower() else "0"
+        self.batch_decode = os.environ.get("SUPERFLUID_MLX_BATCH_DECODE", default) == "1"
+
+    def _eog(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        eos = self.config.get("eos_token_id")
+        for value in eos if isinstance(eos, list) else [eos]:
+            if isinstance(value, int):
+                ids.add(value)
+        for name in (self.vocab.tconf.get("eos_token"), "<|im_end|>", "<|eot_id|>", "<|endoftext|>",
+                     "<end_of_turn>"):
+            tid = self.vocab.token_id(name)
+            if tid is not None:
+                ids.add(tid)
+        return tuple(sorted(ids))
+
+    def _new_cache(self) -> list[Any]:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "sampling": {"greedy": True, "temperature": True, "seed": True, "top_p": True, "top_k": True,
+                         "min_p": True, "logit_bias": True, "repeat_penalty": True, "presence_penalty": True,
+                         "frequency_penalty": True},
+            "logprobs": True,
+            "grammar": _NO_GRAMMAR,
+            "prefix_cache": True,
+            "embeddings": "not an embedding runtime",
+            "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
+        }
+
+    # -- vocabulary ----------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self.vocab.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def piece(self, token: int) -> bytes:
+        return self.vocab.piece(token)
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog_set
+
+    # -- forward pass ----------------------------------------------------------------
+
+    def decode(self, rows: list[BatchRow]) -> list[Any]:
+        mx = self._mx
+        for row in rows:
+            if not row.tokens:
+                raise ValueError(f"an empty batch row for sequence {row.seq}")
+            held = self._caches[row.seq][0].offset
+            if held != row.pos0:
+                raise RuntimeError(f"sequence {row.seq} holds {held} positions; row starts at {row.pos0}")
+        if self.batch_decode and len(rows) > 1 and all(len(r.tokens) == 1 for r in rows):
+            return self._decode_round(rows)
+        pending: list[tuple[int, Any]] = []
+        outs: list[Any] = [None] * len(rows)
+        for i, row in enumerate(rows):
+            cache = self._caches[row.seq]
+            logits = self.model(mx.array([list(row.tokens)]), cache=cache)
+            if row.want_logits:
+                pending.append((i, logits[0, -1, :].astype(mx.float32)))
+            else:
+                # the cache's arrays still need computing; evaluate them with the rest
+                pending.append((-1, cache[-1].keys))
+        mx.eval([arr for _, arr in pending])
+        for i, arr in pending:
+            if i >= 0:
+                outs[i] = np.array(arr, copy=True)
+        return outs
+
+    def _decode_round(self, rows: list[BatchRow]) -> list[Any]:
+        """One token for each of several sequences in one batched forward pass: each
+        layer's per-sequence caches are appended to, then left-padded into one batch."""
+        mx = self._mx
+        per_layer = list(zip(*(self._caches[r.seq] for r in rows), strict=True))
+        lens = [self._caches[r.seq][0].offset + 1 for r in rows]
+        lmax = max(lens)
+        keep = mx.arange(lmax)[None, :] >= mx.array([lmax - n for n in lens])[:, None]
+        mask = keep.reshape(len(rows), 1, 1, lmax)
+        offset = mx.array([n - 1 for n in lens])
+        views = [_DecodeView(list(caches), offset, mask, lmax, mx) for caches in per_layer]
+        logits = self.model(mx.array([[r.tokens[0]] for r in rows]), cache=views)
+        out = logits[:, -1, :].astype(mx.float32)
+        mx.eval(out)
+        host = np.array(out, copy=True)
+        return [host[i] if r.want_logits else None for i, r in enumerate(rows)]
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def new_sampler(self, sampling: Sampling, history: list[int]) -> _LaneSampler:
+        sampler = _LaneSampler(self, sampling)
+        for tok in history:
+            sampler.accept(tok)
+        return sampler
+
+    # -- KV sequences ------------------------------------------------------------------
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        cache = self._caches[seq]
+        n = cache[0].offset
+        if p1 >= 0 and p1 < n:
+            return False   # only a suffix can go
+        p0 = max(0, p0)
+        if p0 == 0:
+            self._caches[seq] = self._new_cache()
+            return True
+        for c in cache:
+            c.trim(n - p0)
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        mx = self._mx
+        source = self._caches[src]
+        n = source[0].offset if p1 < 0 else min(p1, source[0].offset)
+        fresh = self._new_cache()
+        if n > 0:
+            for s, d in zip(source, fresh, strict=True):
+                d.keys = mx.array(s.keys[..., :n, :])
+                d.values = mx.array(s.values[..., :n, :])
+                d.offset = n
+        self._caches[dst] = fresh
+
+    def seq_export(self, seq: int) -> Any:
+        cache = self._caches[seq]
+        if cache[0].offset == 0:
+            return b""
+        return _Exported([(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in cache],
+                         cache[0].offset)
+
+    def seq_import(self, seq: int, data: Any) -> bool:
+        if not isinstance(data, _Exported):
+            return False
+        mx = self._mx
+        fresh = self._new_cache()
+        for c, (k, v) in zip(fresh, data.layers, strict=True):
+            c.keys, c.values, c.offset = mx.array(k), mx.array(v), data.n
+        self._caches[seq] = fresh
+        return True
+
+    def close(self) -> None:
+        self._caches = []
+
+
+class _DecodeView:
+    """One layer's cache for a batched decode round over per-sequence ``KVCache`` s
+    (what mlx-lm's attention asks of a cache: ``offset``, ``make_mask``, ``update_and_fetch``)."""
+
+    def __init__(self, caches: list[Any], offset: Any, mask: Any, lmax: int, mx: Any) -> None:
+        self.caches, self.offset, self._mask, self._lmax, self._mx = caches, offset, mask, lmax, mx
+
+    def make_mask(self, *_args: Any, **_kw: Any) -> Any:
+        return self._mask
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        mx = self._mx
+        ks, vs = [], []
+        for i, cache in enumerate(self.caches):
+            k, v = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            pad = self._lmax - k.shape[2]
+            if pad:
+                widths = [(0, 0), (0, 0), (pad, 0), (0, 0)]
+                k, v = mx.pad(k, widths), mx.pad(v, widths)
+            ks.append(k)
+            vs.append(v)
+        return mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+
+
+class _Exported:
+    """A sequence's KV held on the host (MLX arrays share storage until written)."""
+
+    def __init__(self, layers: list[tuple[Any, Any]], n: int) -> None:
+        self.layers = layers
+        self.n = n
+        self._bytes = sum(k.nbytes + v.nbytes for k, v in layers)
+
+    def __len__(self) -> int:
+        return self._bytes
+
+
+def _check_sampling(s: Sampling) -> None:
+    if s.grammar:
+        raise ValueError(_NO_GRAMMAR)
+    if s.repeat_penalty <= 0:
+        raise ValueError("repeat_penalty must be > 0")
+    if not 0 <= s.top_p <= 1:
+        raise ValueError("top_p must be in [0, 1]")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError("min_p must be in [0, 1]")
+    if s.top_k < 0:
+        raise ValueError("top_k must be >= 0")
+
+
+class _LaneSampler:
+    """One lane's host sampler (see the module docstring)."""
+
+    def __init__(self, engine: MlxEngine, sampling: Sampling) -> None:
+        _check_sampling(sampling)
+        self._engine = engine
+        self.s = sampling
+        n = engine.info.n_vocab
+        for tok, _ in sampling.logit_bias:
+            if not 0 <= tok < n:
+                raise ValueError(f"logit_bias token {tok} is outside the {n}-token vocabulary")
+        self._bias_tokens = np.array([t for t, _b in sampling.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([b for _t, b in sampling.logit_bias], dtype=np.float32)
+        self._penalize = sampling.repeat_penalty != 1.0 or bool(sampling.presence_penalty or sampling.frequency_penalty)
+        self._recent: list[int] = []
+
+    def _adjusted(self, logits: np.ndarray) -> np.ndarray:
+        x = logits.copy()
+        if len(self._bias_tokens):
+            np.add.at(x, self._bias_tokens, self._bias_values)
+        if self._penalize and self._recent:
+            toks, counts = np.unique(np.array(self._recent[-PENALTY_LAST_N:], dtype=np.int64), return_counts=True)
+            vals = x[toks]
+            p = self.s.repeat_penalty
+            vals = np.where(vals > 0, vals / p, vals * p)
+            vals = vals - counts * self.s.frequency_penalty - self.s.presence_penalty
+            x[toks] = vals
+        return x
+
+    def sample(self, out: Any, k: int) -> int:
+        x = self._adjusted(out)
+        if self.s.greedy:
+            return int(np.argmax(x))
+        return _draw(x, self.s, counter_seed(self.s.seed, k))
+
+    def logprobs(self, out: Any, token: int, n: int) -> list[Any]:
+        x = out.astype(np.float64)
+        top = x.max()
+        lp = x - (top + np.log(np.exp(x - top).sum()))
+        n = max(0, min(n, MAX_LOGPROBS))
+        best: list[Any] = []
+        if n:
+            idx = np.argpartition(-lp, n - 1)[:n]
+            idx = idx[np.argsort(-lp[idx], kind="stable")]
+            best = [[int(t), self._engine.piece(int(t)), float(lp[t])] for t in idx]
+        return [float(lp[token]), best]
+
+    def accept(self, token: int) -> None:
+        if not 0 <= token < self._engine.info.n_vocab:
+            raise ValueError(f"token {token} is outside the {self._engine.info.n_vocab}-token vocabulary")
+        if self._penalize:
+            self._recent.append(token)
+            del self._recent[:-PENALTY_LAST_N]
+
+    def close(self) -> None:
+        pass
+
+
+def _draw(x: np.ndarray, s: Sampling, seed: int) -> int:
+    """top-k, top-p, min-p, temperature, then one draw seeded with ``seed``."""
+    finite = np.isfinite(x)
+    if not finite.any():
+        return int(np.argmax(x))
+    order = np.argsort(-x, kind="stable")
+    order = order[finite[order]]
+    if s.top_k > 0:
+        order = order[: s.top_k]
+    vals = x[order].astype(np.float64)
+    probs = np.exp(vals - vals[0])
+    probs /= probs.sum()
+    if s.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), s.top_p) + 1)
+        order, vals = order[:keep], vals[:keep]
+    if s.min_p > 0.0:
+        keep = int(np.count_nonzero(np.exp(vals - vals[0]) >= s.min_p))
+        order, vals = order[: max(1, keep)], vals[: max(1, keep)]
+    scaled = (vals - vals[0]) / max(s.temperature, 1e-6)
+    probs = np.exp(scaled)
+    probs /= probs.sum()
+    rng = np.random.default_rng(seed)
+    pick = int(rng.choice(len(order), p=probs)) if len(order) > 1 else 0
+    return int(order[pick])
