@@ -1,4 +1,4 @@
-"""OpenAI dialect: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
+"""OpenAI dialect: ``/v1/chat/completions``, ``/v1/completions`` (``/v1/embeddings`` is in ``_embed.py``).
 
 Chat requests parse into the neutral :class:`~superfluid.api._chat.ChatRequest`
 and run through :func:`~superfluid.api._chat.open_reply`; this module holds
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..sched import Job
     from ._host import App
 
-__all__ = ["chat_completions", "completions", "embeddings"]
+__all__ = ["chat_completions", "completions"]
 
 _ids = itertools.count(1)
 
@@ -81,16 +81,6 @@ async def chat_completions(app: App, scope: dict[str, Any], receive: Receive, se
 
 async def completions(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     await _generate(app, scope, receive, send, body, chat=False)
-
-
-async def embeddings(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    """``/v1/embeddings``: no runtime serves embeddings yet, so a typed 400."""
-    model = await app.resolve_model(body.get("model"))
-    ack = model.owner.ack
-    reason = ack.capabilities.get("embeddings", "no embedding runtime") if ack else "no embedding runtime"
-    raise ApiError(400, f"model '{model.name}' does not serve embeddings: "
-                   f"{reason if reason is not True else 'embeddings are not wired yet'}",
-                   code="unsupported_model", param="model")
 
 
 async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any], *,

@@ -43,6 +43,8 @@ from ..proto import (
     Admit,
     Admitted,
     Cancel,
+    Embed,
+    Embedded,
     Emit,
     Fault,
     Hello,
@@ -56,6 +58,7 @@ from ..proto import (
     Tokenize,
     Tokenized,
     WorkerLink,
+    embedded_pieces,
     tokenized_pieces,
 )
 from .._cpu import reset_policy
@@ -76,14 +79,15 @@ AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); ba
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False, basert_lib: str | None = None) -> Engine:
+                deterministic: bool = False, pooling: str = "", basert_lib: str | None = None) -> Engine:
     """Import the runtime's engine module (the registry names it) and open the model with it."""
     info = registry.get(runtime)
     if info.engine is None:
         raise ValueError(f"runtime {info.id} has no engine in this build")
     module = importlib.import_module(info.engine)
     return module.open_engine(model, max_batch=max_batch, max_context=max_context, threads=threads,  # type: ignore[no-any-return]
-                              deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}))
+                              deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}),
+                              **({'pooling': pooling} if pooling else {}))
 
 
 class _Worker:
@@ -351,6 +355,18 @@ class _Worker:
         for answer in self._tokenized(event):
             self.send(answer, lanes=())
 
+    def _answer_embed(self, event: Embed) -> None:
+        """Embed on this (a worker) thread: the engine's embedding context is its own, so
+        it runs beside the engine thread's decoding (both share the CPU)."""
+        try:
+            dim, vectors = self.engine.embed([list(t) for t in event.inputs], normalize=event.normalize)
+        except Exception as exc:  # noqa: BLE001 - boundary: the request fails with the reason
+            answers: list[Any] = [Embedded(req=event.req, error=str(exc) or type(exc).__name__)]
+        else:
+            answers = list(embedded_pieces(event.req, dim, vectors))
+        for answer in answers:
+            self.send(answer)
+
     async def serve_engine(self) -> None:
         # not abandoned on cancel: the thread ends at its next step once the reader queues _STOP
         await trio.to_thread.run_sync(self.run_engine)
@@ -367,6 +383,7 @@ class _Worker:
         prompt is tokenized on a thread in ``tokenize_nursery`` (one at a time),
         so Ticks and Cancels keep flowing to the engine meanwhile."""
         limiter = trio.CapacityLimiter(1)
+        embed_limiter = trio.CapacityLimiter(1)  # one embedding batch at a time: it takes every core
         while True:
             with self.link_lock:
                 event = self.link.next_event()
@@ -384,6 +401,9 @@ class _Worker:
                 # written from this thread: the daemon's reader always drains the pipe, so
                 # the write blocks at most briefly, and a hop to a thread costs more (~1 ms)
                 self._answer_tokenize(event)
+            elif isinstance(event, Embed):
+                tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_embed, event,
+                                                    limiter=embed_limiter))
             elif isinstance(event, Interrupt):
                 self.interrupt = True
             elif isinstance(event, Shutdown):
@@ -410,7 +430,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         engine = await trio.to_thread.run_sync(
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads,
-                                deterministic=args.deterministic, basert_lib=args.basert_lib)
+                                deterministic=args.deterministic, pooling=args.pooling,
+                                basert_lib=args.basert_lib)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
@@ -469,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
     parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     try:
         args = parser.parse_args(argv)
