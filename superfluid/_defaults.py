@@ -40,6 +40,7 @@ SHUTDOWN_GRACE_S = 5.0           # SIGTERM/SIGINT: in-flight streams end typed w
 BODY_TIMEOUT_S = 30.0            # a request body not complete within this is answered 408
 WS_IDLE_TIMEOUT_S = 300.0        # an idle WebSocket is closed after this
 MAX_MODELS = 4                   # models (worker processes) loaded at once
+IDLE_TIMEOUT_S = 0.0             # --idle-timeout: unload a model idle this long, never the default (0: never)
 MAX_CONVERSATION_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_CONVERSATION_EVENTS = 10_000

@@ -35,6 +35,7 @@ def test_every_layer_takes_its_defaults_from_one_module() -> None:
         "max_conversation_events": ("max_conversation_events", D.MAX_CONVERSATION_EVENTS),
         "body_timeout": ("body_timeout_s", D.BODY_TIMEOUT_S), "ws_idle_timeout": ("ws_idle_timeout_s", D.WS_IDLE_TIMEOUT_S),
         "max_queue": ("max_queue", D.MAX_QUEUE), "max_models": ("max_models", D.MAX_MODELS),
+        "idle_timeout": ("idle_timeout_s", D.IDLE_TIMEOUT_S),
     }
     for flag, (field, value) in serve.items():
         assert getattr(args, flag) == value, flag

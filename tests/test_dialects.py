@@ -85,8 +85,8 @@ def _openai_mock(url: str) -> None:
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert info.value.param == "tool_choice"
     with pytest.raises(openai.BadRequestError) as info:
-        client.embeddings.create(model="mock", input="hi")
-    assert info.value.code == "unsupported_model"
+        client.embeddings.create(model="mock", input="hi", dimensions=3)
+    assert info.value.code == "unsupported_parameter" and info.value.param == "dimensions"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="mock", messages=HISTORY, reasoning_effort="bogus")  # type: ignore[arg-type]
     assert info.value.param == "reasoning_effort"
@@ -179,7 +179,7 @@ def _ollama_mock(url: str) -> None:
     assert streamed == gen.response and gen.eval_count == 8
     for call, status in ((lambda: client.chat("mock", messages=history, format="json"), 400),
                          (lambda: client.chat("mock", messages=history, options={"mirostat": 2}), 400),
-                         (lambda: client.embed("mock", "x"), 400),
+                         (lambda: client.embed("mock", [""]), 400),
                          (lambda: client.chat("nope", messages=history), 404),
                          (lambda: client.pull("mock"), 400),  # not a Hugging Face id (tests/test_pulls.py)
                          (lambda: client.delete("mock"), 404),  # nothing pulled or copied by that name

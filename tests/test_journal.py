@@ -461,6 +461,25 @@ async def test_journal_compaction_keeps_unfinished_and_recent(tmp_path: Path) ->
         assert journal.epoch == 3
 
 
+async def test_journal_memory_stays_bounded_by_finished_sessions(tmp_path: Path) -> None:
+    """Short requests fill memory long before the log reaches 64 MiB: past
+    ``compact_at_finished`` finished sessions (at least 1.5 x ``keep_finished``) the log
+    compacts, so the index holds a bounded number of sessions however many ran."""
+    config = JournalConfig(keep_finished=5, compact_at_finished=10)
+    async with open_journal(tmp_path, config=config) as journal:
+        await write_session(journal, "live", spans=1, finish=None)
+        most = 0
+        for i in range(200):
+            await write_session(journal, f"s{i}", spans=2)
+            most = max(most, len(journal.sessions))
+        assert most <= 1 + 10 + 1
+        assert journal.statistics().compactions >= 15
+        assert "live" in journal.sessions and "s199" in journal.sessions
+        kept = set(journal.sessions)
+    async with open_journal(tmp_path, config=config) as journal:
+        assert set(journal.sessions) == kept
+
+
 async def test_journal_compacts_when_the_log_grows(tmp_path: Path) -> None:
     config = JournalConfig(compact_at_bytes=16 * 1024, keep_finished=2)
     async with open_journal(tmp_path, config=config) as journal:

@@ -102,7 +102,7 @@ def test_model_info(smol: Any) -> None:
     assert "<|im_start|>" in info.chat_template
     assert smol.piece(info.special_tokens["<|im_end|>"]) == b"<|im_end|>"
     caps = smol.capabilities()
-    assert caps["grammar"] is True and caps["prefix_cache"] is True and isinstance(caps["embeddings"], str)
+    assert caps["grammar"] is True and caps["prefix_cache"] is True and caps["embeddings"] is True
 
 
 def test_greedy_alone_equals_batched(smol: Any) -> None:
@@ -304,3 +304,35 @@ def test_a_demoted_prefix_copied_back_continues_identically(smol: Any) -> None:
     back = admit(ex, 2, first, max_new=6)
     assert back.cached == len(first) - 1
     assert tokens_of(drain(ex)[2]) == reference_out
+
+
+def test_embeddings_pool_as_asked_and_batch_into_one_decode(smol: Any) -> None:
+    """SmolLM2 names no pooling: mean by default; ``--pooling last`` is another vector; several
+    inputs go through in one llama_decode (a batch of 3 inputs costs one call)."""
+    from superfluid.worker import _llamacpp
+    from superfluid.worker._llamacpp import LlamaEngine
+
+    assert smol.pooling() == "mean"
+    texts = [smol.tokenize(t, add_special=True, parse_special=False) for t in ("a cat", "a dog", "stock prices")]
+    calls = []
+    real = _llamacpp.L.llama_decode
+
+    def counting(ctx: Any, batch: Any) -> int:
+        calls.append(batch.n_tokens)
+        return real(ctx, batch)
+
+    _llamacpp.L.llama_decode = counting
+    try:
+        dim, mean = smol.embed(texts, normalize=True)
+    finally:
+        _llamacpp.L.llama_decode = real
+    assert dim == 576 and len(mean) == 3 and calls == [sum(map(len, texts))]
+    last = LlamaEngine(str(SMOL), max_batch=1, max_context=64, threads=2, pooling="last")
+    try:
+        assert last.pooling() == "last"
+        _, lasts = last.embed(texts[:1], normalize=True)
+        assert lasts[0] != mean[0]
+        with pytest.raises(ValueError, match="window is 64"):
+            last.embed([[1] * 65], normalize=True)
+    finally:
+        last.close()

@@ -59,9 +59,9 @@ def test_serve_base_without_library_refuses_in_one_line(tmp_path: Path) -> None:
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, "-m", "superfluid", "serve", str(bundle), "--port", "0",
                            "--sessions", str(tmp_path / "s")], capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # the runtime registry's refusal: not installed here (no libbasert)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--basert-lib" in lines[0] and "BASERT_LIB" in lines[0], proc.stderr
+    assert len(lines) == 1 and "BASERT_LIB" in lines[0] and "runtime install basert" in lines[0], proc.stderr
 
 
 def test_mlx_dir_with_python_code_is_refused_unless_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

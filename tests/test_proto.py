@@ -29,6 +29,8 @@ from superfluid.proto import (
     Admit,
     Admitted,
     Cancel,
+    Embed,
+    Embedded,
     Emit,
     Event,
     Fault,
@@ -166,6 +168,8 @@ MESSAGES = [
     Fault(),
     Fault(lane=2, kind="lane", message="sampler failed"),
     Telemetry(values={"kv_used": 10.0, "tok_s": 31.5}),
+    Embed(req=3, inputs=[(1, 2), (3,)], normalize=False),
+    Embedded(req=3, dim=1, vectors=[b"\0\0\x80?", b"\0\0\0\0"]),
 ]
 
 

@@ -94,9 +94,9 @@ def test_serve_refuses_a_base_bundle_with_the_install_command(tmp_path: Path) ->
     base.write_bytes(b"BASE" + b"\0" * 12)
     proc = _cli("serve", str(base), "--port", "0", home=tmp_path / "home")
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("superfluid: runtime basert is not installed (this build has no basert "
-                                   "engine): run `superfluid runtime install basert --from URL --sha256 H "
-                                   "--version V`")
+    assert proc.stderr.strip() == ("superfluid: runtime basert is not installed (libbasert not found: "
+                                   "BASERT_LIB is not set): run `superfluid runtime install basert --from URL "
+                                   "--sha256 H --version V`")
 
 
 async def test_http_load_refuses_a_runtime_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

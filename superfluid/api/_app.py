@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import trio
@@ -19,13 +20,13 @@ from ._session_list import list_sessions
 from ._conversations import route_conversations
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
-from ._ollama import (api_chat, api_copy, api_delete, api_embed, api_generate, api_ps, api_pull, api_show, api_tags,
+from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_pull, api_show, api_tags,
                       api_version, managed, root)
-from ._openai import embeddings
+from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
 
 from ..sessions._conversations import ConversationStore
-from ..daemon._registry import TooManyModels
+from ..daemon._registry import InsufficientMemory, TooManyModels
 from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
 
@@ -46,15 +47,16 @@ _POST_JSON: dict[str, Handler] = {
     "/chat/completions": chat_completions,
     "/v1/completions": completions,
     "/completions": completions,
-    "/v1/embeddings": embeddings,
+    "/v1/embeddings": openai_embeddings,
+    "/embeddings": openai_embeddings,
     "/v1/responses": responses,
     "/v1/messages": messages,
     "/v1/messages/count_tokens": count_tokens,
     "/api/chat": api_chat,
     "/api/generate": api_generate,
     "/api/show": api_show,
-    "/api/embed": api_embed,
-    "/api/embeddings": api_embed,
+    "/api/embed": ollama_embed,
+    "/api/embeddings": ollama_embeddings,
     "/api/pull": api_pull,
     "/api/push": managed,
     "/api/create": managed,
@@ -77,6 +79,14 @@ _LOAD_FAILURES = (WorkerLoadFailed, WorkerDied, trio.TooSlowError)
 
 def _too_many(exc: TooManyModels) -> ApiError:
     return ApiError(429, str(exc), code="too_many_models")
+
+
+def _no_memory(exc: InsufficientMemory) -> ApiError:
+    return ApiError(507, str(exc), code="insufficient_memory")
+
+
+# the models the current request holds (resolve_model); released when its response ends
+_HELD: ContextVar[list[ServedModel] | None] = ContextVar("superfluid_held_models", default=None)
 
 
 def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
@@ -123,19 +133,40 @@ class App:
             raise ApiError(400, "missing required field: model", param="model")
         if not isinstance(name, str):
             raise ApiError(400, "invalid request: model must be a string", param="model")
-        current_principal().check_model(name)
+        current_principal().check_model(self.registry.resolve_alias(name))
         try:
             model = await self.registry.get(name)
         except TooManyModels as exc:
             raise _too_many(exc) from None
+        except InsufficientMemory as exc:
+            raise _no_memory(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{name}' could not be loaded: {exc}", code="model_load_failed") from None
         if model is None:
             loaded = ", ".join(self.registry.loaded) or "none"
-            raise ApiError(404, f"model '{name}' not found; loaded: {loaded}", code="model_not_found", param="model")
+            served = ", ".join(sorted({*self.registry.known, *self.registry.aliases}))
+            raise ApiError(404, f"model '{name}' not found; loaded: {loaded}; served: {served}",
+                           code="model_not_found", param="model")
+        held = _HELD.get()
+        if held is not None:  # not idle until this request's response has ended (daemon/_lifetime.py)
+            self.registry.hold(model)
+            held.append(model)
         return model
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self._serve(scope, receive, send)
+            return
+        held: list[ServedModel] = []
+        token = _HELD.set(held)
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            _HELD.reset(token)
+            for model in held:
+                self.registry.release(model)
+
+    async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
@@ -237,12 +268,13 @@ class App:
             return
         m = re.fullmatch(r"/v1/models/(.+)", path)
         if m and method == "GET":
-            current_principal().check_model(m.group(1))
-            model = self.registry.loaded.get(m.group(1))
+            name = self.registry.resolve_alias(m.group(1))
+            current_principal().check_model(name)
+            model = self.registry.loaded.get(name)
             if model is not None:
                 await send_json(send, 200, model.describe())
-            elif m.group(1) in self.registry.known:
-                await send_json(send, 200, self._known(m.group(1)))
+            elif name in self.registry.known:
+                await send_json(send, 200, self._known(name))
             else:
                 raise ApiError(404, f"model '{m.group(1)}' not found", code="model_not_found")
             return
@@ -306,7 +338,11 @@ class App:
         data = [reg.loaded[reg.default].describe()] if reg.default in reg.loaded else []
         data += [m.describe() for name, m in sorted(reg.loaded.items()) if name != reg.default]
         data += [self._known(name) for name in sorted(reg.known) if name not in reg.loaded]
-        return [d for d in data if current_principal().may_use(d["id"])]
+        data = [d for d in data if current_principal().may_use(d["id"])]
+        # --alias names, for clients that look for their hard-coded name in the list
+        return data + [{"id": alias, "object": "model", "created": 0, "owned_by": "superfluid",
+                        "loaded": target in reg.loaded, "alias_of": target}
+                       for alias, target in sorted(reg.aliases.items()) if current_principal().may_use(target)]
 
     async def _load(self, send: Send, body: dict[str, Any]) -> None:
         ident = body.get("id") or body.get("model") or body.get("name")
@@ -338,6 +374,8 @@ class App:
             model = await reg.load(source, make_default=True)
         except TooManyModels as exc:
             raise _too_many(exc) from None
+        except InsufficientMemory as exc:
+            raise _no_memory(exc) from None
         except _LOAD_FAILURES as exc:
             raise ApiError(503, f"model '{ident}' could not be loaded: {exc}", code="model_load_failed") from None
         reg.default = model.name

@@ -258,11 +258,12 @@ class Follower:
         ``(piece, [logprob, [[token, piece, logprob], ...]])`` for each new token."""
         job = self.job
         await wait_beyond(job, self.cursor)  # raises server_shutting_down in a request once the daemon stops
-        out = []
-        lps = list(zip(job.pieces[self.cursor :], job.logprobs[self.cursor : len(job.tokens)], strict=False))
-        for piece in job.pieces[self.cursor : len(job.pieces)]:
-            out.append(self.text.feed(piece))
-        self.cursor = len(job.pieces)
+        end = len(job.pieces)
+        lps = []
+        if len(job.logprobs) > self.cursor:
+            lps = list(zip(job.pieces[self.cursor :], job.logprobs[self.cursor : len(job.tokens)], strict=False))
+        out = [self.text.feed_many(job.pieces[self.cursor : end])]
+        self.cursor = end
         if self.text.stopped:
             self.finish = "stop"
             return "".join(out), lps, True

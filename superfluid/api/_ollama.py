@@ -1,6 +1,6 @@
 """Ollama dialect: ``/``, ``/api/version``, ``/api/tags``, ``/api/ps``,
-``/api/show``, ``/api/chat``, ``/api/generate``, ``/api/embed``, ``/api/pull``
-(from Hugging Face), ``/api/delete``, ``/api/copy``, and 501s for push and create.
+``/api/show``, ``/api/chat``, ``/api/generate``, ``/api/pull`` (from Hugging Face),
+``/api/delete``, ``/api/copy``, and 501s for push and create (``/api/embed`` is in ``_embed.py``).
 
 Streams are NDJSON by default (``"stream": false`` gives one object);
 durations are nanoseconds; tool calls arrive whole, with ``arguments`` as an
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +28,13 @@ from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tool
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
+from ..daemon._lifetime import FOREVER, expires_at_wall, parse_keep_alive
 
 if TYPE_CHECKING:
     from ..daemon._model import ServedModel
     from ._host import App
 
-__all__ = ["api_chat", "api_copy", "api_delete", "api_embed", "api_generate", "api_ps", "api_pull", "api_show",
+__all__ = ["api_chat", "api_copy", "api_delete", "api_generate", "api_ps", "api_pull", "api_show",
            "api_tags", "api_version", "managed", "root"]
 
 NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
@@ -95,10 +97,35 @@ async def api_tags(app: App, scope: dict[str, Any], receive: Receive, send: Send
 
 
 async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """Loaded models with their memory (weights + KV cache; all of it on the CPU, so
+    ``size_vram`` 0) and when they unload if no request comes (``_lifetime.py``). A model
+    whose keep-alive has run out with no request holding it is being unloaded: it is not listed."""
     _method(scope, "GET", "HEAD")
-    models = [{**_entry(n, m), "expires_at": "2999-01-01T00:00:00Z", "size_vram": 0, "context_length": m.n_ctx}
-              for n, m in sorted(app.registry.loaded.items()) if principal_of(scope).may_use(n)]
+    reg = app.registry
+    models = []
+    for n, m in sorted(reg.loaded.items()):
+        if not principal_of(scope).may_use(n):
+            continue
+        at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s)
+        if at <= time.time() and not (m.holds or m.owner.session_tasks):
+            continue  # its last request has ended: it goes as soon as its scheduler has settled
+        models.append({**_entry(n, m), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
+                       "expires_at": _wall(FOREVER_AT if at == FOREVER else at)})
     await send_json(send, 200, {"models": models})
+
+
+FOREVER_AT = 253402300799.0   # 9999-12-31T23:59:59Z: Ollama's answer for a model kept for good is as far off
+
+
+def _wall(at: float) -> str:
+    return datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _keep_alive(body: dict[str, Any]) -> float | None:
+    try:
+        return parse_keep_alive(body.get("keep_alive"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="keep_alive") from None
 
 
 async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -121,14 +148,6 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
         await send_json(send, 200, {"modelfile": "", "parameters": "", "template": template,
                                     "details": _details(model), "model_info": info, "capabilities": caps,
                                     "modified_at": _now()})
-
-    await answer_errors(send, run, lambda exc: {"error": exc.message})
-
-
-async def api_embed(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    async def run(send: Send) -> None:
-        model = await app.resolve_model(_name(app, body.get("model")))
-        raise ApiError(400, f"model '{model.name}' does not support embeddings", code="unsupported_model")
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -238,10 +257,12 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
     async def run(send: Send) -> None:
         _check_fields(body, _CHAT_FIELDS)
         owner = owner_of(scope, body)
+        keep_alive = _keep_alive(body)
         model = await app.resolve_model(_name(app, body.get("model")))
+        app.registry.keep_alive(model, keep_alive)
         messages = _messages(body.get("messages") or [])
         if not messages:
-            await _loaded(send, model, "message", body.get("stream", True))
+            await _loaded(send, model, "message", body.get("stream", True), keep_alive)
             return
         fields, budget = _sampling_body(model, body)
         tools = parse_tools(body.get("tools"))
@@ -258,7 +279,9 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
     async def run(send: Send) -> None:
         _check_fields(body, _GENERATE_FIELDS)
         owner = owner_of(scope, body)
+        keep_alive = _keep_alive(body)
         model = await app.resolve_model(_name(app, body.get("model")))
+        app.registry.keep_alive(model, keep_alive)
         if body.get("suffix"):
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this model",
                            code="unsupported_parameter")
@@ -269,7 +292,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string")
         if not prompt:
-            await _loaded(send, model, "response", body.get("stream", True))
+            await _loaded(send, model, "response", body.get("stream", True), keep_alive)
             return
         fields, budget = _sampling_body(model, body)
         raw = bool(body.get("raw"))
@@ -287,9 +310,11 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
 
-async def _loaded(send: Send, model: ServedModel, kind: str, stream: Any) -> None:
-    """An empty prompt or message list preloads: answer ``done_reason: load``."""
-    record: dict[str, Any] = {"model": model.name, "created_at": _now(), "done": True, "done_reason": "load"}
+async def _loaded(send: Send, model: ServedModel, kind: str, stream: Any, keep_alive: float | None) -> None:
+    """An empty prompt or message list preloads (``done_reason: load``), or with
+    ``keep_alive: 0`` unloads (``done_reason: unload``) once the response has ended."""
+    reason = "unload" if keep_alive == 0 else "load"
+    record: dict[str, Any] = {"model": model.name, "created_at": _now(), "done": True, "done_reason": reason}
     record.update({"message": {"role": "assistant", "content": ""}} if kind == "message" else {"response": ""})
     if stream is False:
         await send_json(send, 200, record)

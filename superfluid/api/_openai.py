@@ -1,4 +1,4 @@
-"""OpenAI dialect: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
+"""OpenAI dialect: ``/v1/chat/completions``, ``/v1/completions`` (``/v1/embeddings`` is in ``_embed.py``).
 
 Chat requests parse into the neutral :class:`~superfluid.api._chat.ChatRequest`
 and run through :func:`~superfluid.api._chat.open_reply`; this module holds
@@ -18,6 +18,8 @@ from ._chat import (
     ChatRequest, Reply, grammar_from_response_format, max_tokens_from, open_reply, openai_call, openai_delta,
     parse_messages, parse_tool_choice, parse_tools, qos_of, render_chat, require_grammar, thinking_kwargs, usage_of,
 )
+from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
+from ..proto._sse_template import SseTemplate
 from ._sessions import run_resumable
 from ._generate import (
     Follower, open_lane, prepare, resumable_requested, wait_admitted, watch_disconnect,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from ..sched import Job
     from ._host import App
 
-__all__ = ["chat_completions", "completions", "embeddings"]
+__all__ = ["chat_completions", "completions"]
 
 _ids = itertools.count(1)
 
@@ -79,16 +81,6 @@ async def chat_completions(app: App, scope: dict[str, Any], receive: Receive, se
 
 async def completions(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     await _generate(app, scope, receive, send, body, chat=False)
-
-
-async def embeddings(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    """``/v1/embeddings``: no runtime serves embeddings yet, so a typed 400."""
-    model = await app.resolve_model(body.get("model"))
-    ack = model.owner.ack
-    reason = ack.capabilities.get("embeddings", "no embedding runtime") if ack else "no embedding runtime"
-    raise ApiError(400, f"model '{model.name}' does not serve embeddings: "
-                   f"{reason if reason is not True else 'embeddings are not wired yet'}",
-                   code="unsupported_model", param="model")
 
 
 async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any], *,
@@ -171,16 +163,22 @@ async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> No
 
 
 async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
-    def chunk(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
-              usage: bool = False) -> bytes:
+    def obj(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
+            usage: bool = False) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         if rows:
             choice["logprobs"] = {"content": _chat_logprobs(rows)}
-        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+        out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                "model": reply.model.name, "system_fingerprint": "superfluid", "choices": [choice]}
         if usage:
-            obj["usage"] = usage_of(reply.job)
-        return encode_sse_json(obj)
+            out["usage"] = usage_of(reply.job)
+        return out
+
+    def chunk(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
+              usage: bool = False) -> bytes:
+        return encode_sse_json(obj(delta, finish, rows, usage))
+
+    plain = _template(lambda text: obj({"content": text}, None))  # a content-only chunk (most of them)
 
     await reply.wait_admitted()  # errors before admission (an uncompilable grammar) are HTTP errors
     sse = SseResponse(send)
@@ -191,7 +189,9 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
         while True:
             events, rows, done = await reply.next()
             delta, n_calls = openai_delta(events, n_calls)
-            if delta or rows:
+            if plain is not None and not rows and len(delta) == 1 and "content" in delta:
+                await sse.send(plain.fill(delta["content"]))
+            elif delta or rows:
                 await sse.send(chunk(delta, None, rows))
             if done:
                 break
@@ -199,6 +199,15 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
         await sse.fail(exc)
         return
     await sse.end(chunk({}, reply.finish, usage=True))
+
+
+def _template(build: Any, *args: Any) -> SseTemplate | None:
+    """The :class:`SseTemplate` of ``build(text, *args)``; None if a fixed field (a
+    model name) holds the template's marker, and chunks are built the plain way."""
+    try:
+        return SseTemplate(build(SSE_TEMPLATE_MARKER, *args))
+    except ValueError:
+        return None
 
 
 async def _run_completion(app: App, model: ServedModel, job: Job, receive: Receive, send: Send,
@@ -231,11 +240,17 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
                              usage: bool = False) -> None:
     """Completion chunks; with ``stream_options.include_usage`` a last chunk
     with empty ``choices`` carries ``usage`` (as OpenAI does)."""
+    def obj(text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "system_fingerprint": "superfluid",
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+
+    plain = _template(obj, None, None)  # a text-only chunk: its bytes but the text are fixed
+
     def chunk(text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
-        return encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "system_fingerprint": "superfluid",
-                                "choices": [{"index": 0, "text": text, "finish_reason": finish,
-                                             "logprobs": logprobs}]})
+        if plain is not None and finish is None and logprobs is None:
+            return plain.fill(text)
+        return encode_sse_json(obj(text, finish, logprobs))
 
     want_logprobs = job.sampling.n_logprobs >= 0
     offset = 0

@@ -9,12 +9,22 @@ __all__ = ["TextStream"]
 
 
 class TextStream:
+    """Stop strings are looked for only in the text not yet released (at most
+    the longest stop's length plus one token's text), never in the whole reply."""
+
     def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:
         self.stops = [s for s in stops if s]
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""          # decoded text not yet released (could start a stop)
-        self.text = ""              # released text
+        self._parts: list[str] = []  # released text, joined on demand (``+=`` copied the reply per token)
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def feed(self, piece: bytes) -> str:
         """Add one token's bytes; return the text now safe to release."""
@@ -22,6 +32,15 @@ class TextStream:
             return ""
         self._pending += self._decoder.decode(piece)
         return self._release(final=False)
+
+    def feed_many(self, pieces: list[bytes]) -> str:
+        """``"".join(feed(p) for p in pieces)``; with no stop strings, one decode for all of them."""
+        if self.stops or self.stopped:
+            return "".join([self.feed(p) for p in pieces])
+        out = self._decoder.decode(b"".join(pieces))
+        if out:
+            self._parts.append(out)
+        return out
 
     def finish(self) -> str:
         """Flush at the end of generation (nothing can become a stop any more)."""
@@ -37,7 +56,7 @@ class TextStream:
             if cut >= 0:
                 self.stopped = True
                 self._pending = ""
-                self.text += buf[:cut]
+                self._parts.append(buf[:cut])
                 return buf[:cut]
         hold = 0
         if not final:
@@ -48,5 +67,6 @@ class TextStream:
                         break
         out = buf[: len(buf) - hold]
         self._pending = buf[len(buf) - hold :]
-        self.text += out
+        if out:
+            self._parts.append(out)
         return out

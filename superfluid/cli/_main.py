@@ -16,6 +16,7 @@ import trio
 
 from .. import _defaults as D
 from ..daemon._config import ModelSource, ServeConfig
+from ..daemon._registry import InsufficientMemory
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name
 from .. import __version__
@@ -174,6 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
                         f"with 429 too_many_models (default {D.MAX_MODELS})")
+    s.add_argument("--idle-timeout", type=_nonneg_float, default=D.IDLE_TIMEOUT_S, metavar="SEC",
+                   help="unload a model no request has used for SEC seconds; never the default model (the first); "
+                        f"it loads again on the next request naming it (default {D.IDLE_TIMEOUT_S:g}: never)")
+    s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
+                   help="let requests name MODEL (a model given here or in a --model-dir) as NAME too, e.g. "
+                        "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable)")
+    s.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
+                   help="how embeddings pool a text's token vectors (default: the model's own, else mean)")
+    s.add_argument("--no-memory-check", action="store_true",
+                   help="load a model even when its weights and KV cache exceed available memory "
+                        "($SUPERFLUID_MEMORY_AVAILABLE pretends an amount, for tests)")
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
@@ -218,6 +230,23 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
         return number
 
     return parse
+
+
+def _nonneg_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {value!r}")
+    return number
+
+
+def _alias(value: str) -> tuple[str, str]:
+    name, sep, model = value.partition("=")
+    if not sep or not name.strip() or not model.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {value!r}")
+    return name.strip(), model.strip()
 
 
 def _prompt_bytes(value: str) -> int:
@@ -265,13 +294,6 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             _check_model_file(Path(spec))
         choice = _choose(spec, selector, args)
         runtime = choice.info.id
-        if runtime == "basert":
-            from ..worker._basert import BaseRTMissing, find_library
-
-            try:
-                find_library()
-            except BaseRTMissing as exc:
-                raise SystemExit(f"superfluid: {spec}: {exc}") from None
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
 
@@ -312,6 +334,18 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
             return f"--model-dir {directory}: not a directory"
     if args.max_models < max(1, len(sources)):
         return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
+    from ..daemon._registry import model_dir_names
+
+    from ..models._library import entries
+
+    names = {s.name for s in sources} | set(model_dir_names(tuple(args.model_dirs)))
+    names |= {e.name for e in entries() if e.kind in ("pull", "copy")} if args.aliases else set()
+    for alias, target in args.aliases:
+        if target not in names:
+            return (f"--alias {alias}={target}: no model {target!r} is served (models: "
+                    f"{', '.join(sorted(names))})")
+        if alias in names:
+            return f"--alias {alias}={target}: {alias!r} is already a model's name"
     return None
 
 
@@ -391,7 +425,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_conversation_events=args.max_conversation_events,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
-        model_dirs=tuple(args.model_dirs), max_models=args.max_models,
+        model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
+        aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:
@@ -435,6 +470,8 @@ def _startup_error(exc: BaseException, host: str, port: int) -> CliError:
     for leaf in leaves:
         if isinstance(leaf, (JournalLocked, WalCorrupt)):
             return CliError(str(leaf), USAGE)
+        if isinstance(leaf, InsufficientMemory):
+            return CliError(f"model did not load: {leaf}", 3)  # (SPEC §8 "The memory check")
         if isinstance(leaf, WorkerLoadFailed):
             return CliError(f"model did not load: {leaf}")
         if isinstance(leaf, WorkerDied):

@@ -85,6 +85,10 @@ class ServeConfig:
     deterministic: bool = False           # llama.cpp: batch-, chunk-, cache- and restart-invariant output (SPEC.md)
     model_dirs: tuple[Path, ...] = ()     # --model-dir: every *.gguf in them may be loaded over HTTP
     max_models: int = D.MAX_MODELS  # models (so worker processes) loaded at once
+    idle_timeout_s: float = D.IDLE_TIMEOUT_S  # --idle-timeout: unload a model idle this long, never the default (0: never)
+    aliases: tuple[tuple[str, str], ...] = ()  # --alias NAME=MODEL: another name a request may use for a model
+    pooling: str = ""                     # --pooling for embeddings: mean|cls|last ("": the GGUF's, else mean)
+    check_memory: bool = True             # refuse a load whose weights + KV exceed available memory
 
 
 def default_sessions_dir() -> Path:

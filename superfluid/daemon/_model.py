@@ -23,6 +23,15 @@ class ServedModel:
     owner: ModelOwner
     created: int
     _template: ChatTemplate | None = None
+    size: int = 0                       # bytes in memory: weights + KV cache (models/_gguf.py); 0 for the mock
+    last_used: float = 0.0              # trio time it was last in use (daemon/_lifetime.py)
+    keep_alive_s: float | None = None   # an Ollama request's keep_alive; None: --idle-timeout
+    holds: int = 0                      # HTTP requests holding it now
+
+    @property
+    def in_use(self) -> bool:
+        """A request or a session has something here (idle unload waits)."""
+        return bool(self.holds or self.owner.session_tasks or self.scheduler.active)
 
     @property
     def scheduler(self) -> Scheduler:

@@ -13,6 +13,13 @@ sessions (resume-TTL watchers, turn owners) and its worker end with it. An
 unloaded model stays *known* and is loaded again on demand by the next
 request that names it.
 
+Before a llama.cpp model loads, its weights (the file) and the KV cache the
+worker will allocate (from the GGUF header) must fit in available memory, or
+the load is refused typed (:class:`InsufficientMemory`, 507
+``insufficient_memory``). Idle models are unloaded by :class:`Lifetimes`
+(``_lifetime.py``: ``--idle-timeout``, Ollama ``keep_alive``). ``--alias
+NAME=MODEL`` gives a model another name requests may use.
+
 What a client may load (:meth:`ModelRegistry.lookup`): a known model (given at
 startup, or loaded before), a mock spec, or a ``*.gguf`` file, by name or by
 path, inside a ``--model-dir`` or the models cache directory (symlinks and
@@ -26,15 +33,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
 from ._config import ModelSource, ServeConfig
+from ._lifetime import Lifetimes
 from ._metrics import Metrics
 from ._model import ServedModel
 from ..models._files import cache_dir, model_name, resolve_runtime
+from ..models._gguf import GgufError, MemoryNeed, available_memory, format_bytes, memory_need
 from ..nursery import ModelFailed, ModelOwner, RestartPolicy, RestartTracker, WorkerSpec
 from ..sched import Scheduler, SchedulerConfig
 
@@ -42,7 +52,7 @@ if TYPE_CHECKING:
     from .._cpu import CpuYield
     from ..sched._loop import Committer
 
-__all__ = ["ModelRegistry", "TooManyModels"]
+__all__ = ["InsufficientMemory", "ModelRegistry", "TooManyModels"]
 
 log = logging.getLogger("superfluid.models")
 GGUF = ".gguf"
@@ -56,6 +66,28 @@ class TooManyModels(Exception):
         self.loaded = loaded
         super().__init__(f"at most {cap} models may be loaded at once (--max-models {cap}); loaded: "
                          f"{', '.join(loaded)}; unload one first")
+
+
+def model_dir_names(dirs: tuple[Path, ...]) -> list[str]:
+    """The model names the ``*.gguf`` files of ``dirs`` are served under (unreadable dirs skipped)."""
+    names = []
+    for directory in dirs:
+        try:
+            names += [model_name(n, "llamacpp") for n in os.listdir(directory) if n.endswith(GGUF)]
+        except OSError:
+            continue
+    return names
+
+
+class InsufficientMemory(Exception):
+    """The model's weights and KV cache do not fit in the memory available."""
+
+    def __init__(self, name: str, need: MemoryNeed, available: int, source: str) -> None:
+        self.name, self.need, self.available = name, need, available
+        super().__init__(
+            f"model '{name}' needs {format_bytes(need.total)} ({format_bytes(need.weights)} of weights + "
+            f"{format_bytes(need.kv)} of KV cache for {need.cells} cells) and {format_bytes(available)} is free "
+            f"({source}); lower --max-batch or --max-context, or unload a model")
 
 
 def _library_sources(config: ServeConfig) -> list[ModelSource]:
@@ -88,6 +120,61 @@ class ModelRegistry:
         self._owner_gone = trio.Event()
         for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
+        self.aliases: dict[str, str] = dict(config.aliases)
+        self.idle_timeout_s = config.idle_timeout_s
+        self.lifetimes = Lifetimes(self)
+
+    def resolve_alias(self, name: str) -> str:
+        """The model an ``--alias`` name stands for (a name that is no alias, as is)."""
+        return self.aliases.get(name, name) if name not in self.known else name
+
+    def hold(self, model: ServedModel) -> None:
+        """An HTTP request uses ``model`` until :meth:`release`: it is not idle."""
+        model.holds += 1
+        model.last_used = trio.current_time()
+
+    def release(self, model: ServedModel) -> None:
+        model.holds -= 1
+        model.last_used = trio.current_time()
+        self.lifetimes.wake()
+
+    def keep_alive(self, model: ServedModel, seconds: float | None) -> None:
+        """Ollama ``keep_alive``: how long ``model`` stays loaded once idle (None: no change)."""
+        if seconds is not None:
+            model.keep_alive_s = seconds
+            self.lifetimes.wake()
+
+    async def expire(self, name: str, model: ServedModel) -> bool:
+        """Unload ``model`` (its keep-alive ran out) if it is still loaded and still idle.
+        Unlike :meth:`unload` it may leave no model loaded, and the default keeps its name."""
+        async with self._lock:
+            if self.loaded.get(name) is not model or model.in_use:
+                return False
+            del self.loaded[name]
+            idle = trio.current_time() - model.last_used
+            model.owner.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
+            log.info("model %s unloaded after %.3gs idle (a request naming it loads it again)", name, idle)
+            return True
+
+    async def _check_memory(self, source: ModelSource) -> int:
+        """Bytes ``source`` will hold in memory (0 for the mock).
+
+        Raises:
+            InsufficientMemory: they are more than available memory.
+        """
+        if source.runtime != "llamacpp":
+            return 0
+        cfg = self.config
+        try:
+            need = await trio.to_thread.run_sync(partial(
+                memory_need, source.spec, n_seq=max(4, cfg.max_batch + 2), n_ctx_seq=cfg.max_context))
+        except (OSError, GgufError) as exc:
+            log.warning("model %s: no memory estimate (%s); the worker will say whether it loads", source.name, exc)
+            return 0
+        available, where = available_memory()
+        if cfg.check_memory and need.total > available:
+            raise InsufficientMemory(source.name, need, available, where)
+        return need.total
 
     # -- what may be loaded -------------------------------------------------------------
 
@@ -96,6 +183,7 @@ class ModelRegistry:
 
         ``runtime`` must already be a supported one (``resolve_runtime``).
         """
+        ident = self.resolve_alias(ident)
         source = self.known.get(ident)
         if source is not None:
             return source
@@ -160,6 +248,7 @@ class ModelRegistry:
 
         Raises:
             TooManyModels: ``max_models`` other models are loaded.
+            InsufficientMemory: its weights and KV cache do not fit in available memory.
             WorkerLoadFailed: the worker could not load the model.
         """
         async with self._lock:
@@ -168,13 +257,14 @@ class ModelRegistry:
             cfg = self.config
             if len(self.loaded) >= cfg.max_models:
                 raise TooManyModels(cfg.max_models, sorted(self.loaded))
+            size = await self._check_memory(source)
             while self._owners >= cfg.max_models:  # an unloaded model's worker is still shutting down
                 await self._owner_gone.wait()
             spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
                               max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
-                              start_timeout_s=cfg.worker_start_timeout_s,
+                              pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,
                               command=source.worker or _worker(source.runtime))
             policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
             owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
@@ -190,7 +280,7 @@ class ModelRegistry:
 
             await self.models_nursery.start(run_owner)
             model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
-                                created=int(time.time()))
+                                created=int(time.time()), size=size, last_used=trio.current_time())
             self.loaded[source.name] = model
             self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
             self.known[source.name] = source
@@ -205,6 +295,7 @@ class ModelRegistry:
         Raises:
             ValueError: it is the last loaded model.
         """
+        name = self.resolve_alias(name)
         async with self._lock:
             model = self.loaded.get(name)
             if model is None:
@@ -266,6 +357,7 @@ class ModelRegistry:
         Raises:
             WorkerLoadFailed: a known model failed to load again.
         """
+        name = self.resolve_alias(name)
         model = self.loaded.get(name)
         if model is not None:
             return model

@@ -4,6 +4,7 @@ Nursery tree (daemon)::
 
     root
     ├── signal watcher          SIGTERM/SIGINT: streams end typed, then cancel root (stop); SIGUSR1: drain
+    ├── model lifetimes         unloads models idle past their keep-alive (_lifetime.py)
     ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
     │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
@@ -120,6 +121,7 @@ async def serve(
                 root.start_soon(_serve_signals, root, drain, app_holder, config.shutdown_grace_s)
             store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
             registry = ModelRegistry(config, metrics, root, committer=store, cpu=cpu)
+            await root.start(registry.lifetimes.run)  # idle unload, keep_alive (_lifetime.py)
             for i, source in enumerate(config.models):
                 await registry.load(source, make_default=(i == 0))
             app = App(config, registry, metrics, store, session_nursery=root)

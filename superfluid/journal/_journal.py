@@ -111,6 +111,9 @@ class JournalConfig:
 
     compact_at_bytes: int = 64 * _MiB
     keep_finished: int = 1000
+    # also compact when this many finished generation sessions are in memory (at least 1.5 x
+    # keep_finished): short requests fill memory long before 64 MiB of log (~3 KB a session)
+    compact_at_finished: int = 1500
     keep_interrupted: int = 1000
     keep_conversations: int = 10_000  # at most this many idle conversations, the most recently touched...
     conversation_ttl_s: float = 30 * 86400.0  # ...and only those touched within this
@@ -187,6 +190,8 @@ class Journal:
         self._next_ids = {sid: s.last_event_id + 1 for sid, s in self.sessions.items() if not s.done}
         # open turn (-1: none) of every conversation that may be appended to; marks conversations
         self._open_turns = {sid: s.open_turn for sid, s in self.sessions.items() if s.conversation is not None}
+        self._finished = self._count_finished()
+        self._finished_at = self._finished_limit()
         self._queue: list[_Ticket] = []
         self._pending_bytes = 0
         self._pending_records = 0
@@ -254,6 +259,16 @@ class Journal:
                 self._broken = None
         finally:
             self._probing = False
+
+    def _count_finished(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.done and s.conversation is None)
+
+    def _finished_limit(self) -> int:
+        limit = self.config.compact_at_finished
+        return max(limit, self.config.keep_finished * 3 // 2) if limit > 0 else 0
+
+    def _too_many_finished(self) -> bool:
+        return 0 < self._finished_at < self._finished
 
     # -- reading ------------------------------------------------------------------
 
@@ -473,7 +488,7 @@ class Journal:
             self._wake_followers()
             if any(t.waiting for t in self._queue):
                 break
-        due = self._compact_requested or self._size >= self._compact_at
+        due = self._compact_requested or self._size >= self._compact_at or self._too_many_finished()
         if compact and due and not (self._closed or self._broken):
             await self._compact()
 
@@ -523,6 +538,7 @@ class Journal:
                 self._state.apply(record)
                 if self._next_ids.get(record.session) == _CLOSING and ends_session(record.body):
                     del self._next_ids[record.session]
+                    self._finished += 1
             self._appended += len(ticket.records)
             ticket.committed = True
 
@@ -576,6 +592,7 @@ class Journal:
         except OSError as exc:
             self._next_ids.update(parked)
             self._compact_at = max(self._compact_at, 2 * self._size)
+            self._finished_at = max(self._finished_at, 2 * self._finished) if self._finished_at else 0
             log.error("session log %s: compaction failed (%s); next attempt at %d bytes",
                       self.path, exc, self._compact_at)
             return
@@ -586,6 +603,8 @@ class Journal:
         for sid in drop:
             del self.sessions[sid]
             self._open_turns.pop(sid, None)
+        self._finished = self._count_finished()
+        self._finished_at = self._finished_limit()
         self._compact_at = max(self.config.compact_at_bytes, 2 * result.size)
         self._compactions += 1
         self._fsyncs += 1

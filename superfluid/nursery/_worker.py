@@ -75,6 +75,7 @@ class WorkerSpec:
     stream_interval_ms: int = D.STREAM_INTERVAL_MS
     agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS
     deterministic: bool = False
+    pooling: str = ""           # embeddings: mean|cls|last ("": the model's own, else mean)
     start_timeout_s: float = D.WORKER_START_TIMEOUT_S
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
@@ -96,6 +97,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
              "--agent-stream-interval-ms", str(spec.agent_stream_interval_ms)]
     if spec.deterministic:
         argv.append("--deterministic")
+    if spec.pooling:
+        argv += ["--pooling", spec.pooling]
     return argv
 
 

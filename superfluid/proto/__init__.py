@@ -12,6 +12,9 @@ from ._events import TOKENIZED_PIECE as TOKENIZED_PIECE
 from ._events import Admit as Admit
 from ._events import Admitted as Admitted
 from ._events import Cancel as Cancel
+from ._events import EMBEDDED_PIECE_BYTES as EMBEDDED_PIECE_BYTES
+from ._events import Embed as Embed
+from ._events import Embedded as Embedded
 from ._events import Emit as Emit
 from ._events import Event as Event
 from ._events import FAULT_BUG as FAULT_BUG
@@ -29,6 +32,7 @@ from ._events import Tokenize as Tokenize
 from ._events import Tokenized as Tokenized
 from ._events import from_wire as from_wire
 from ._events import to_wire as to_wire
+from ._events import embedded_pieces as embedded_pieces
 from ._events import tokenized_pieces as tokenized_pieces
 from ._frames import DEFAULT_MAX_FRAME as DEFAULT_MAX_FRAME
 from ._frames import FrameDecoder as FrameDecoder

@@ -31,6 +31,9 @@ __all__ = [
     "Admit",
     "Admitted",
     "Cancel",
+    "EMBEDDED_PIECE_BYTES",
+    "Embed",
+    "Embedded",
     "Emit",
     "Event",
     "Fault",
@@ -47,6 +50,7 @@ __all__ = [
     "Tokenized",
     "from_wire",
     "to_wire",
+    "embedded_pieces",
     "tokenized_pieces",
 ]
 
@@ -145,6 +149,26 @@ class Tokenize(Event):
     req: int = attrs.field(validator=_nonneg)
     segments: tuple[tuple[str, bool], ...] = attrs.field(converter=lambda v: tuple((str(t), bool(p)) for t, p in v))
     add_special: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Embed(Event):
+    """Embed each of ``inputs`` (token ids, one tuple per text): one vector per input,
+    pooled the way the worker was started with, scaled to unit length with ``normalize``.
+    Answered by :class:`Embedded` pieces."""
+
+    code: ClassVar[int] = 0x10
+    req: int = attrs.field(validator=_nonneg)
+    inputs: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(tuple(t) for t in v))
+    normalize: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("an Embed needs at least one input")
+        for tokens in self.inputs:
+            if not tokens:
+                raise ValueError("an Embed input needs at least one token")
+            _token_list(self, attrs.fields(Embed).inputs, tokens)
 
 
 @attrs.frozen(kw_only=True)
@@ -255,6 +279,37 @@ def tokenized_pieces(req: int, tokens: list[int]) -> list[Tokenized]:
 
 
 @attrs.frozen(kw_only=True)
+class Embedded(Event):
+    """The vectors of an :class:`Embed`, in input order: each ``dim`` little-endian
+    float32 values as bytes. Split in pieces (:func:`embedded_pieces`): every piece but
+    the last has ``more``. A non-empty ``error`` (the last piece, no vectors) says why
+    the inputs could not be embedded (an input longer than the window, no embedding
+    support): the request fails with it."""
+
+    code: ClassVar[int] = 0x11
+    req: int = attrs.field(validator=_nonneg)
+    dim: int = attrs.field(default=0, validator=_nonneg)
+    vectors: tuple[bytes, ...] = attrs.field(default=(), converter=_tuple)
+    more: bool = False
+    error: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        for v in self.vectors:
+            if not isinstance(v, bytes) or len(v) != 4 * self.dim:
+                raise ValueError(f"an embedding vector must be {self.dim} float32 values")
+
+
+EMBEDDED_PIECE_BYTES = 4 << 20  # vector bytes in one Embedded frame
+
+
+def embedded_pieces(req: int, dim: int, vectors: list[bytes]) -> list[Embedded]:
+    """The answer to embed request ``req``, split so no frame outgrows the link's limit."""
+    per = max(1, EMBEDDED_PIECE_BYTES // max(1, 4 * dim))
+    starts = range(0, len(vectors), per) if vectors else [0]
+    return [Embedded(req=req, dim=dim, vectors=vectors[i : i + per], more=i + per < len(vectors)) for i in starts]
+
+
+@attrs.frozen(kw_only=True)
 class Admitted(Event):
     """A lane is open; ``cached`` prompt tokens were seeded from the prefix cache."""
 
@@ -327,8 +382,8 @@ class Telemetry(Event):
 _REGISTRY: dict[int, type[Event]] = {
     cls.code: cls
     for cls in (
-        Hello, Tokenize, Admit, Tick, Interrupt, Cancel, Shutdown,
-        HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry,
+        Hello, Tokenize, Admit, Tick, Interrupt, Cancel, Shutdown, Embed,
+        HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded,
     )
 }
 _HINTS: dict[type[Any], dict[str, Any]] = {

@@ -13,7 +13,9 @@ from typing import Final
 import attrs
 
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from ._events import Admit, Admitted, Cancel, Emit, Event, Fault, Tick, TickDone, Tokenize, Tokenized, from_wire, to_wire
+from ._events import (
+    Admit, Admitted, Cancel, Embed, Embedded, Emit, Event, Fault, Tick, TickDone, Tokenize, Tokenized, from_wire, to_wire,
+)
 from ._frames import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 from ._state import CLOSED, CLOSING, DAEMON, ERROR, IDLE, TRANSITIONS, WORKER, _Sentinel
 
@@ -57,6 +59,7 @@ class WorkerLink:
         self._decoder = FrameDecoder(max_frame_size=max_frame_size)
         self._lanes: dict[int, bool] = {}  # lane -> cancelling?
         self._pending_tokenize: set[int] = set()
+        self._pending_embed: set[int] = set()
         self._ticks_in_flight = 0
         self._frames_in = self._frames_out = self._bytes_in = self._bytes_out = self._dropped = 0
 
@@ -150,6 +153,15 @@ class WorkerLink:
                 raise error(f"answer to unknown tokenize request {event.req}")
             if not event.more:
                 self._pending_tokenize.discard(event.req)
+        elif isinstance(event, Embed):
+            if event.req in self._pending_embed:
+                raise error(f"embed request {event.req} is already pending")
+            self._pending_embed.add(event.req)
+        elif isinstance(event, Embedded):
+            if event.req not in self._pending_embed:
+                raise error(f"answer to unknown embed request {event.req}")
+            if not event.more:
+                self._pending_embed.discard(event.req)
         elif isinstance(event, Tick):
             if self._ticks_in_flight >= MAX_TICKS_IN_FLIGHT:
                 raise error(f"{MAX_TICKS_IN_FLIGHT} ticks are already in flight")

@@ -18,6 +18,8 @@ from ._events import (
     Admit,
     Admitted,
     Cancel,
+    Embed,
+    Embedded,
     Emit,
     Event,
     Fault,
@@ -54,8 +56,8 @@ CLOSING: Final = _Sentinel("CLOSING")
 CLOSED: Final = _Sentinel("CLOSED")
 ERROR: Final = _Sentinel("ERROR")
 
-_READY_FROM_DAEMON = (Tokenize, Admit, Tick, Interrupt, Cancel)
-_READY_FROM_WORKER = (Tokenized, Admitted, Emit, TickDone, Fault, Telemetry)
+_READY_FROM_DAEMON = (Tokenize, Admit, Tick, Interrupt, Cancel, Embed)
+_READY_FROM_WORKER = (Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded)
 
 TRANSITIONS: Final[dict[tuple[_Sentinel, _Sentinel, type[Event]], _Sentinel]] = {
     (IDLE, DAEMON, Hello): HELLO_SENT,

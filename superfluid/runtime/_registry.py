@@ -76,6 +76,7 @@ class RuntimeInfo:
     builtin: bool = False               # ships with superfluid; nothing to install
     source: PythonSource | None = None  # how `runtime install` builds it without --from
     platforms: Callable[[], str | None] = lambda: None  # why this machine cannot run it, or None
+    native: Callable[[], str | None] = lambda: None     # why its native library is absent here, or None
     capabilities: Mapping[str, bool | str] = field(default_factory=dict)
     summary: str = ""
 
@@ -89,6 +90,13 @@ def _basert_platform() -> str | None:
     if here in (("darwin", "arm64"), ("linux", "aarch64")):
         return None
     return f"ships engines for macos-arm64 and linux-arm64-cuda only; this machine is {here[0]} {here[1]}"
+
+
+def _basert_library() -> str | None:
+    lib = os.environ.get("BASERT_LIB", "")
+    if lib and os.path.isfile(lib):
+        return None
+    return f"no libbasert at BASERT_LIB={lib}" if lib else "libbasert not found: BASERT_LIB is not set"
 
 
 _LLAMACPP_SOURCE = PythonSource(
@@ -142,6 +150,7 @@ register(RuntimeInfo(
 ))
 register(RuntimeInfo(
     id="basert", aliases=("native",), engine="superfluid.worker._basert", formats=("base",), platforms=_basert_platform,
+    native=_basert_library,
     capabilities={"continuous_batching": True, "prefix_cache": True},
     summary="the baseRT engine library (a full engine); install with --from URL --sha256 H",
 ))

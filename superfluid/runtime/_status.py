@@ -76,7 +76,7 @@ def _in_process(info: RuntimeInfo) -> str | None:
             found = None
         if found is None:
             return f"{module} is not importable"
-    return None
+    return info.native()
 
 
 def _install_interpreter(rid: str, name: str, record: dict[str, Any]) -> tuple[str, ...]:

@@ -47,6 +47,8 @@ from ..proto import (
     Admit,
     Admitted,
     Cancel,
+    Embed,
+    Embedded,
     Emit,
     Event,
     Fault,
@@ -64,7 +66,7 @@ if TYPE_CHECKING:
     from .._cpu import CpuYield
     from ..daemon._metrics import Metrics
 
-__all__ = ["Committer", "InjectedBug", "LinkHandle", "LinkLost", "QueueFull", "Scheduler", "SchedulerConfig",
+__all__ = ["Committer", "EmbedRefused", "InjectedBug", "LinkHandle", "LinkLost", "QueueFull", "Scheduler", "SchedulerConfig",
            "Unavailable"]
 
 log = logging.getLogger("superfluid.sched")
@@ -113,6 +115,10 @@ class Unavailable(Exception):
     def __init__(self, message: str, *, code: str = "worker_unavailable") -> None:
         super().__init__(message)
         self.code = code
+
+
+class EmbedRefused(Exception):
+    """The worker could not embed the inputs (too long, no embedding support): a 400."""
 
 
 class QueueFull(Exception):
@@ -200,9 +206,16 @@ class _Tokenize:
     reply: _Reply
 
 
+@attrs.frozen(eq=False)
+class _Embed:
+    inputs: list[list[int]]
+    normalize: bool
+    reply: _Reply
+
+
 @attrs.define(eq=False)
 class _Pending:
-    command: _Tokenize
+    command: _Tokenize | _Embed
     sent: bool = False
     attempts: int = 0
     parts: list[int] = attrs.field(factory=list)  # ids of the answer's pieces so far (Tokenized.more)
@@ -292,6 +305,21 @@ class Scheduler:
         result: list[int] = await reply.wait()
         return result
 
+    async def embed(self, inputs: list[list[int]], *, normalize: bool = True) -> tuple[int, list[bytes]]:
+        """One vector per input (token ids) from the worker: ``(dim, vectors)``, each
+        vector ``dim`` little-endian float32. Sent to the next worker if one dies holding it.
+
+        Raises:
+            EmbedRefused: the worker could not embed them (the reason, for a 400).
+            Unavailable: no worker could take the request.
+
+        Cancellation: the worker still answers; the answer is dropped.
+        """
+        reply = _Reply()
+        await self._command(_Embed([list(t) for t in inputs], normalize, reply))
+        dim, vectors = await reply.wait()
+        return dim, vectors
+
     # -- the actor's side: applying commands -------------------------------------------
 
     def _apply(self, command: Any) -> None:
@@ -313,7 +341,7 @@ class Scheduler:
                 command.reply.fail(exc)
             else:
                 command.reply.set()
-        elif isinstance(command, _Tokenize):
+        elif isinstance(command, (_Tokenize, _Embed)):
             if self.closed is not None:
                 command.reply.fail(Unavailable(self.closed.message, code=self.closed.code or "model_unloaded"))
                 return
@@ -347,10 +375,13 @@ class Scheduler:
         self._reserved[klass] -= 1
         return True
 
-    def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize:
+    def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize | Embed:
+        """The frame of a pending tokenize or embed request (they share ids and retries)."""
         pending.sent = True
         pending.attempts += 1
         cmd = pending.command
+        if isinstance(cmd, _Embed):
+            return Embed(req=req, inputs=cmd.inputs, normalize=cmd.normalize)
         return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special)
 
     def _fail_tokenizes(self, error: Unavailable, *, unsent_only: bool = False) -> None:
@@ -543,6 +574,8 @@ class Scheduler:
     async def _plan_and_send(self, worker: LinkHandle, *, send_tick: bool) -> bool:
         """Plan, send the plan's preemptions and admissions, and (if
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
+        if not send_tick and not (any(self.queues.values()) and self._may_admit()):
+            return False  # nothing to admit or preempt and no tick to send: the plan would be empty
         plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(), lanes=self._lane_views(),
                                  prefill_tok_s=self._prefill_rate, held=self._held())
         # the plan is applied with no checkpoint in between and goes out in one write (one
@@ -572,6 +605,14 @@ class Scheduler:
         if frames:
             await worker.send(*frames)
         return ticked
+
+    def _may_admit(self) -> bool:
+        """Whether a plan could admit or preempt: a lane is free, or a job that preempts waits.
+        (Every lane busy and only agents waiting, as under a backlog, was a plan of 256
+        ``LaneView``s per worker event that came out empty.)"""
+        q = self.queues
+        return (len(self.running) < self.config.planner.max_batch
+                or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION]))
 
     async def _next_events(self, gen: int, *, timed: bool, worker: LinkHandle) -> list[Any]:
         """Wait for the next inbox item, then take whatever else is already
@@ -682,9 +723,18 @@ class Scheduler:
                 for q in self.queues.values() for j in q]
 
     def _lane_views(self) -> list[LaneView]:
-        return [LaneView(lane=lane, job=j.id, klass=j.klass, admitted_seq=lane,
-                         prefill_left=j.prefill_left, queued_tick=j.queued_tick)
-                for lane, j in self.running.items() if not j.preempted]
+        # a lane's view is rebuilt only when it changed (a LaneView for each of 256 lanes at
+        # every plan was 3% of the daemon's time)
+        views = []
+        for lane, j in self.running.items():
+            if j.preempted:
+                continue
+            v = j.view
+            if v is None or v.lane != lane or v.prefill_left != j.prefill_left or v.queued_tick != j.queued_tick:
+                v = j.view = LaneView(lane=lane, job=j.id, klass=j.klass, admitted_seq=lane,
+                                      prefill_left=j.prefill_left, queued_tick=j.queued_tick)
+            views.append(v)
+        return views
 
     def _tick_done(self, done: TickDone) -> None:
         for lane, job in self.running.items():
@@ -727,6 +777,18 @@ class Scheduler:
                 self._gauges()
             else:
                 log.warning("worker fault (%s): %s", event.kind, event.message)
+        elif isinstance(event, Embedded):
+            pending = self._tokenize.get(event.req)
+            if pending is not None:
+                pending.parts += event.vectors
+                if event.error:
+                    del self._tokenize[event.req]
+                    pending.command.reply.fail(EmbedRefused(event.error))
+                    self._note_cpu()
+                elif not event.more:
+                    del self._tokenize[event.req]
+                    pending.command.reply.set((event.dim, pending.parts))
+                    self._note_cpu()
         elif isinstance(event, Tokenized):
             pending = self._tokenize.get(event.req)
             if pending is not None:
@@ -881,6 +943,13 @@ class Scheduler:
         for k, q in self.queues.items():
             self.metrics.set("superfluid_queue_depth", len(q), **{"class": k.label})
         self._note_cpu()
+
+    @property
+    def active(self) -> bool:
+        """A request has something here: a job queued or running, a reserved place, a
+        tokenize or embedding pending, or a command not applied yet (idle unload waits)."""
+        return bool(self.running or self._tokenize or +self._reserved or any(self.queues.values())
+                    or self.inbox_send.statistics().current_buffer_used)
 
     def statistics(self) -> dict[str, Any]:
         return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),

@@ -69,9 +69,11 @@ class SessionStore:
         self.journal = journal
         self.resume_ttl_s = resume_ttl_s
         self.max_live = max_live
+        # sessions whose job runs here, and ended resumable ones (at most max_live); a plain
+        # session whose request retired after its end is dropped (lookup rebuilds it from the
+        # log), so this does not hold one entry per request ever served
         self.live: dict[str, LiveSession] = {}
         self._decoders: dict[int, Any] = {}
-        self._ended: set[str] = set()
 
     # -- opening -----------------------------------------------------------------
 
@@ -105,7 +107,7 @@ class SessionStore:
         items: list[tuple[str, dict[str, Any]]] = []
         finishing = {job.id: finish for job, finish in ended if finish not in ("cancelled",)}
         for job, tokens, pieces in spans:
-            if not job.session or job.session in self._ended:
+            if not job.session or job.log_ended:
                 continue
             dec = self._decoders.get(job.id)
             if dec is None:
@@ -114,28 +116,34 @@ class SessionStore:
             text = dec.decode(b"".join(pieces), final=finish is not None)
             items.append((job.session, body_generated(tokens=tokens, text=text, finish=finish)))
             if finish is not None:
-                self._ended.add(job.session)
+                job.log_ended = True
                 self._decoders.pop(job.id, None)
         for job, finish in ended:
-            if not job.session or job.session in self._ended:
+            if not job.session or job.log_ended:
                 continue
             if finish == "cancelled" and job.cancelled:
                 items.append((job.session, body_cancelled()))
-                self._ended.add(job.session)
+                job.log_ended = True
                 self._decoders.pop(job.id, None)
             elif job.id in finishing:
                 dec = self._decoders.pop(job.id, None)
                 tail = dec.decode(b"", final=True) if dec is not None else ""
                 items.append((job.session, body_generated(tokens=[], text=tail, finish=finish)))
-                self._ended.add(job.session)
+                job.log_ended = True
         if items:
             await self.journal.append_many(items)
 
     async def end(self, job: Job) -> None:
-        """Record how a session ended if the scheduler did not (cancel, error)."""
-        if not job.session or job.session in self._ended:
+        """Record how a session ended if the scheduler did not (cancel, error).
+        A plain (not resumable) session is no longer indexed once its request is
+        over: a later lookup reads it from the log. Resumable ones stay (up to
+        ``max_live``): a client resuming mid-span needs their exact pieces."""
+        session = self.live.get(job.session)
+        if session is not None and session.job is job and not session.resumable and session.attached <= 0:
+            del self.live[job.session]
+        if not job.session or job.log_ended:
             return
-        self._ended.add(job.session)
+        job.log_ended = True
         self._decoders.pop(job.id, None)
         if job.error is not None:
             body = body_finished(finish="error", error={"message": job.error.message, "code": job.error.code})
@@ -167,7 +175,6 @@ class SessionStore:
                     await self.journal.append(slog.session, body_cancelled())
                 except SessionStateError:
                     pass  # the log already shows it ended
-                self._ended.add(slog.session)
                 continue
             model = registry.loaded.get(created.get("model", ""))
             if model is None or not slog.prompt_tokens:
@@ -194,7 +201,7 @@ class SessionStore:
             return None
         session = self._from_log(slog)
         session.job.finish_with(slog.finish or "stop")
-        self._ended.add(sid)
+        session.job.log_ended = True
         return session
 
     def _from_log(self, slog: Any) -> LiveSession:

@@ -65,6 +65,11 @@ class LaneSampler(Protocol):
     def accept(self, token: int) -> None:
         """Record ``token`` (penalties and grammar state advance)."""
 
+    def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
+        """One pooled vector per input as ``dim`` little-endian float32 (unit length with
+        ``normalize``): ``(dim, vectors)``. Called from a worker thread beside ``decode``
+        (an embedding context of its own). Raises ValueError for inputs it cannot embed."""
+
     def close(self) -> None: ...
 
 
@@ -98,5 +103,10 @@ class Engine(Protocol):
     def seq_import(self, seq: int, data: Any) -> bool:
         """Load state from :meth:`seq_export` into the empty ``seq``. False
         if the runtime refused it (``seq`` is then unspecified: clear it)."""
+
+    def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
+        """One pooled vector per input as ``dim`` little-endian float32 (unit length with
+        ``normalize``): ``(dim, vectors)``. Called from a worker thread beside ``decode``
+        (an embedding context of its own). Raises ValueError for inputs it cannot embed."""
 
     def close(self) -> None: ...

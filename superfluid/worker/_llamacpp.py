@@ -42,6 +42,15 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   sampler chain's transformed distribution.
 * ``tokenize``/``piece`` only read the vocabulary and may run beside
   ``decode`` on another thread.
+* Embeddings: :meth:`LlamaEngine.embed` runs in a second llama context of the
+  same model (weights shared), created on the first request, with
+  ``embeddings=True``, one unified KV pool of one window and up to
+  ``EMBED_SEQS`` sequences, pooled as ``--pooling`` says, else as the GGUF's
+  ``<arch>.pooling_type`` says, else ``mean`` (decoder models such as SmolLM2
+  name none). Several inputs go through one ``llama_decode`` as long as they
+  fit in the window's batch; the pool is cleared between batches. It runs on
+  the worker's reader side, beside ``decode`` (separate contexts may run on
+  separate threads), one batch at a time.
 
 llama.cpp's log output is filtered to errors, written to stderr.
 """
@@ -51,6 +60,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import threading
 from typing import Any
 
 import llama_cpp as L
@@ -72,6 +82,10 @@ _LOG_CONT = 5
 _MARKER_ATTRS = L.LLAMA_TOKEN_ATTR_CONTROL | L.LLAMA_TOKEN_ATTR_USER_DEFINED
 _DECODE_ERRORS = {1: "no KV slot for the batch (KV cache full)", 2: "decode aborted", -1: "invalid batch"}
 _NO_MEDIA = "text-only runtime: no multimodal projector is loaded"
+EMBED_SEQS = 32                  # inputs in one embedding batch at most
+_POOLING = {"none": L.LLAMA_POOLING_TYPE_NONE, "mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS,
+            "last": L.LLAMA_POOLING_TYPE_LAST, "rank": L.LLAMA_POOLING_TYPE_RANK}
+_POOLING_NAMES = {v: k for k, v in _POOLING.items()}
 
 
 # -- logging -------------------------------------------------------------------
@@ -217,13 +231,19 @@ def _load_model(path: str, *, deterministic: bool = False) -> Any:
 
 class LlamaEngine:
     def __init__(self, model_path: str, *, max_batch: int, max_context: int, threads: int,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, pooling: str = "") -> None:
         if max_batch < 1 or max_context < 2:
             raise ValueError("max_batch must be >= 1 and max_context >= 2")
+        if pooling and pooling not in _POOLING:
+            raise ValueError(f"unknown pooling {pooling!r}")
         _init_backend()
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
+        self._embed_ctx: Any = None
+        self._embed_batch: Any = None
+        self._embed_lock = threading.Lock()
+        self._pooling = pooling
         self._deterministic = deterministic
         self._model = _load_model(model_path, deterministic=deterministic)
         try:
@@ -278,7 +298,7 @@ class LlamaEngine:
             "grammar": True,
             "prefix_cache": True if per_seq else (
                 "shared KV pool (sliding-window/recurrent model): only a whole cached sequence is reused"),
-            "embeddings": "not loaded in embedding mode",
+            "embeddings": True,
             "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
         }
 
@@ -382,7 +402,88 @@ class LlamaEngine:
     def seq_import(self, seq: int, data: Any) -> bool:
         return L.llama_state_seq_set_data(self._ctx, data, len(data), seq) > 0
 
+    # -- embeddings ----------------------------------------------------------------
+
+    def pooling(self) -> str:
+        """How an input's token vectors are pooled: ``--pooling``, else the GGUF's, else mean."""
+        if self._pooling:
+            return self._pooling
+        arch = _meta(self._model, "general.architecture") or ""
+        named = _meta(self._model, f"{arch}.pooling_type")
+        if named is not None and named.isdigit() and int(named) in _POOLING_NAMES:
+            name = _POOLING_NAMES[int(named)]
+            if name not in ("none", "rank"):
+                return name
+        return "mean"
+
+    def _embed_context(self) -> tuple[Any, Any, int]:
+        if self._embed_ctx is None:
+            window = self.info.n_ctx_seq
+            cp = L.llama_context_default_params()
+            cp.embeddings = True
+            cp.pooling_type = _POOLING[self.pooling()]
+            cp.kv_unified = True
+            cp.n_ctx = window
+            cp.n_batch = cp.n_ubatch = window  # an input is pooled whole: it goes in one micro-batch
+            cp.n_seq_max = min(EMBED_SEQS, L.llama_max_parallel_sequences())
+            cp.n_threads = cp.n_threads_batch = self.info.extra["threads"]
+            ctx = L.llama_init_from_model(self._model, cp)
+            if not ctx:
+                raise RuntimeError(f"llama.cpp could not create an embedding context: {_LOG.take() or 'no reason'}")
+            self._embed_ctx = ctx
+            self._embed_batch = L.llama_batch_init(window, 0, 1)
+        n_embd = getattr(L, "llama_model_n_embd_out", L.llama_model_n_embd)(self._model)
+        return self._embed_ctx, self._embed_batch, int(n_embd)
+
+    def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
+        window = self.info.n_ctx_seq
+        for i, tokens in enumerate(inputs):
+            if len(tokens) > window:
+                raise ValueError(f"input {i} has {len(tokens)} tokens; the model's window is {window}")
+            for tok in tokens:
+                self._check_token(tok)
+        with self._embed_lock:
+            ctx, batch, dim = self._embed_context()
+            n_seq = min(EMBED_SEQS, L.llama_max_parallel_sequences())
+            mem = L.llama_get_memory(ctx)
+            out: list[bytes] = []
+            start = 0
+            while start < len(inputs):
+                end, used = start, 0
+                while end < len(inputs) and end - start < n_seq and used + len(inputs[end]) <= window:
+                    used += len(inputs[end])
+                    end += 1
+                n = 0
+                for seq, tokens in enumerate(inputs[start:end]):
+                    for pos, tok in enumerate(tokens):
+                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = tok, pos, 1
+                        batch.seq_id[n][0] = seq
+                        batch.logits[n] = True
+                        n += 1
+                batch.n_tokens = n
+                L.llama_memory_clear(mem, True)
+                rc = L.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode returned {rc} for embeddings: {_DECODE_ERRORS.get(rc, 'fatal')}")
+                for seq in range(end - start):
+                    ptr = L.llama_get_embeddings_seq(ctx, seq)
+                    if not ptr:
+                        raise RuntimeError("llama.cpp returned no pooled embedding")
+                    vec = np.ctypeslib.as_array(ptr, shape=(dim,)).astype(np.float64)
+                    if normalize:
+                        norm = float(np.linalg.norm(vec))
+                        vec = vec / norm if norm > 0 else vec
+                    out.append(vec.astype("<f4").tobytes())
+                start = end
+            return dim, out
+
     def close(self) -> None:
+        if self._embed_batch is not None:
+            L.llama_batch_free(self._embed_batch)
+            self._embed_batch = None
+        if self._embed_ctx is not None:
+            L.llama_free(self._embed_ctx)
+            self._embed_ctx = None
         if self._batch is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
@@ -595,7 +696,7 @@ class _LaneSampler:
 
 
 def open_engine(model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False) -> LlamaEngine:
+                deterministic: bool = False, pooling: str = "") -> LlamaEngine:
     """The registry's entry point (``superfluid.runtime._registry``): every engine module has one."""
     return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
-                       deterministic=deterministic)
+                       deterministic=deterministic, pooling=pooling)

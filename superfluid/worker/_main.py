@@ -44,6 +44,8 @@ from ..proto import (
     Admit,
     Admitted,
     Cancel,
+    Embed,
+    Embedded,
     Emit,
     Fault,
     Hello,
@@ -57,6 +59,7 @@ from ..proto import (
     Tokenize,
     Tokenized,
     WorkerLink,
+    embedded_pieces,
     tokenized_pieces,
 )
 from .._cpu import reset_policy
@@ -77,14 +80,15 @@ AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); ba
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False, basert_lib: str | None = None) -> Engine:
+                deterministic: bool = False, pooling: str = "", basert_lib: str | None = None) -> Engine:
     """Import the runtime's engine module (the registry names it) and open the model with it."""
     info = registry.get(runtime)
     if info.engine is None:
         raise ValueError(f"runtime {info.id} has no engine in this build")
     module = importlib.import_module(info.engine)
     return module.open_engine(model, max_batch=max_batch, max_context=max_context, threads=threads,  # type: ignore[no-any-return]
-                              deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}))
+                              deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}),
+                              **({'pooling': pooling} if pooling else {}))
 
 
 class _Worker:
@@ -127,11 +131,14 @@ class _Worker:
 
     # -- the link (either thread) --------------------------------------------------
 
-    def send(self, event: Any) -> None:
-        """Encode and write one frame, after any held token rows (order is
-        kept); blocks while the pipe is full."""
+    def send(self, event: Any, *, lanes: tuple[int, ...] | None = None) -> None:
+        """Encode and write one frame, after held token rows (order is kept):
+        all of them, or (``lanes``) only those of the lanes the frame is
+        about; blocks while the pipe is full. ``Admitted`` and ``Tokenized``
+        take none: they arrive once per request, and at 256 lanes flushing on
+        each of them sent ~4 tokens a chunk instead of a hold's worth."""
         with self.write_lock:
-            self._write([*self._take_held(), event])
+            self._write([*self._take_held(lanes), event])
 
     def emit(self, rows: list[list[Any]], *, hold: bool = False) -> None:
         """Send a step's token rows, or hold them for the next frame
@@ -145,38 +152,57 @@ class _Worker:
         than people, up to ``agent_hold_s`` (``--agent-stream-interval-ms``);
         each class goes out when its own wait is up, without the other's.
         A lane's first token after its admission and a lane's last token go
-        at once, with everything held (time to first text and the end of a
-        request never wait). Any other frame sends the held rows first.
+        at once, with that lane's held rows (time to first text and the end of
+        a request never wait); the other lanes' rows keep waiting: flushing
+        everything on every first or last token sent ~4 tokens a chunk at 256
+        lanes, where lanes start and end all the time. Any other frame sends
+        the held rows first.
         """
         now = time.monotonic()
         with self.write_lock:
-            urgent = False
+            urgent: set[int] = set()
             for row in rows:
-                kind = int(row[0] in self.agents)
+                lane = row[0]
+                kind = int(lane in self.agents)
                 if not self.held[kind]:
                     self.held_since[kind] = now
                 self.held[kind].append(row)
-                if row[0] in self.fresh:
-                    urgent = True
+                if lane in self.fresh:
+                    urgent.add(lane)
                     if row[2]:  # the first token with text: an end-of-generation piece shows nothing
-                        self.fresh.discard(row[0])
+                        self.fresh.discard(lane)
                 if row[3] is not None:
-                    urgent = True
-                    self.fresh.discard(row[0])
-                    self.agents.discard(row[0])
+                    urgent.add(lane)
+                    self.fresh.discard(lane)
+                    self.agents.discard(lane)
             if hold:
                 return
-            due = [k for k in (0, 1) if self.held[k] and (urgent or now - self.held_since[k] >= self.holds[k])]
-            if due:
-                rows = [row for k in due for row in self.held[k]]
-                for k in due:
+            out: list[Any] = []
+            for k in (0, 1):
+                held = self.held[k]
+                if not held:
+                    continue
+                if now - self.held_since[k] >= self.holds[k]:
+                    out += held
                     self.held[k] = []
-                self._write([Emit(items=rows)])
+                elif urgent:
+                    keep = []
+                    for row in held:
+                        (out if row[0] in urgent else keep).append(row)
+                    self.held[k] = keep  # held_since stays: the rest may go a little early, never late
+            if out:
+                self._write([Emit(items=out)])
 
-    def _take_held(self) -> list[Any]:
+    def _take_held(self, lanes: tuple[int, ...] | None = None) -> list[Any]:
         if not (self.held[0] or self.held[1]):
             return []
-        rows, self.held = [*self.held[0], *self.held[1]], [[], []]
+        if lanes is None:
+            rows, self.held = [*self.held[0], *self.held[1]], [[], []]
+        else:
+            rows = [row for k in (0, 1) for row in self.held[k] if row[0] in lanes]
+            if not rows:
+                return []
+            self.held = [[row for row in self.held[k] if row[0] not in lanes] for k in (0, 1)]
         return [Emit(items=rows)]
 
     def _write(self, events: list[Any]) -> None:
@@ -222,16 +248,16 @@ class _Worker:
             try:
                 lane = self.executor.admit(op)
             except ValueError as exc:
-                self.send(Fault(lane=op.lane, kind="admit", message=str(exc)))
+                self.send(Fault(lane=op.lane, kind="admit", message=str(exc)), lanes=(op.lane,))
             else:
                 with self.write_lock:
                     self.fresh.add(op.lane)
                     if op.priority >= AGENT_PRIORITY:
                         self.agents.add(op.lane)
-                self.send(Admitted(lane=op.lane, cached=lane.cached))
+                self.send(Admitted(lane=op.lane, cached=lane.cached), lanes=())
         elif isinstance(op, Cancel) and self.executor.cancel(op.lane, publish=op.publish):
             self._ended(op.lane)
-            self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]))
+            self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]), lanes=(op.lane,))
         return False
 
     def _ended(self, lane: int) -> None:
@@ -287,7 +313,7 @@ class _Worker:
             for tag, message in res.faults:
                 self._ended(tag)
                 kind = FAULT_BUG if message.startswith(INJECTED_BUG) else "lane"
-                self.send(Fault(lane=tag, kind=kind, message=message))
+                self.send(Fault(lane=tag, kind=kind, message=message), lanes=(tag,))
             if res.prefill_tokens >= 32:
                 per_token = (time.monotonic() - t_step) / res.prefill_tokens
                 old = self.prefill_s_per_token
@@ -328,6 +354,18 @@ class _Worker:
 
     def _answer_tokenize(self, event: Tokenize) -> None:
         for answer in self._tokenized(event):
+            self.send(answer, lanes=())
+
+    def _answer_embed(self, event: Embed) -> None:
+        """Embed on this (a worker) thread: the engine's embedding context is its own, so
+        it runs beside the engine thread's decoding (both share the CPU)."""
+        try:
+            dim, vectors = self.engine.embed([list(t) for t in event.inputs], normalize=event.normalize)
+        except Exception as exc:  # noqa: BLE001 - boundary: the request fails with the reason
+            answers: list[Any] = [Embedded(req=event.req, error=str(exc) or type(exc).__name__)]
+        else:
+            answers = list(embedded_pieces(event.req, dim, vectors))
+        for answer in answers:
             self.send(answer)
 
     async def serve_engine(self) -> None:
@@ -346,6 +384,7 @@ class _Worker:
         prompt is tokenized on a thread in ``tokenize_nursery`` (one at a time),
         so Ticks and Cancels keep flowing to the engine meanwhile."""
         limiter = trio.CapacityLimiter(1)
+        embed_limiter = trio.CapacityLimiter(1)  # one embedding batch at a time: it takes every core
         while True:
             with self.link_lock:
                 event = self.link.next_event()
@@ -363,6 +402,9 @@ class _Worker:
                 # written from this thread: the daemon's reader always drains the pipe, so
                 # the write blocks at most briefly, and a hop to a thread costs more (~1 ms)
                 self._answer_tokenize(event)
+            elif isinstance(event, Embed):
+                tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_embed, event,
+                                                    limiter=embed_limiter))
             elif isinstance(event, Interrupt):
                 self.interrupt = True
             elif isinstance(event, Shutdown):
@@ -389,7 +431,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         engine = await trio.to_thread.run_sync(
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads,
-                                deterministic=args.deterministic, basert_lib=args.basert_lib)
+                                deterministic=args.deterministic, pooling=args.pooling,
+                                basert_lib=args.basert_lib)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
@@ -448,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
     parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     try:
         args = parser.parse_args(argv)

@@ -68,6 +68,9 @@ class InjectedBug(LaneError):
     """``[[mock:bug_after=N]]``: the worker reports it as a ``Fault`` of kind ``bug``."""
 
 
+MOCK_EMBED_DIM = 64
+
+
 def parse_mock_spec(spec: str) -> dict[str, float]:
     opts = {"n_ctx": 4096.0, "step_ms": 2.0, "prefill_us": 20.0, "eos_every": 48.0, "refuse_load": 0.0, "n_seq": 0.0}
     _, _, query = spec.partition("?")
@@ -162,9 +165,28 @@ class MockEngine:
             "logprobs": True,
             "grammar": "the mock runtime does not constrain output",
             "prefix_cache": True,
-            "embeddings": "the mock runtime has no embedding head",
+            "embeddings": True,
             "input": {"text": True, "image": "text-only runtime", "audio": "text-only runtime"},
         }
+
+    def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
+        """Deterministic: the mean of a fixed pseudo-random vector per token id, so texts
+        sharing words point alike. Inputs longer than the window are refused, as llama.cpp's."""
+        out = []
+        for i, tokens in enumerate(inputs):
+            if len(tokens) > self.info.n_ctx_seq:
+                raise ValueError(f"input {i} has {len(tokens)} tokens; the model's window is {self.info.n_ctx_seq}")
+            acc = [0.0] * MOCK_EMBED_DIM
+            for tok in tokens:
+                seed = _h("embed", tok)
+                for d in range(MOCK_EMBED_DIM):
+                    acc[d] += ((seed >> (d % 56)) & 0xFF) / 127.5 - 1.0 + 0.01 * ((tok * (d + 1)) % 7)
+            vec = [v / len(tokens) for v in acc]
+            if normalize:
+                norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+                vec = [v / norm for v in vec]
+            out.append(array.array("f", vec).tobytes())
+        return MOCK_EMBED_DIM, out
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         out = [SPECIALS["<s>"]] if add_special else []

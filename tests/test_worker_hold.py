@@ -1,0 +1,51 @@
+"""The worker's row hold (``--stream-interval-ms``): a lane's first and last
+tokens go at once with that lane's held rows only; frames about one request
+(``Admitted``, a tokenize answer) send no held rows; ``TickDone`` sends them all."""
+
+from __future__ import annotations
+
+import os
+
+from superfluid.proto import WORKER, Admitted, Emit, FrameDecoder, TickDone, WorkerLink, from_wire
+from superfluid.proto._state import READY
+from superfluid.worker._main import _Worker
+
+
+def _frames(fd: int) -> list:
+    decoder = FrameDecoder()
+    try:
+        decoder.receive_data(os.read(fd, 1 << 20))
+    except BlockingIOError:
+        return []
+    out = []
+    while (body := decoder.next_frame()) is not None:
+        out.append(from_wire(body, max_len=1 << 24))
+    return out
+
+
+def test_only_the_urgent_lane_leaves_the_hold() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    link = WorkerLink(WORKER)
+    link.state = READY                      # past the handshake, lanes 1 and 2 admitted
+    link._lanes.update({1: False, 2: False, 3: False})
+    link._ticks_in_flight = 1
+    worker = _Worker(None, None, w, link, "mock", max_ops=8, hold_s=60.0, agent_hold_s=60.0)  # type: ignore[arg-type]
+    try:
+        worker.emit([[1, 10, b" a", None, None], [2, 20, b" b", None, None]])
+        worker.emit([[1, 11, b" c", None, None], [2, 21, b" d", None, None]])
+        assert _frames(r) == []             # held: nothing urgent, the hold is not up
+        worker.send(Admitted(lane=3, cached=0), lanes=())
+        assert _frames(r) == [Admitted(lane=3, cached=0)]   # a newcomer's admission takes no rows along
+        worker.fresh.add(3)
+        worker.emit([[3, 30, b" e", None, None], [1, 12, b" f", "length", None]])
+        [emit] = _frames(r)                 # lane 3's first token and lane 1's end: at once, with lane 1's rows
+        assert isinstance(emit, Emit)
+        assert sorted(row[:2] for row in emit.items) == [(1, 10), (1, 11), (1, 12), (3, 30)]
+        assert [row[1] for row in emit.items if row[0] == 1] == [10, 11, 12]   # a lane's rows in order
+        worker.send(TickDone(seq=1))
+        emit, done = _frames(r)             # the tick's end sends what is still held
+        assert [row[:2] for row in emit.items] == [(2, 20), (2, 21)] and isinstance(done, TickDone)
+    finally:
+        os.close(r)
+        os.close(w)
