@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"it loads again on the next request naming it (default {D.IDLE_TIMEOUT_S:g}: never)")
     s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
                    help="let requests name MODEL (a model given here or in a --model-dir) as NAME too, e.g. "
-                        "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable)")
+                        "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable; default: none)")
     s.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
                    help="how embeddings pool a text's token vectors (default: the model's own, else mean)")
     s.add_argument("--no-memory-check", action="store_true",
@@ -294,6 +294,8 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             _check_model_file(Path(spec))
         choice = _choose(spec, selector, args)
         runtime = choice.info.id
+        if runtime == "llamacpp" and not Path(spec).is_file():
+            raise CliError(f"model {spec} is not a file (llama.cpp loads a GGUF file)")
         out.append(ModelSource(spec=spec, runtime=runtime, name=model_name(spec, runtime), worker=choice.worker))
     return out
 
