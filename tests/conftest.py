@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -124,3 +125,17 @@ async def sse_events(response: httpx.Response) -> list[dict]:
 
 def stream_text(events: list[dict]) -> str:
     return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+
+
+async def wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until a daemon started as a subprocess answers ``/health`` 200 (it must not exit first);
+    the caller bounds the wait."""
+    while True:
+        assert proc.poll() is None, "daemon exited"
+        try:
+            async with httpx.AsyncClient() as c:
+                if (await c.get(url + "/health")).status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        await trio.sleep(0.1)

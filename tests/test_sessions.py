@@ -15,7 +15,7 @@ import trio
 from superfluid.journal import open_journal
 from superfluid.proto import SseDecoder
 
-from .conftest import mock_config, sse_events, start_daemon, stream_text
+from .conftest import mock_config, sse_events, start_daemon, stream_text, wait_healthy
 
 CHAT = {"model": "mock", "messages": [{"role": "user", "content": "tell me a long story"}], "temperature": 0,
         "max_tokens": 200, "ignore_eos": True}
@@ -127,15 +127,7 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     with trio.fail_after(60):
-        while True:
-            assert proc.poll() is None, "daemon exited"
-            try:
-                async with httpx.AsyncClient() as c:
-                    if (await c.get(url + "/health")).status_code == 200:
-                        return
-            except httpx.HTTPError:
-                pass
-            await trio.sleep(0.1)
+        await wait_healthy(url, proc)
 
 
 def _free_port() -> int:

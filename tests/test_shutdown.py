@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+
+from .conftest import wait_healthy
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 pytestmark = pytest.mark.slow
@@ -47,15 +49,7 @@ def _free_port() -> int:
 
 async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     with trio.fail_after(90):
-        while True:
-            assert proc.poll() is None, "daemon exited"
-            try:
-                async with httpx.AsyncClient() as c:
-                    if (await c.get(url + "/health")).status_code == 200:
-                        return
-            except httpx.HTTPError:
-                pass
-            await trio.sleep(0.1)
+        await wait_healthy(url, proc)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

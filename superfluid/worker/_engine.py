@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import attrs
 
 from ..proto import Sampling
+from ..proto._events import MAX_LOGPROBS
 
 __all__ = ["BatchRow", "Engine", "LaneSampler", "ModelInfo"]
 
@@ -110,3 +111,21 @@ class Engine(Protocol):
         (an embedding context of its own). Raises ValueError for inputs it cannot embed."""
 
     def close(self) -> None: ...
+
+
+
+def logprobs_from_logits(logits: Any, token: int, n: int, piece: Any) -> list[Any]:
+    """``[logprob of token, [[id, piece, logprob], ...n best]]`` from one row of logits (numpy):
+    a log-softmax in float64, the ``n`` best (at most ``MAX_LOGPROBS``) in order, ties stable."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max()
+    lp = x - (top + np.log(np.exp(x - top).sum()))
+    n = max(0, min(n, MAX_LOGPROBS))
+    best: list[Any] = []
+    if n:
+        idx = np.argpartition(-lp, n - 1)[:n]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        best = [[int(t), piece(int(t)), float(lp[t])] for t in idx]
+    return [float(lp[token]), best]

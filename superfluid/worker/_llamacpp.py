@@ -67,7 +67,7 @@ import llama_cpp as L
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo
+from ._engine import BatchRow, ModelInfo, logprobs_from_logits
 from ._executor import counter_seed
 
 __all__ = ["LlamaEngine"]
@@ -75,7 +75,6 @@ __all__ = ["LlamaEngine"]
 BATCH_TOKENS = 2048
 UBATCH_TOKENS = 512
 PENALTY_LAST_N = 64
-MAX_LOGPROBS = 20
 _DEFAULT_SEED = 0xFFFFFFFF       # llama.cpp reads this seed as "pick one at random"
 _LOG_ERROR = 4                   # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continue
 _LOG_CONT = 5
@@ -671,16 +670,7 @@ class _LaneSampler:
         return token
 
     def logprobs(self, out: Any, token: int, n: int) -> list[Any]:
-        x = self._engine.logits(out).astype(np.float64)
-        top = x.max()
-        lp = x - (top + np.log(np.exp(x - top).sum()))
-        n = max(0, min(n, MAX_LOGPROBS))
-        best: list[Any] = []
-        if n:
-            idx = np.argpartition(-lp, n - 1)[:n]
-            idx = idx[np.argsort(-lp[idx], kind="stable")]
-            best = [[int(t), self._engine.piece(int(t)), float(lp[t])] for t in idx]
-        return [float(lp[token]), best]
+        return logprobs_from_logits(self._engine.logits(out), token, n, self._engine.piece)
 
     def accept(self, token: int) -> None:
         drawn, self._drawn = self._drawn, None

@@ -44,13 +44,12 @@ from typing import Any
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo
+from ._engine import BatchRow, ModelInfo, logprobs_from_logits
 from ._executor import counter_seed
 
 __all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
 
 PENALTY_LAST_N = 64
-MAX_LOGPROBS = 20
 GIB = 1 << 30
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
@@ -428,16 +427,7 @@ class _LaneSampler:
         return _draw(x, self.s, counter_seed(self.s.seed, k))
 
     def logprobs(self, out: Any, token: int, n: int) -> list[Any]:
-        x = out.astype(np.float64)
-        top = x.max()
-        lp = x - (top + np.log(np.exp(x - top).sum()))
-        n = max(0, min(n, MAX_LOGPROBS))
-        best: list[Any] = []
-        if n:
-            idx = np.argpartition(-lp, n - 1)[:n]
-            idx = idx[np.argsort(-lp[idx], kind="stable")]
-            best = [[int(t), self._engine.piece(int(t)), float(lp[t])] for t in idx]
-        return [float(lp[token]), best]
+        return logprobs_from_logits(out, token, n, self._engine.piece)
 
     def accept(self, token: int) -> None:
         if not 0 <= token < self._engine.info.n_vocab:
