@@ -129,3 +129,19 @@ def logprobs_from_logits(logits: Any, token: int, n: int, piece: Any) -> list[An
         idx = idx[np.argsort(-lp[idx], kind="stable")]
         best = [[int(t), piece(int(t)), float(lp[t])] for t in idx]
     return [float(lp[token]), best]
+
+
+def check_sampling_ranges(s: Sampling) -> None:
+    """Refuse sampling values no runtime can apply (the API validates too; this guards the worker).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    if s.repeat_penalty <= 0:
+        raise ValueError("repeat_penalty must be > 0")
+    if not 0 <= s.top_p <= 1:
+        raise ValueError("top_p must be in [0, 1]")
+    if not 0 <= s.min_p <= 1:
+        raise ValueError("min_p must be in [0, 1]")
+    if s.top_k < 0:
+        raise ValueError("top_k must be >= 0")

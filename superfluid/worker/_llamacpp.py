@@ -67,7 +67,7 @@ import llama_cpp as L
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo, logprobs_from_logits
+from ._engine import BatchRow, ModelInfo, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
 
 __all__ = ["LlamaEngine"]
@@ -568,14 +568,7 @@ def _grammar_stage(vocab: Any, grammar: str) -> Any:
 
 
 def _check_sampling(s: Sampling) -> None:
-    if s.repeat_penalty <= 0:
-        raise ValueError("repeat_penalty must be > 0")
-    if not 0 <= s.top_p <= 1:
-        raise ValueError("top_p must be in [0, 1]")
-    if not 0 <= s.min_p <= 1:
-        raise ValueError("min_p must be in [0, 1]")
-    if s.top_k < 0:
-        raise ValueError("top_k must be >= 0")
+    check_sampling_ranges(s)
 
 
 def _dist_seed(seed: int, k: int) -> int:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo, logprobs_from_logits
+from ._engine import BatchRow, ModelInfo, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
 
 __all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
@@ -381,14 +381,7 @@ class _Exported:
 def _check_sampling(s: Sampling) -> None:
     if s.grammar:
         raise ValueError(_NO_GRAMMAR)
-    if s.repeat_penalty <= 0:
-        raise ValueError("repeat_penalty must be > 0")
-    if not 0 <= s.top_p <= 1:
-        raise ValueError("top_p must be in [0, 1]")
-    if not 0 <= s.min_p <= 1:
-        raise ValueError("min_p must be in [0, 1]")
-    if s.top_k < 0:
-        raise ValueError("top_k must be >= 0")
+    check_sampling_ranges(s)
 
 
 class _LaneSampler:
