@@ -477,7 +477,7 @@ def _startup_error(exc: BaseException, host: str, port: int) -> CliError:
         if isinstance(leaf, WorkerLoadFailed):
             return CliError(f"model did not load: {leaf}")
         if isinstance(leaf, WorkerDied):
-            return CliError(f"model did not start: {leaf}")
+            return CliError(f"worker did not start: {leaf}")
         if isinstance(leaf, OSError) and leaf.errno == errno.EADDRINUSE:
             return CliError(f"cannot listen on {host}:{port}: the address is already in use "
                             "(another server runs there; pick one with --port)")
