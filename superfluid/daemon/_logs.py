@@ -81,6 +81,9 @@ class _BoundedQueueHandler(logging.handlers.QueueHandler):
             dropped += 1
 
 
+QUIET_LIBRARIES = ("httpx", "httpx2", "httpcore", "huggingface_hub", "filelock")
+
+
 def configure_logging(level: str = "INFO", log_dir: Path | None = None, *, stream: TextIO | None = None) -> None:
     """Install the daemon's handlers on the root logger (replacing earlier ones of ours).
 
@@ -94,6 +97,10 @@ def configure_logging(level: str = "INFO", log_dir: Path | None = None, *, strea
     close_logging()
     root = logging.getLogger()
     root.setLevel(numeric)
+    # the HTTP clients huggingface_hub uses log every request at INFO: a pull is shown by its own
+    # progress, so theirs speak only from WARNING up unless the daemon is asked for DEBUG
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.WARNING if numeric > logging.DEBUG else logging.NOTSET)
     err = logging.StreamHandler(stream or sys.stderr)
     err.setFormatter(_StderrFormatter())
     handlers: list[logging.Handler] = [err]
