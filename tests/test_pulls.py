@@ -301,6 +301,7 @@ def test_the_ollama_client_pulls_lists_copies_and_removes(env: dict[str, str], h
         d2.stop()
 
 
+@pytest.mark.slow  # a real download across processes: 'it stopped growing' is watched for 1 s of wall time
 def test_a_client_that_disconnects_cancels_its_pull(env: dict[str, str], hub: FakeHub) -> None:
     hub.rate = 1 << 20
     d = _Served(env, "--runtime", "mock")
