@@ -5,6 +5,10 @@
 #
 #     bash bench/rerun_all.sh [PART ...]     # parts: suite throughput sampled qos logcost determinism monitor
 #
+# The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
+# for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
+# throughput benchmarks run the default mode.
+#
 # Refuses to start while the machine is busy (1-minute load average above 0.5): llama.cpp's threads
 # collapse under other load and both sides of every ratio would be measured on a different machine.
 set -euo pipefail
@@ -26,7 +30,7 @@ for part in $parts; do
     case $part in
         suite)
             box=$out/box.json
-            printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "models": {"gguf": "%s"}}\n' \
+            printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "superfluid_args": ["--deterministic"], "models": {"gguf": "%s"}}\n' \
                 "$(hostname)" "$server" "$(dirname "$server")" "$model" > "$box"
             $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
                 --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log"

@@ -249,6 +249,32 @@ async def test_request_that_keeps_killing_its_worker_fails_typed(nursery: trio.N
         d.scope.cancel()
 
 
+async def test_a_request_admitted_beside_a_poisoned_one_completes(nursery: trio.Nursery) -> None:
+    """Quarantine: a long prompt still prefilling beside a short request that kills its worker
+    at its first token is, like the poisoned one, without progress at every death;
+    re-admitted together they would die together until both failed ``worker_crashed``. Suspects
+    are re-admitted one at a time, so the innocent completes and only the poisoned one fails."""
+    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=1000"))
+    story = {"model": "mock", "messages": [{"role": "user", "content": "tell me a story " * 200}],
+             "max_tokens": 30, "ignore_eos": True, "stream": True}
+    innocent: list[str] = []
+    poison = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:crash_after=0]] go"}],
+              "max_tokens": 20, "ignore_eos": True}
+    replies: list[httpx.Response] = []
+
+    async def post_poison() -> None:
+        replies.append(await d.client.post("/v1/chat/completions", json=poison))
+
+    async with trio.open_nursery() as n:  # both arrive at once: admitted in one plan, both fresh at the death
+        n.start_soon(bystander, d, story, innocent)  # a long prompt: the short poisoned one prefills first
+        n.start_soon(post_poison)
+    [r] = replies
+    assert r.status_code == 500 and r.json()["error"]["code"] == "worker_crashed", r.text
+    assert innocent and len(innocent[0]) > 0
+    assert await metric(d, "superfluid_worker_respawns_total") >= 3
+    d.scope.cancel()
+
+
 async def test_a_lane_fault_ends_only_its_request(daemon: Daemon) -> None:
     """A fault inside one lane (its sampler raised) ends that request typed (500); the
     worker lives on and a stream beside it completes with its uninterrupted text."""

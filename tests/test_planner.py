@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -352,3 +353,46 @@ def test_qos_order_and_preemptors() -> None:
     assert sorted(QosClass) == [Q.INTERACTIVE, Q.COMPLETION, Q.AGENT, Q.BACKGROUND]
     assert [k.preempts for k in QosClass] == [True, True, False, False]
     assert len({k.label for k in QosClass}) == 4
+
+
+# ---- quarantine ------------------------------------------------------------------------------
+
+
+@st.composite
+def quarantine_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Any scenario, with some lanes fresh (no token since admission) or suspect, and some
+    queued jobs suspect (a worker died while they ran without progress)."""
+    s = draw(scenarios(full=draw(st.booleans())))
+    s["lanes"] = [attrs.evolve(ln, fresh=draw(st.booleans()), suspect=draw(st.booleans())) for ln in s["lanes"]]
+    s["queued"] = [attrs.evolve(j, suspect=draw(st.booleans())) for j in s["queued"]]
+    return s
+
+
+@PROPERTIES
+@given(quarantine_scenarios())
+def test_a_suspect_runs_alone_until_it_produces_a_token(s: dict[str, Any]) -> None:
+    """While a suspect lane is fresh nothing is admitted or preempted; a suspect is admitted
+    only as the one admission of its plan, and only when every lane left has produced a token."""
+    plan = plan_of(s)
+    if any(ln.suspect and ln.fresh for ln in s["lanes"]):
+        assert plan.admits == () and plan.preempts == ()
+    suspects = {j.job for j in s["queued"] if j.suspect}
+    if suspects & set(plan.admits):
+        assert len(plan.admits) == 1
+        assert not any(ln.fresh for ln in s["lanes"] if ln.lane not in plan.preempts)
+
+
+def test_suspects_are_probed_one_at_a_time() -> None:
+    planner = Planner(PlannerConfig(max_batch=4))
+    queued = [JobView(job=i, klass=Q.AGENT, queued_tick=0, seq=i, suspect=True) for i in range(3)]
+    assert planner.plan(tick=0, queued=queued, lanes=[]).admits == (0,)
+    probing = [LaneView(lane=0, job=0, klass=Q.AGENT, admitted_seq=0, prefill_left=0, fresh=True, suspect=True)]
+    chat = [JobView(job=9, klass=Q.INTERACTIVE, queued_tick=0, seq=9)]
+    assert planner.plan(tick=0, queued=[*queued[1:], *chat], lanes=probing).admits == ()
+    cleared = [attrs.evolve(probing[0], fresh=False)]  # it produced a token: the next one goes
+    assert planner.plan(tick=0, queued=queued[1:], lanes=cleared).admits == (1,)
+    # a fresh innocent lane holds a waiting suspect (and the line behind it) back
+    fresh = [LaneView(lane=0, job=5, klass=Q.AGENT, admitted_seq=0, prefill_left=10, fresh=True)]
+    assert planner.plan(tick=0, queued=queued[1:], lanes=fresh).admits == ()
+    plain = [JobView(job=7, klass=Q.AGENT, queued_tick=0, seq=0)]
+    assert planner.plan(tick=0, queued=plain, lanes=fresh).admits == (7,)

@@ -118,6 +118,11 @@ class Job:
         """Tokens generated so far: committed plus staged (the scheduler's view)."""
         return len(self.tokens) + len(self.staged)
 
+    @property
+    def suspect(self) -> bool:
+        """A worker died while it ran and it has produced no token since (quarantine, SPEC.md "Faults")."""
+        return self.lost_without_progress > 0 and self.n_generated == self.tokens_at_admit
+
     def generated(self) -> list[int]:
         return self.tokens + [token for token, _piece, _lp in self.staged]
 

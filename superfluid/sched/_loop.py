@@ -719,7 +719,8 @@ class Scheduler:
         return None
 
     def _job_views(self) -> list[JobView]:
-        return [JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq, prompt_tokens=len(j.prompt))
+        return [JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq, prompt_tokens=len(j.prompt),
+                        suspect=j.suspect)
                 for q in self.queues.values() for j in q]
 
     def _lane_views(self) -> list[LaneView]:
@@ -730,9 +731,12 @@ class Scheduler:
             if j.preempted:
                 continue
             v = j.view
-            if v is None or v.lane != lane or v.prefill_left != j.prefill_left or v.queued_tick != j.queued_tick:
+            fresh = j.n_generated == j.tokens_at_admit
+            if (v is None or v.lane != lane or v.prefill_left != j.prefill_left or v.queued_tick != j.queued_tick
+                    or v.fresh != fresh):
                 v = j.view = LaneView(lane=lane, job=j.id, klass=j.klass, admitted_seq=lane,
-                                      prefill_left=j.prefill_left, queued_tick=j.queued_tick)
+                                      prefill_left=j.prefill_left, queued_tick=j.queued_tick, fresh=fresh,
+                                      suspect=j.lost_without_progress > 0)
             views.append(v)
         return views
 

@@ -14,6 +14,13 @@ carries the returned :class:`Plan` out. Rules (see SPEC.md, "Scheduler"):
   then the newest) and reserve the freed lane for that job. The first job that
   cannot preempt ends preemption for the tick, so a freed lane always goes to
   the job it was freed for.
+* **Quarantine**: a job that was running without progress when a worker
+  died is a *suspect* (it may be what kills workers). A suspect is admitted
+  only when every lane has produced a token since its admission, and alone;
+  while it runs without a token, nothing else is admitted or preempted. A
+  worker death then charges only the suspect, so a request that crashes the
+  engine fails typed after ``lost_limit`` deaths without taking innocent
+  requests admitted beside it along (SPEC.md, "Faults").
 * **Shared-prefix hold**: the loop passes ``held``, the jobs that share a long
   prefix with a lane still prefilling it; they wait and are then seeded from it.
 * **Budgets**: while a newcomer could join at the end of the tick (a queue is
@@ -43,6 +50,7 @@ class JobView:
     queued_tick: int
     seq: int                   # FIFO order within and across classes (lower = earlier)
     prompt_tokens: int = 0
+    suspect: bool = False      # a worker died while it ran, and it made no progress since
 
 
 @attrs.frozen(kw_only=True)
@@ -53,6 +61,8 @@ class LaneView:
     admitted_seq: int          # higher = newer
     prefill_left: int          # tokens still to prefill; 0 = decoding
     queued_tick: int = 0       # when its job was queued (for starvation order)
+    fresh: bool = False        # no token generated since this admission
+    suspect: bool = False      # its job is a suspect on probation (see "Quarantine")
 
 
 @attrs.frozen(kw_only=True)
@@ -117,7 +127,11 @@ class Planner:
         preempts: list[int] = []
         admits: list[int] = []
         remaining = list(waiting)
-        if free <= 0:
+        probing = any(ln.suspect and ln.fresh for ln in lanes)
+        fresh = any(ln.fresh for ln in lanes)
+        if probing:
+            free = 0
+        elif free <= 0:
             capped: set[QosClass] = set()   # classes of capped jobs ahead: freeing their lanes would skip the line
             for job in waiting:
                 if job.job in held:
@@ -132,20 +146,28 @@ class Planner:
                 if not job.klass.preempts or not victims:
                     break
                 victim = max(victims, key=lambda ln: (ln.prefill_left == 0, int(ln.klass), ln.admitted_seq))
+                if job.suspect and (admits or any(ln.fresh for ln in lanes if ln.lane != victim.lane)):
+                    break  # a suspect waits until every other lane has produced a token
                 preempts.append(victim.lane)
                 per_class[victim.klass] -= 1
                 per_class[job.klass] += 1
                 admits.append(job.job)
                 remaining.remove(job)
+                if job.suspect:
+                    break
 
         while free > 0 and remaining:
             pick = next((j for j in remaining if j.job not in held and per_class[j.klass] < cfg.cap(j.klass)), None)
             if pick is None:
                 break
+            if pick.suspect and (fresh or admits):
+                break  # it waits (and holds the line) until every lane has produced a token
             admits.append(pick.job)
             per_class[pick.klass] += 1
             remaining.remove(pick)
             free -= 1
+            if pick.suspect:
+                break  # alone: nothing else is admitted beside a suspect
 
         # budgets
         admitted = {j.job: j for j in waiting if j.job in admits}

@@ -65,7 +65,10 @@ def _manifest_line(m: dict[str, Any]) -> str:
              f"{m.get('started', '?')} to {m.get('finished') or 'unfinished'}"]
     if m.get("scale") != "full":
         parts.append("reduced sizes: not the published setup")
-    return "- " + "; ".join(p for p in parts if p)
+    lines = ["- " + "; ".join(p for p in parts if p)]
+    for name, argv in (m.get("argv") or {}).items():
+        lines.append(f"  - `{name}`: `{' '.join(Path(a).name if '/' in a else a for a in argv)}`")
+    return "\n".join(lines)
 
 
 def cell_commits(cells: list[dict[str, Any]]) -> str:

@@ -167,7 +167,9 @@ async def run(opts: RunOptions) -> int:
             "versions": {"superfluid": _version("superfluid"), "superfluid_rev": rev, "trio": _version("trio"),
                          "h11": _version("h11"), "llama-cpp-python": _version("llama_cpp_python"),
                          **box.versions},
-            "systems": list(opts.systems), "scenarios": list(opts.scenarios), "url": opts.url,
+            "systems": list(opts.systems),
+            "argv": {name: [str(a) for a in spec.argv] for name, spec in specs.items()},
+            "scenarios": list(opts.scenarios), "url": opts.url,
             "started": manifest.get("started") or _now(), "finished": None,
             "revs": sorted({*manifest.get("revs", []), str(rev)}),  # every commit a cell here ran on
         })

@@ -11,6 +11,7 @@ folder)::
     {"box": "laptop", "root": ".", "superfluid": "bin/superfluid",
      "superfluid_home": "home", "llama_server": "bin/llama-server",
      "llama_lib": "lib", "lib_env": "LD_LIBRARY_PATH", "llama_args": ["-t", "2"],
+     "superfluid_args": ["--deterministic"],
      "models": {"gguf": "models/m.gguf", "small_gguf": "models/small.gguf",
                 "mock": "mock?step_ms=3"},
      "versions": {"llama.cpp": "b1234"}, "ports": {"llama-server": 18611},
@@ -26,6 +27,8 @@ Equal memory: ``{kv_tokens}`` is :func:`kv_cells`, the KV cells a superfluid
 worker allocates for ``lanes`` x ``ctx``, so llama-server gets as many (``-c
 {kv_tokens} -np {lanes}``); neither keeps prompts in host memory (superfluid
 ``--host-cache-mb 0``, llama-server ``--cache-ram 0``; their defaults are 2 and 8 GiB).
+``superfluid_args`` and ``llama_args`` are appended to every superfluid and
+llama-server command line; the manifest records each system's argv.
 """
 
 from __future__ import annotations
@@ -128,7 +131,8 @@ def _superfluid(box: Box, name: str, runtime: str, model: str | None, companion:
     binary = box.path("superfluid")
     head = [binary, "serve"] if binary else [sys.executable, "-m", "superfluid", "serve"]
     argv = (*head, "{model}", "--runtime", runtime, "--http", "127.0.0.1:{port}", "--max-batch", "{lanes}",
-            "--max-context", "{ctx}", "--sessions", "{run_dir}/sess-{name}", "--host-cache-mb", "0", "--no-tui")
+            "--max-context", "{ctx}", "--sessions", "{run_dir}/sess-{name}", "--host-cache-mb", "0", "--no-tui",
+            *[str(a) for a in box.data.get("superfluid_args") or []])
     env = {}
     if box.path("superfluid_home"):
         env["SUPERFLUID_HOME"] = str(box.path("superfluid_home"))
