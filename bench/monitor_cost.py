@@ -9,7 +9,7 @@ Both stay up (the idle one costs nothing); each round runs both once, 8 distinct
 concurrent, ``--tokens``-token replies with ignore_eos, in a seeded random order per round, so
 drift hits both alike. Prints the median aggregate tok/s of each, the median of the per-round
 ratios monitor/plain (the cost is 1 - ratio; the contract is <= 1%), and the CPU seconds the
-daemon process itself (not its worker) spent per round in each. Needs a quiet machine for a
+daemon process itself (not its worker) and its terminal (a tmux server each) spent per round. Needs a quiet machine for a
 number worth keeping; names the commit it ran on.
 """
 
@@ -35,7 +35,6 @@ from _common import ROOT, commit, free_port, median, round_orders  # noqa: E402
 from throughput import model_id, one_round  # noqa: E402
 
 
-SOCKET = f"sf-bench-{os.getpid()}"  # a tmux server of our own
 
 
 class TmuxServer:
@@ -45,6 +44,7 @@ class TmuxServer:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.session = f"sf-bench-{name}-{os.getpid()}"
+        self.socket = self.session  # a tmux server each, so each terminal's CPU is its own
         self.sessions_dir = tempfile.mkdtemp(prefix=f"bench-monitor-{name}-")
         runtime = ["--runtime", "mock"] if model.startswith("mock") else []
         argv = [sys.executable, "-m", "superfluid", "serve", model, *runtime, "--http", f"127.0.0.1:{port}",
@@ -52,9 +52,11 @@ class TmuxServer:
                 "--log-level", "WARNING", *extra]
         self.log = Path(self.sessions_dir) / "stderr.log"
         command = f"cd {shlex.quote(str(ROOT))} && PYTHONPATH={shlex.quote(str(ROOT))} {shlex.join(argv)} 2>{self.log}"
-        subprocess.run(["tmux", "-L", SOCKET, "new-session", "-d", "-s", self.session, "-x", "160", "-y", "50", command],
+        subprocess.run(["tmux", "-L", self.socket, "new-session", "-d", "-s", self.session, "-x", "160", "-y", "50", command],
                        check=True)
         self.pid: int | None = None
+        self.tmux_pid = int(subprocess.run(["tmux", "-L", self.socket, "display-message", "-p", "#{pid}"],
+                                           capture_output=True, text=True, check=True).stdout)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -73,12 +75,13 @@ class TmuxServer:
         if self.pid is None:
             raise RuntimeError(f"cannot find the process listening on {self.port}")
 
-    def cpu(self) -> float:
-        times = psutil.Process(self.pid).cpu_times()
-        return times.user + times.system
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the daemon process (not its worker) and of its tmux server."""
+        daemon, tmux = psutil.Process(self.pid).cpu_times(), psutil.Process(self.tmux_pid).cpu_times()
+        return daemon.user + daemon.system, tmux.user + tmux.system
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "-L", SOCKET, "capture-pane", "-p", "-t", self.session], capture_output=True,
+        return subprocess.run(["tmux", "-L", self.socket, "capture-pane", "-p", "-t", self.session], capture_output=True,
                               text=True, check=False).stdout
 
     def stop(self) -> None:
@@ -88,7 +91,7 @@ class TmuxServer:
                 psutil.Process(self.pid).wait(15)
             except psutil.Error:
                 pass
-        subprocess.run(["tmux", "-L", SOCKET, "kill-session", "-t", self.session], check=False, capture_output=True)
+        subprocess.run(["tmux", "-L", self.socket, "kill-session", "-t", self.session], check=False, capture_output=True)
         shutil.rmtree(self.sessions_dir, ignore_errors=True)
 
 
@@ -106,6 +109,7 @@ def main() -> None:
                "plain": TmuxServer("plain", args.model, free_port(), "--no-tui", threads=args.threads)}
     rates: dict[str, list[float]] = {name: [] for name in servers}
     cpu: dict[str, list[float]] = {name: [] for name in servers}
+    term: dict[str, list[float]] = {name: [] for name in servers}
     try:
         ids = {}
         for srv in servers.values():
@@ -121,7 +125,9 @@ def main() -> None:
                 srv = servers[name]
                 before = srv.cpu()
                 rates[name].append(trio.run(one_round, srv.url, ids[name], 8, args.tokens)[0])
-                cpu[name].append(srv.cpu() - before)
+                after = srv.cpu()
+                cpu[name].append(after[0] - before[0])
+                term[name].append(after[1] - before[1])
             print("  round: " + ", ".join(f"{n} {rates[n][-1]:.1f} tok/s" for n in servers), flush=True)
     finally:
         for srv in servers.values():
@@ -130,11 +136,12 @@ def main() -> None:
     print(f"commit {commit()}; model {Path(args.model).name}; 8 concurrent, {args.tokens}-token replies, "
           f"{args.rounds} rounds; order (seed {seed}): " + " | ".join(",".join(o) for o in orders))
     print("| monitor tok/s | --no-tui tok/s | monitor/plain (median of rounds) | cost | daemon CPU s/round "
-          "monitor | plain |")
-    print("|---|---|---|---|---|---|")
+          "monitor | plain | terminal (tmux) CPU s/round monitor | plain |")
+    print("|---|---|---|---|---|---|---|---|")
     ratio = median(ratios)
     print(f"| {median(rates['monitor']):.1f} | {median(rates['plain']):.1f} | {ratio:.4f} | {(1 - ratio) * 100:+.2f}% "
-          f"| {median(cpu['monitor']):.3f} | {median(cpu['plain']):.3f} |")
+          f"| {median(cpu['monitor']):.3f} | {median(cpu['plain']):.3f} "
+          f"| {median(term['monitor']):.3f} | {median(term['plain']):.3f} |")
     print("rounds:", {name: [round(x, 1) for x in r] for name, r in rates.items()})
 
 

@@ -81,7 +81,7 @@ async def part_agents(url: str, model: str, qos: bool) -> dict[str, Any]:
     hdr_agent = {"x-superfluid-qos": "background"} if qos else {}
     hdr_chat = {"x-superfluid-qos": "interactive"} if qos else {}
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=NO_KEEPALIVE) as c:
         agents: list[dict[str, Any]] = []
 
         async def agent(i: int) -> None:
@@ -108,6 +108,11 @@ async def part_agents(url: str, model: str, qos: bool) -> dict[str, Any]:
     return out
 
 
+# a fresh connection per request: llama-server closes idle keep-alive connections, and a request
+# sent on one it just closed failed "Server disconnected without sending a response" (2026-12-01)
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
+
+
 def _reply(r: dict[str, Any]) -> Reply:
     """A bench result as the suite's Reply, so both count prefilled tokens one way."""
     return Reply(stream=True, status=500 if r["error"] else 200, usage=r["usage"], timings=r["timings"])
@@ -121,14 +126,18 @@ async def _metric(c: httpx.AsyncClient, name: str) -> float | None:
 async def part_shared(url: str, model: str) -> dict[str, Any]:
     shared = document(sized(1720), 900)
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=NO_KEEPALIVE) as c:
         async def burst(system_of: Any) -> list[dict[str, Any]]:
             rs: list[dict[str, Any]] = []
 
             async def one(i: int) -> None:
                 msgs = [{"role": "system", "content": system_of(i)},
                         {"role": "user", "content": f"Question {i}: in one sentence, what does note 900.{i + 1} say?"}]
-                rs.append(await chat(c, model, msgs, 16))
+                try:
+                    rs.append(await chat(c, model, msgs, 16))
+                except httpx.HTTPError as exc:  # an untyped failure: reset, truncation
+                    rs.append({"error": f"transport: {exc!r}", "ttft": None, "usage": None, "timings": None,
+                               "tokens": 0})
 
             async with trio.open_nursery() as n:
                 for i in range(16):
@@ -159,7 +168,7 @@ async def part_shared(url: str, model: str) -> dict[str, Any]:
 
 async def part_kv(url: str, model: str) -> dict[str, Any]:
     outcomes: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=1800) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=NO_KEEPALIVE) as c:
         async def one(i: int) -> None:
             msgs = [{"role": "system", "content": "Be thorough."},
                     {"role": "user", "content": document(sized(2750), 300 + i) + "\nExplain these notes in detail."}]

@@ -23,17 +23,20 @@ if awk "BEGIN{exit !($load > ${SUPERFLUID_BENCH_MAX_LOAD:-0.5})}"; then
     exit 1
 fi
 server=$(bash bench/build_llama_server.sh)
-model=$($PY -m superfluid.models | head -1)
+models=$($PY -m superfluid.models)  # read whole: `| head -1` broke its pipe, and pipefail ended the script
+model=$(sed -n 1p <<< "$models")
+small=$(sed -n 2p <<< "$models")  # Gemma 3 270M: the suite's unload_reload needs a second model
 parts=${*:-suite throughput sampled qos logcost determinism monitor}
 for part in $parts; do
     echo "== $part ($(date -u +%H:%M:%S))"
     case $part in
         suite)
             box=$out/box.json
-            printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "superfluid_args": ["--deterministic"], "models": {"gguf": "%s"}}\n' \
-                "$(hostname)" "$server" "$(dirname "$server")" "$model" > "$box"
+            printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "superfluid_args": ["--deterministic"], "models": {"gguf": "%s", "small_gguf": "%s"}}\n' \
+                "$(hostname)" "$server" "$(dirname "$server")" "$model" "$small" > "$box"
+            # exits 1 when any cell fails (a peer's fail is a result, not an error of this script)
             $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
-                --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log"
+                --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log" || true
             $PY -m superfluid.suite compare "$out/suite" > docs/suite-results.md ;;
         throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
         sampled) $PY bench/throughput.py --model "$model" --llama-server "$server" --temperature 0.8 --seed 1 \

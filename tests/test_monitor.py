@@ -187,3 +187,40 @@ async def test_top_in_a_terminal_over_two_daemons_quits_on_q(tmp_path: Path) -> 
             press(name, "Escape")
             done = await wait_screen(name, r"^TTY=", seconds=20)
             assert "EXIT=0" in done
+
+
+def test_the_screen_writes_only_the_rows_that_changed() -> None:
+    """A frame equal to the last writes nothing; a frame with one changed row writes that row
+    alone (the terminal parses a few rows a second, not the whole screen); a resize redraws all."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from superfluid._term import Screen, ansi_rows
+
+    out = io.StringIO()
+    console = Console(file=out, width=30, height=6, force_terminal=True, color_system="standard")
+    screen = Screen(console, out=out)
+
+    def frame(tokens: int) -> Text:
+        t = Text(no_wrap=True)
+        t.append("superfluid ", "bold")
+        t.append("127.0.0.1:8453\n", "cyan")
+        t.append(f"lane 1  decode  {tokens}\n")
+        t.append("log: " + "x" * 60)
+        return t
+
+    with screen:
+        start = out.tell()
+        screen.show(frame(5))
+        first = out.getvalue()[start:]
+        assert first.count("\x1b[K") == 6 and "\x1b[1msuperfluid \x1b[0m" in first and "\x1b[36m127.0.0.1:8453" in first
+        mark = out.tell()
+        screen.show(frame(5))
+        assert out.getvalue()[mark:] == ""
+        screen.show(frame(6))
+        changed = out.getvalue()[mark:]
+        assert changed.count("\x1b[K") == 1 and "\x1b[2;1H" in changed and "decode  6" in changed
+    assert ansi_rows(frame(5), 30, 6, color=False) == ["superfluid 127.0.0.1:8453", "lane 1  decode  5", "log: " + "x" * 24]
+    assert out.getvalue().endswith("\x1b[?1049l")

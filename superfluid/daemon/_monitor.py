@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LogTail", "Monitor", "run_monitor"]
 
-REFRESH_S = 0.5          # at most 2 frames a second
+REFRESH_S = 1.0          # one frame a second (only changed rows are written)
 HISTORY = 120            # rate samples kept per model (a minute at 2 Hz)
 TTFT_WINDOW_S = 60.0     # TTFT percentiles over the last minute
 LOG_LINES = 200          # log records kept for the view

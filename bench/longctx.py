@@ -1,0 +1,155 @@
+"""Agent-sized prompts: prefill and decode at 2k-12k tokens, superfluid vs llama-server.
+
+    python bench/longctx.py [--model PATH] [--llama-server PATH] [--lengths 2000,6000,12000]
+        [--streams 1,4] [--tokens 64] [--temperature 0.8 --seed S] [--order-seed N]
+
+Each case sends ``streams`` requests at once, each with its own prompt of about ``length``
+tokens (distinct technical prose from the suite's corpus, so nothing is shared between
+streams), ``--tokens``-token replies with ignore_eos, on /v1/completions, to both servers in a
+seeded random order (printed). Both get the same model, threads, lanes (the largest
+``--streams``), context per lane (the longest prompt + reply, rounded up), KV cells (llama-server
+``-c`` = the cells our worker allocates, ``--cache-ram 0``; ours ``--host-cache-mb 0``) and
+sampling. Before each case both servers forget every prompt (a fresh prompt per case and system:
+the seed of the prose differs), so every request is a cold prefill.
+
+Per case and system: TTFT of the first and the last stream, aggregate prefill tokens/s (all
+prompt tokens over the time until the last first token), decode tokens/s per stream (tokens
+after the first over the time from the first to the last; median over streams), aggregate
+decode tokens/s, and the wall time of the case; then the ratio ours/theirs of wall time and
+prefill rate. Names the commit it ran on. Needs a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (ROOT, Server, commit, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
+                     stream_request, superfluid_argv)
+
+from superfluid.suite._corpus import document  # noqa: E402
+
+
+async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=3600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        async def one(i: int) -> None:
+            body = {"model": model, "prompt": prompts[i], "max_tokens": tokens, **sampling, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            if "seed" in body:
+                body["seed"] += i
+            results.append(await stream_request(client, "/v1/completions", body))
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+        wall = trio.current_time() - t0
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        raise RuntimeError(f"{url}: {errors[0]}")
+    ttfts = sorted(r["ttft"] for r in results)
+    prompt_tokens = sum((r["usage"] or {}).get("prompt_tokens", 0) for r in results)
+    decode = []
+    for r in results:
+        stamps = r["stamps"]
+        if len(stamps) > 1 and stamps[-1] > stamps[0]:
+            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    generated = sum(len(r["stamps"]) for r in results)
+    last_first = ttfts[-1]
+    return {"ttft_first": ttfts[0], "ttft_last": last_first, "prompt_tokens": prompt_tokens,
+            "prefill_tok_s": prompt_tokens / last_first if last_first else 0.0,
+            "decode_stream": median(decode) if decode else 0.0,
+            "decode_total": generated / wall if wall else 0.0, "wall": wall}
+
+
+def model_id(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--llama-server", default=str(Path.home() / ".cache/superfluid/llama-server-0.3.36/build/bin/"
+                                                               "llama-server"))
+    p.add_argument("--lengths", default="2000,6000,12000")
+    p.add_argument("--streams", default="1,4")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--order-seed", type=int)
+    p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
+    args = p.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    streams = [int(x) for x in args.streams.split(",")]
+    lanes = max(streams)
+    ctx = -(-(max(lengths) * 12 // 10 + args.tokens) // 1024) * 1024  # the corpus' token estimate is rough
+    sampling: dict[str, Any] = ({"temperature": 0} if args.temperature <= 0 else
+                                {"temperature": args.temperature, "seed": args.seed, "top_k": 40, "top_p": 0.95,
+                                 "min_p": 0.05})
+    servers: dict[str, Server] = {}
+    if args.only != "llama-server":
+        port = free_port()
+        servers["superfluid"] = Server("superfluid", superfluid_argv(
+            args.model, port, "--max-batch", str(lanes), "--max-context", str(ctx), "--threads", str(args.threads)),
+            port)
+    if args.only != "superfluid":
+        port = free_port()
+        servers["llama-server"] = Server("llama-server", llama_server_argv(
+            args.llama_server, args.model, port, lanes=lanes, ctx=ctx, threads=args.threads), port)
+    seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
+    rng = random.Random(seed)
+    rows: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        ids = {name: model_id(srv.url) for name, srv in servers.items()}
+        for name, srv in servers.items():  # warm-up: load pages, build graphs
+            trio.run(one_case, srv.url, ids[name], [document(200, 999)], 8, sampling)
+        case_no = 0
+        for length in lengths:
+            for n in streams:
+                order = rng.sample(list(servers), len(servers))
+                got: dict[str, dict[str, Any]] = {}
+                for name in order:
+                    case_no += 1
+                    prompts = [document(length, 1000 * case_no + i) for i in range(n)]
+                    got[name] = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling)
+                    g = got[name]
+                    print(f"  {length} x {n} {name}: wall {g['wall']:.1f} s, TTFT {g['ttft_first']:.1f}-"
+                          f"{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} tok/s, decode "
+                          f"{g['decode_stream']:.1f} tok/s per stream", flush=True)
+                rows.append((length, n, got))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, seed {args.seed}"
+    print(f"\ncommit {commit()}; model {Path(args.model).name}; {args.threads} threads; {lanes} lanes x {ctx} "
+          f"context ({kv_cells(lanes, ctx)} KV cells each, no host cache); {args.tokens}-token replies, {mode}; "
+          f"order seed {seed}; root {ROOT}")
+    print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
+          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for _length, n, got in rows:
+        ours, theirs = got.get("superfluid"), got.get("llama-server")
+        for name, g in got.items():
+            ratio = prefill = ""
+            if name == "superfluid" and ours and theirs:
+                ratio = f"{theirs['wall'] / ours['wall']:.2f}"
+                prefill = f"{ours['prefill_tok_s'] / theirs['prefill_tok_s']:.2f}"
+            print(f"| {g['prompt_tokens'] // n} x {n} | {name} | {g['ttft_first']:.1f} / {g['ttft_last']:.1f} s "
+                  f"| {g['prefill_tok_s']:.0f} | {g['decode_stream']:.1f} | {g['decode_total']:.1f} | {g['wall']:.1f} s "
+                  f"| {ratio} | {prefill} |")
+
+
+if __name__ == "__main__":
+    main()
