@@ -136,6 +136,36 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
     return out
 
 
+async def completions_burst(url: str, model: str, prompts: list[str], tokens: int, sampling: dict[str, Any], *,
+                            concurrency: int | None = None, http_timeout_s: float = 600) -> tuple[list[dict[str, Any]], float]:
+    """Stream one ``/v1/completions`` request per prompt (``ignore_eos``, ``seed`` offset by the
+    prompt's index), at most ``concurrency`` at once; returns the results and the wall time.
+    No keep-alive: llama-server drops idle connections between rounds, and both sides get the
+    same client. Raises RuntimeError if any request failed."""
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=http_timeout_s,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        limiter = trio.CapacityLimiter(concurrency or len(prompts))
+
+        async def one(i: int) -> None:
+            async with limiter:
+                body = {"model": model, "prompt": prompts[i], "max_tokens": tokens, **sampling, "ignore_eos": True,
+                        "stream_options": {"include_usage": True}}
+                if "seed" in body:
+                    body["seed"] += i
+                results.append(await stream_request(client, "/v1/completions", body))
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+        wall = trio.current_time() - t0
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        raise RuntimeError(f"{url}: {errors[:2]}")
+    return results, wall
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)

@@ -31,31 +31,14 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, Server, commit, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
-                     stream_request, superfluid_argv)
+from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
+                     llama_server_argv, median, superfluid_argv)
 
 from superfluid.suite._corpus import document  # noqa: E402
 
 
 async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
-    results: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=3600,
-                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        async def one(i: int) -> None:
-            body = {"model": model, "prompt": prompts[i], "max_tokens": tokens, **sampling, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}
-            if "seed" in body:
-                body["seed"] += i
-            results.append(await stream_request(client, "/v1/completions", body))
-
-        t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            for i in range(len(prompts)):
-                n.start_soon(one, i)
-        wall = trio.current_time() - t0
-    errors = [r["error"] for r in results if r["error"]]
-    if errors:
-        raise RuntimeError(f"{url}: {errors[0]}")
+    results, wall = await completions_burst(url, model, prompts, tokens, sampling, http_timeout_s=3600)
     ttfts = sorted(r["ttft"] for r in results)
     prompt_tokens = sum((r["usage"] or {}).get("prompt_tokens", 0) for r in results)
     decode = []

@@ -39,8 +39,8 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, Server, commit, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
-                     round_orders, stream_request, superfluid_argv)
+from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
+                     round_orders, superfluid_argv)
 
 Rounds = dict[int, dict[str, list[tuple[float, float]]]]
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
@@ -59,28 +59,7 @@ def sampling_body(args: argparse.Namespace) -> dict[str, Any]:
 
 async def one_round(url: str, model: str, conc: int, tokens: int,
                     sampling: dict[str, Any] | None = None) -> tuple[float, float]:
-    results: list[dict] = []
-    # no keep-alive: llama-server drops idle connections between rounds, and both get the same client
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        limiter = trio.CapacityLimiter(conc)
-
-        async def one(i: int) -> None:
-            async with limiter:
-                body = {"model": model, "prompt": PROMPTS[i], "max_tokens": tokens, **(sampling or GREEDY),
-                        "ignore_eos": True, "stream_options": {"include_usage": True}}
-                if "seed" in body:
-                    body["seed"] += i
-                results.append(await stream_request(client, "/v1/completions", body))
-
-        t0 = trio.current_time()
-        async with trio.open_nursery() as n:
-            for i in range(len(PROMPTS)):
-                n.start_soon(one, i)
-        wall = trio.current_time() - t0
-    errors = [r["error"] for r in results if r["error"]]
-    if errors:
-        raise RuntimeError(f"errors: {errors[:2]}")
+    results, wall = await completions_burst(url, model, PROMPTS, tokens, sampling or GREEDY, concurrency=conc)
     # tokens from usage where the server reports it (a chunk may carry several tokens), else chunks
     total = sum((r["usage"] or {}).get("completion_tokens") or r["tokens"] for r in results)
     return total / wall, median([r["ttft"] for r in results])
