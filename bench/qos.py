@@ -66,9 +66,15 @@ CHAT_Q = "What is the capital of France? One word."
 
 async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
                headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """One streamed chat (``stream_request``'s result); a transport failure (a reset, a
+    truncated reply) is an untyped error in the result, not an exception that ends the run."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream_options": {"include_usage": True}, **extra}
-    return await stream_request(client, "/v1/chat/completions", body, headers)
+    try:
+        return await stream_request(client, "/v1/chat/completions", body, headers)
+    except httpx.HTTPError as exc:
+        return {"error": f"transport: {exc!r}", "untyped": True, "ttft": None, "tokens": 0, "usage": None,
+                "timings": None, "stamps": []}
 
 
 def max_stall(r: dict[str, Any]) -> float:
@@ -133,11 +139,7 @@ async def part_shared(url: str, model: str) -> dict[str, Any]:
             async def one(i: int) -> None:
                 msgs = [{"role": "system", "content": system_of(i)},
                         {"role": "user", "content": f"Question {i}: in one sentence, what does note 900.{i + 1} say?"}]
-                try:
-                    rs.append(await chat(c, model, msgs, 16))
-                except httpx.HTTPError as exc:  # an untyped failure: reset, truncation
-                    rs.append({"error": f"transport: {exc!r}", "ttft": None, "usage": None, "timings": None,
-                               "tokens": 0})
+                rs.append(await chat(c, model, msgs, 16))
 
             async with trio.open_nursery() as n:
                 for i in range(16):
@@ -172,10 +174,7 @@ async def part_kv(url: str, model: str) -> dict[str, Any]:
         async def one(i: int) -> None:
             msgs = [{"role": "system", "content": "Be thorough."},
                     {"role": "user", "content": document(sized(2750), 300 + i) + "\nExplain these notes in detail."}]
-            try:
-                outcomes.append(await chat(c, model, msgs, sized(KV_REPLY), ignore_eos=True))
-            except httpx.HTTPError as exc:  # an untyped failure: reset, truncation
-                outcomes.append({"error": f"transport: {exc!r}", "untyped": True, "tokens": 0})
+            outcomes.append(await chat(c, model, msgs, sized(KV_REPLY), ignore_eos=True))
 
         t0 = trio.current_time()
         async with trio.open_nursery() as n:
