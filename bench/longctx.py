@@ -3,9 +3,9 @@
     python bench/longctx.py [--model PATH] [--llama-server PATH] [--lengths 2000,6000,12000]
         [--streams 1,4] [--tokens 64] [--temperature 0.8 --seed S] [--order-seed N]
 
-Each case sends ``streams`` requests at once, each with its own prompt of about ``length``
-tokens (distinct technical prose from the suite's corpus, so nothing is shared between
-streams), ``--tokens``-token replies with ignore_eos, on /v1/completions, to both servers in a
+Each case sends ``streams`` requests at once, each with its own prompt of ``length`` tokens,
+give or take a few (distinct technical prose from the suite's corpus cut at ``length`` tokens of
+the model, so nothing is shared between streams), ``--tokens``-token replies with ignore_eos, on /v1/completions, to both servers in a
 seeded random order (printed). Both get the same model, threads, lanes (the largest
 ``--streams``), context per lane (the longest prompt + reply, rounded up), KV cells (llama-server
 ``-c`` = the cells our worker allocates, ``--cache-ram 0``; ours ``--host-cache-mb 0``) and
@@ -14,7 +14,8 @@ the seed of the prose differs), so every request is a cold prefill.
 
 Per case and system: TTFT of the first and the last stream, aggregate prefill tokens/s (all
 prompt tokens over the time until the last first token), decode tokens/s per stream (tokens
-after the first over the time from the first to the last; median over streams), aggregate
+after the first, counted from the usage record since a chunk may carry several, over the time from
+the first chunk to the last; median over streams), aggregate
 decode tokens/s, and the wall time of the case; then the ratio ours/theirs of wall time and
 prefill rate. Names the commit it ran on. Needs a quiet machine.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import llama_cpp
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,11 +44,13 @@ async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampli
     ttfts = sorted(r["ttft"] for r in results)
     prompt_tokens = sum((r["usage"] or {}).get("prompt_tokens", 0) for r in results)
     decode = []
+    generated = 0
     for r in results:
-        stamps = r["stamps"]
-        if len(stamps) > 1 and stamps[-1] > stamps[0]:
-            decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    generated = sum(len(r["stamps"]) for r in results)
+        # tokens from the usage record: a server may send several tokens in one chunk
+        stamps, n = r["stamps"], (r["usage"] or {}).get("completion_tokens") or len(r["stamps"])
+        generated += n
+        if n > 1 and len(stamps) > 1 and stamps[-1] > stamps[0]:
+            decode.append((n - 1) / (stamps[-1] - stamps[0]))
     last_first = ttfts[-1]
     return {"ttft_first": ttfts[0], "ttft_last": last_first, "prompt_tokens": prompt_tokens,
             "prefill_tok_s": prompt_tokens / last_first if last_first else 0.0,
@@ -75,7 +79,13 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     lanes = max(streams)
-    ctx = -(-(max(lengths) * 12 // 10 + args.tokens) // 1024) * 1024  # the corpus' token estimate is rough
+    ctx = -(-(max(lengths) + args.tokens + 64) // 1024) * 1024
+    vocab = llama_cpp.Llama(args.model, vocab_only=True, verbose=False)
+
+    def text_of(length: int, seed: int) -> str:
+        """Prose of exactly ``length`` tokens (with BOS) of this model (the corpus' own estimate is rough)."""
+        ids = vocab.tokenize(document(length * 2, seed).encode(), add_bos=True)[:length]
+        return vocab.detokenize(ids[1:]).decode("utf-8", "ignore")
     sampling: dict[str, Any] = ({"temperature": 0} if args.temperature <= 0 else
                                 {"temperature": args.temperature, "seed": args.seed, "top_k": 40, "top_p": 0.95,
                                  "min_p": 0.05})
@@ -105,7 +115,7 @@ def main() -> None:
                 got: dict[str, dict[str, Any]] = {}
                 for name in order:
                     case_no += 1
-                    prompts = [document(length, 1000 * case_no + i) for i in range(n)]
+                    prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
                     got[name] = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling)
                     g = got[name]
                     print(f"  {length} x {n} {name}: wall {g['wall']:.1f} s, TTFT {g['ttft_first']:.1f}-"

@@ -106,6 +106,22 @@ MUTATIONS = (
              "self.metrics.for_model(name), self.committer",
              'self.metrics.for_model(""), self.committer',
              ("tests/test_fuzz_regressions.py::test_lanes_active_counts_every_models_lanes",)),
+    Mutation("a more urgent arrival aborts a prefill step", "superfluid/worker/_main.py",
+             "    def _arrived(self) -> int:\n        return self.arrived\n",
+             "    def _arrived(self) -> int:\n        return NOTHING_ARRIVED\n",
+             (D + "test_a_chat_does_not_wait_out_an_agents_prompt_pass",)),
+    Mutation("an aborted step does not advance", "superfluid/worker/_executor.py",
+             "            abort = lambda: arrived() < floor  # noqa: E731\n",
+             "            abort = lambda: arrived() <= floor  # noqa: E731\n",
+             ("tests/test_executor.py::test_a_prefill_step_is_aborted_only_for_a_more_urgent_arrival",)),
+    Mutation("the engine drops an aborted pass's earlier micro-batches", "superfluid/worker/_llamacpp.py",
+             "                        L.llama_memory_seq_rm(self._mem, row.seq, row.pos0, -1)\n",
+             "                        pass\n",
+             ("tests/test_llamacpp_engine.py::test_an_aborted_pass_leaves_the_kv_as_it_was",)),
+    Mutation("small prefill steps only beside a more urgent decoder", "superfluid/worker/_executor.py",
+             "                d.priority < prefill_lanes[0].priority for d in decoders):\n",
+             "                d.priority <= prefill_lanes[0].priority for d in decoders):\n",
+             ("tests/test_executor.py::test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes",)),
 )
 
 

@@ -541,6 +541,47 @@ async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery
     d.scope.cancel()
 
 
+async def test_a_chat_does_not_wait_out_an_agents_prompt_pass(nursery: trio.Nursery) -> None:
+    """With no more urgent lane live, an agent's prompt goes in big passes (here 1-2 s
+    each); a chat arriving meanwhile aborts the running pass, which is redone later,
+    so the chat's first token comes well inside one pass and the agent's text is
+    unchanged. Without the abort the chat waits for the pass to end."""
+    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=4000", max_batch=2))
+    body = {"model": "mock", "max_tokens": 12, "ignore_eos": True, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "agent " + "the lane runs " * 400}]}
+    got: list[str] = []
+    chat_ttft: list[float] = []
+
+    async def run_agent() -> None:
+        async with d.client.stream("POST", "/v1/chat/completions", json=body,
+                                   headers={"x-superfluid-qos": "agent"}) as r:
+            got.append(stream_text(await sse_events(r)))
+
+    async def run_chat() -> None:
+        with trio.fail_after(10):
+            while await metric(d, "superfluid_lanes_active") < 1:
+                await trio.sleep(0.01)
+        await trio.sleep(1.5)   # into the second pass: 512 tokens, 1.0 to 3.0 s
+        t0 = trio.current_time()
+        async with d.client.stream("POST", "/v1/chat/completions", headers={"x-superfluid-qos": "interactive"},
+                                   json={**CHAT, "max_tokens": 4, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    chat_ttft.append(trio.current_time() - t0)
+                    break
+
+    before = await metric(d, "superfluid_prefill_steps_aborted_total")
+    async with trio.open_nursery() as n:
+        n.start_soon(run_agent)
+        n.start_soon(run_chat)
+    assert await metric(d, "superfluid_prefill_steps_aborted_total") >= before + 1
+    async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:  # uncontended
+        assert got == [stream_text(await sse_events(r))]
+    # a pass is 256-512 prompt tokens at 4 ms each; the chat's own prompt is a few tokens
+    assert chat_ttft and chat_ttft[0] < 0.8, chat_ttft
+    d.scope.cancel()
+
+
 async def test_eight_streams_survive_repeated_worker_kills(nursery: trio.Nursery) -> None:
     """SIGKILL the worker at random points during eight concurrent streams:
     every stream completes with exactly the uninterrupted text."""

@@ -529,3 +529,46 @@ def test_lanes_pack_tightly_again_when_the_load_drops() -> None:
     assert abs(first.seq - second.seq) == 1 and second.cached == len(wave[3]) - 1
     assert ex.stats["state_copies"] == copies + 1
     check_invariants(ex)
+
+
+# ---- long prompts beside more urgent lanes -------------------------------------------------
+
+URGENT, AGENT = 0, 2   # Admit.priority: interactive, agent
+
+
+def test_a_prefill_step_is_aborted_only_for_a_more_urgent_arrival() -> None:
+    """Executor.step's ``arrived``: a prompt pass of agent lanes stops for a chat
+    (nothing advances, and the lane later finishes exactly as it would have), but
+    not for another agent. Without the abort, a chat waits out the whole pass."""
+    prompt = PROMPTS[2]    # 650 tokens: two passes
+    ex = make(spec="mock?step_ms=0&prefill_us=50&n_ctx=800&eos_every=24")
+    engine: MockEngine = ex.engine  # type: ignore[assignment]
+    ex.admit(attrs.evolve(make_admit(0, prompt), priority=AGENT))
+    res = ex.step(prefill_budget=PREFILL_CHUNK, arrived=lambda: AGENT)
+    assert not res.aborted and res.prefill_tokens == PREFILL_CHUNK
+    res = ex.step(prefill_budget=PREFILL_CHUNK, arrived=lambda: URGENT)
+    assert res.aborted and res.prefill_tokens == 0 and ex.stats["aborted"] == 1
+    assert ex.lanes[0].n_past == PREFILL_CHUNK == len(engine.kv[ex.lanes[0].seq])
+    check_invariants(ex)
+    assert drain(ex)[0] == reference(prompt, max_new=16, sampling=GREEDY)
+
+
+def test_a_decode_round_is_never_aborted() -> None:
+    ex = make(spec="mock?step_ms=5&prefill_us=0&n_ctx=800&eos_every=1000000")
+    ex.admit(attrs.evolve(make_admit(0, PROMPTS[0], max_new=4), priority=AGENT))
+    ex.step(prefill_budget=PREFILL_CHUNK)
+    res = ex.step(prefill_budget=PREFILL_CHUNK, arrived=lambda: URGENT)
+    assert not res.aborted and res.decode_tokens == 1
+
+
+@pytest.mark.parametrize(("decoding", "expected"), [(None, 512), (AGENT, 512), (URGENT, 64)],
+                         ids=["alone", "beside-an-agent", "beside-a-chat"])
+def test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes(decoding: int | None, expected: int) -> None:
+    ex = make()
+    if decoding is not None:
+        ex.admit(attrs.evolve(make_admit(1, PROMPTS[0], max_new=100), priority=decoding))
+        ex.step(prefill_budget=PREFILL_CHUNK)   # its prompt: it decodes from here on
+        assert ex.lanes[1].decoding
+    ex.admit(attrs.evolve(make_admit(0, PROMPTS[2]), priority=AGENT))
+    steps = [ex.step(prefill_budget=4096, max_step_tokens=512, yield_step_tokens=64) for _ in range(2)]
+    assert max(s.prefill_tokens for s in steps) == expected

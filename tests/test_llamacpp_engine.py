@@ -40,14 +40,14 @@ PROMPTS = (
 )
 
 
-def _engine(path: str) -> Iterator[Any]:
+def _engine(path: str, *, max_context: int = 512) -> Iterator[Any]:
     if not os.path.isfile(path):
         if REQUIRE_REAL:
             pytest.fail(f"model file {path} is missing (python -m superfluid.models._files fetches it)")
         pytest.skip(f"model file {path} is missing")
     from superfluid.worker._llamacpp import LlamaEngine
 
-    engine = LlamaEngine(path, max_batch=4, max_context=512, threads=2)
+    engine = LlamaEngine(path, max_batch=4, max_context=max_context, threads=2)
     yield engine
     engine.close()
 
@@ -336,3 +336,45 @@ def test_embeddings_pool_as_asked_and_batch_into_one_decode(smol: Any) -> None:
             last.embed([[1] * 65], normalize=True)
     finally:
         last.close()
+
+
+def test_an_aborted_pass_leaves_the_kv_as_it_was(gemma: Any) -> None:
+    """``decode(rows, abort)``: llama.cpp's abort callback stops the pass midway, the
+    pass's positions leave the KV (llama.cpp drops only the micro-batch it was in;
+    the engine drops the earlier ones), and the same pass run again gives exactly
+    the logits of a run that was never aborted. A shared pool (Gemma 3) ignores it."""
+    import numpy as np
+
+    from superfluid.worker._engine import BatchRow, StepAborted
+
+    engine = next(_engine(SMOL, max_context=2048))
+    toks = prompt(engine, " ".join(PROMPTS) * 40)[:1100]
+    head, tail = tuple(toks[:64]), tuple(toks[64:])   # the tail: two 512-token micro-batches and a bit
+
+    def run(seq: int, *, abort_after: int | None) -> tuple[Any, int]:
+        engine.decode([BatchRow(seq=seq, tokens=head, pos0=0, want_logits=False)])
+        polls = 0
+
+        def abort() -> bool:
+            nonlocal polls
+            polls += 1
+            return abort_after is not None and polls > abort_after
+        if abort_after is not None:
+            with pytest.raises(StepAborted):
+                engine.decode([BatchRow(seq=seq, tokens=tail, pos0=64, want_logits=True)], abort)
+            assert polls == abort_after + 1   # it stopped at the first True
+            abort_after = None
+        out = engine.decode([BatchRow(seq=seq, tokens=tail, pos0=64, want_logits=True)], abort)
+        return np.array(engine.logits(out[0])), polls
+
+    try:
+        plain, polls = run(0, abort_after=None)
+        assert polls > 100   # polled between the graph's nodes
+        # in the second micro-batch
+        assert np.array_equal(run(1, abort_after=polls * 6 // 10)[0], plain)
+    finally:
+        engine.close()
+    # Gemma's shared pool cannot drop a pass's tail: the pass runs to its end
+    fresh(gemma)
+    g = prompt(gemma, PROMPTS[0])
+    assert gemma.decode([BatchRow(seq=0, tokens=tuple(g), pos0=0, want_logits=True)], lambda: True) == [len(g) - 1]

@@ -36,6 +36,8 @@ _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
     "superfluid_requests_total": (Counter, "Generation requests, by outcome.", ("outcome",)),
     "superfluid_batched_rounds_total": (Counter, "Decode rounds that carried more than one lane.", ()),
     "superfluid_engine_rounds_total": (Counter, "Decode rounds run by workers (one forward pass each).", ()),
+    "superfluid_prefill_steps_aborted_total": (
+        Counter, "Prefill passes stopped midway because a more urgent request arrived (redone later).", ()),
     "superfluid_engine_busy_seconds_total": (Counter, "Seconds workers spent inside ticks.", ()),
     "superfluid_kv_used_tokens": (Gauge, "KV cells held by live lanes.", ()),
     "superfluid_kv_total_tokens": (Gauge, "KV cells in the worker's pool.", ()),

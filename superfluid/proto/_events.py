@@ -354,6 +354,7 @@ class TickDone(Event):
     prefill_left: dict[int, int] = attrs.field(factory=dict)
     kv_used: int = 0
     kv_total: int = 0
+    aborted: int = 0      # prefill passes stopped midway for a more urgent arrival
 
 
 @attrs.frozen(kw_only=True)

@@ -750,6 +750,7 @@ class Scheduler:
         self.metrics.inc("superfluid_prefill_tokens_total", done.prefill_tokens)
         self.metrics.inc("superfluid_decode_tokens_total", done.decode_tokens)
         self.metrics.inc("superfluid_engine_rounds_total", done.rounds)
+        self.metrics.inc("superfluid_prefill_steps_aborted_total", done.aborted)
         self.metrics.inc("superfluid_engine_busy_seconds_total", done.busy_ms / 1000)
         self.metrics.set("superfluid_kv_used_tokens", done.kv_used)
         self.metrics.set("superfluid_kv_total_tokens", done.kv_total)

@@ -13,6 +13,7 @@ worker's I/O thread and must be safe to run beside ``decode``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
@@ -20,7 +21,12 @@ import attrs
 from ..proto import Sampling
 from ..proto._events import MAX_LOGPROBS
 
-__all__ = ["BatchRow", "Engine", "LaneSampler", "ModelInfo"]
+__all__ = ["BatchRow", "Engine", "LaneSampler", "ModelInfo", "StepAborted"]
+
+
+class StepAborted(Exception):  # noqa: N818 - a signal, not an error
+    """``decode(rows, abort=...)`` stopped because ``abort()`` returned True: no row
+    advanced (whatever the pass had written to KV is removed)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -85,10 +91,13 @@ class Engine(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
-    def decode(self, rows: list[BatchRow]) -> list[Any]:
+    def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         """One forward pass for all rows. Returns, per row, an output handle
         (``None`` where ``want_logits`` was false). Raises RuntimeError if the
-        runtime could not place the batch (KV full)."""
+        runtime could not place the batch (KV full). A runtime that can stop a
+        pass midway polls ``abort`` while it computes and raises
+        :class:`StepAborted` (KV as before the call) once it returns True; one
+        that cannot ignores it."""
 
     def new_sampler(self, sampling: Sampling, history: list[int]) -> LaneSampler:
         """Raises ValueError if the sampling request (e.g. a grammar) is invalid."""

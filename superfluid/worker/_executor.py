@@ -40,12 +40,13 @@ from __future__ import annotations
 import collections
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from ..proto import Admit, Sampling
-from ._engine import BatchRow, Engine, LaneSampler
+from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
 
 __all__ = ["Executor", "Lane", "StepResult"]
@@ -103,6 +104,7 @@ class StepResult:
     faults: list[tuple[int, str]] = attrs.field(factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    aborted: bool = False   # the step stopped midway for a more urgent arrival: nothing advanced
 
 
 @attrs.define(eq=False)
@@ -134,7 +136,7 @@ class Executor:
         self.pool_cells = int(engine.info.extra.get("n_ctx", 0)) or engine.info.n_seq * engine.info.n_ctx_seq
         self._last_step_decoded = True
         self._clock = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "demoted": 0,
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "aborted": 0, "demoted": 0,
                       "state_copies": 0}
         self.host = HostCache(host_cache_bytes)
         self._recent_live: collections.deque[int] = collections.deque(maxlen=2 * self.max_lanes)
@@ -390,8 +392,17 @@ class Executor:
 
     # -- one engine step -------------------------------------------------------
 
-    def step(self, *, prefill_budget: int, order: tuple[int, ...] = (), max_step_tokens: int = PREFILL_CHUNK) -> StepResult:
+    def step(self, *, prefill_budget: int, order: tuple[int, ...] = (), max_step_tokens: int = PREFILL_CHUNK,
+             yield_step_tokens: int | None = None, arrived: Callable[[], int] | None = None) -> StepResult:
         """One forward pass, then sample every lane whose pending tokens are all decoded.
+
+        A prefill step takes at most ``max_step_tokens`` prompt tokens, or
+        ``yield_step_tokens`` while a lane of a more urgent class than the
+        prompt's is decoding (so its next token is not long behind). With
+        ``arrived`` (the most urgent priority that arrived since the step was
+        planned; lower is more urgent), a prefill-only step is aborted when a
+        more urgent job than every lane in it arrives: nothing advances, and
+        the result says ``aborted``.
 
         Shared pool: one token of every decoding lane plus prompt chunks (at
         most ``prefill_budget`` tokens, lanes in ``order`` first) in one batch.
@@ -404,13 +415,17 @@ class Executor:
         more prompts); the two alternate while both have work.
         """
         res = StepResult()
-        budget = min(prefill_budget, max_step_tokens)
         prefill_lanes = sorted(
             (ln for ln in self.lanes.values() if ln.prefilling),
             # the most urgent class first (a chat admitted mid-tick goes ahead at once), then the tick's order
             key=lambda ln: (ln.priority, order.index(ln.lane) if ln.lane in order else len(order), ln.pending),
         )
         decoders = [ln for ln in self.lanes.values() if ln.decoding]
+        cap = max_step_tokens
+        if yield_step_tokens is not None and prefill_lanes and any(
+                d.priority < prefill_lanes[0].priority for d in decoders):
+            cap = min(cap, yield_step_tokens)
+        budget = min(prefill_budget, cap)
         rows: list[BatchRow] = []
         owners: list[Lane] = []
         if self.shared:
@@ -450,7 +465,16 @@ class Executor:
         is_decode = [i < decode_rows for i in order_idx]
         rows = [rows[i] for i in order_idx]
         owners = [owners[i] for i in order_idx]
-        outs = self.engine.decode(rows)
+        abort = None
+        if arrived is not None and not decode_rows:
+            floor = min(ln.priority for ln in owners)
+            abort = lambda: arrived() < floor  # noqa: E731
+        try:
+            outs = self.engine.decode(rows, abort) if abort is not None else self.engine.decode(rows)
+        except StepAborted:
+            self.stats["aborted"] += 1
+            res.aborted = True
+            return res
         self.stats["steps"] += 1
         for row, ln, out, decoding in zip(rows, owners, outs, is_decode, strict=True):
             ln.n_past += len(row.tokens)

@@ -10,6 +10,12 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   logits-bearing token goes into the final call, so every returned index is
   valid until the next :meth:`decode`. A non-zero return code raises
   RuntimeError (1 = no KV slot); tokens of earlier calls stay decoded.
+* ``decode(rows, abort=f)`` polls ``f`` between the graph's nodes (llama.cpp's
+  abort callback, installed only for that call) and raises StepAborted once it
+  returns True, after removing every row's positions from ``pos0`` on, so the
+  KV is as before the call. Only the per-sequence layout honours ``abort``
+  (a shared sliding-window or recurrent pool cannot drop a pass's tail); the
+  callback costs about 1% of a 512-token pass.
 * KV layout: plain-attention models get one KV stream per sequence
   (``kv_unified=False``, ``kv_layout="per_seq"``): any prefix of any sequence
   can be reused. Sliding-window, recurrent and hybrid models cannot drop a
@@ -61,13 +67,14 @@ import collections
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as L
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo, check_sampling_ranges, logprobs_from_logits
+from ._engine import BatchRow, ModelInfo, StepAborted, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
 
 __all__ = ["LlamaEngine"]
@@ -85,6 +92,7 @@ EMBED_SEQS = 32                  # inputs in one embedding batch at most
 _POOLING = {"none": L.LLAMA_POOLING_TYPE_NONE, "mean": L.LLAMA_POOLING_TYPE_MEAN, "cls": L.LLAMA_POOLING_TYPE_CLS,
             "last": L.LLAMA_POOLING_TYPE_LAST, "rank": L.LLAMA_POOLING_TYPE_RANK}
 _POOLING_NAMES = {v: k for k, v in _POOLING.items()}
+_NO_ABORT = L.ggml_abort_callback()   # a null function pointer: no abort callback
 
 
 # -- logging -------------------------------------------------------------------
@@ -242,6 +250,8 @@ class LlamaEngine:
         self._embed_ctx: Any = None
         self._embed_batch: Any = None
         self._embed_lock = threading.Lock()
+        self._abort_check: Callable[[], bool] | None = None
+        self._abort_cb = L.ggml_abort_callback(self._poll_abort)   # kept alive here: C holds the pointer
         self._pooling = pooling
         self._deterministic = deterministic
         self._model = _load_model(model_path, deterministic=deterministic)
@@ -329,20 +339,45 @@ class LlamaEngine:
 
     # -- forward pass ------------------------------------------------------------
 
-    def decode(self, rows: list[BatchRow]) -> list[Any]:
+    def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         tokens, n_body, outs = _plan(rows)
         if not tokens:
             return outs
         if len(tokens) - n_body > self._cap:
             raise RuntimeError(f"{len(tokens) - n_body} rows want logits; a batch holds {self._cap} tokens")
         bounds = _chunks(len(tokens), self._cap)
-        for start, end in bounds:
-            self._fill(tokens, start, end, n_body)
-            rc = L.llama_decode(self._ctx, self._batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode returned {rc}: {_DECODE_ERRORS.get(rc, 'fatal error')}")
+        # only one stream per sequence can drop a pass's tail and keep the rest usable
+        abortable = abort is not None and self.info.kv_layout == "per_seq"
+        if abortable:
+            self._abort_check = abort
+            L.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+            _LOG.echo = False   # an abort logs three error lines; a real failure's lines go into its message
+        try:
+            for start, end in bounds:
+                self._fill(tokens, start, end, n_body)
+                rc = L.llama_decode(self._ctx, self._batch)
+                if rc == 2 and abortable:
+                    # llama.cpp removed the aborted micro-batch; earlier calls' tokens go too
+                    for row in rows:
+                        L.llama_memory_seq_rm(self._mem, row.seq, row.pos0, -1)
+                    _LOG.take()
+                    raise StepAborted
+                if rc != 0:
+                    said = f" ({_LOG.take()})" if abortable else ""
+                    raise RuntimeError(f"llama_decode returned {rc}: {_DECODE_ERRORS.get(rc, 'fatal error')}{said}")
+        finally:
+            if abortable:
+                L.llama_set_abort_callback(self._ctx, _NO_ABORT, None)
+                self._abort_check = None
+                _LOG.echo = True
         last = bounds[-1][0]
         return [None if i is None else i - last for i in outs]
+
+    def _poll_abort(self, _data: Any) -> bool:
+        """ggml's abort callback: polled by the compute thread between graph nodes
+        (about a thousand times a pass on SmolLM2), only while an abortable pass runs."""
+        check = self._abort_check
+        return bool(check is not None and check())
 
     def _fill(self, tokens: list[tuple[int, int, int]], start: int, end: int, n_body: int) -> None:
         b = self._batch

@@ -65,7 +65,7 @@ from ..proto import (
 from .._cpu import reset_policy
 from ..runtime import _registry as registry
 from ._engine import Engine
-from ._executor import Executor
+from ._executor import PREFILL_CHUNK, Executor
 from ._mock import InjectedBug
 
 INJECTED_BUG = InjectedBug.__name__ + ":"  # how the executor words a lane fault of that type
@@ -77,6 +77,13 @@ _STOP = object()  # queued by the reader when the link ends: the engine thread r
 GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
+NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit or Interrupt came in
+# A prefill step's size when no more urgent lane is decoding: about BIG_STEP_MS of measured work,
+# 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s over positions 0-2k / 2k-4k /
+# 4k-6k by chunk: 64: 142/81/46, 256: 163/93/62, 512: 169/92/64, 1024: 141/88/59. A step this long
+# still never holds back a more urgent arrival: it is aborted (Executor.step's ``arrived``).
+BIG_STEP_MS = 4000
+BIG_STEP_MIN = 256
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
@@ -119,6 +126,9 @@ class _Worker:
         self.ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.max_ops = max_ops
         self.interrupt = False
+        # the most urgent Admit.priority that arrived since the engine last looked (-1: an
+        # Interrupt); a prefill step of less urgent lanes is aborted when it drops below theirs
+        self.arrived = NOTHING_ARRIVED
         # token rows not sent yet (under write_lock), apart by how long they may wait:
         # [0] lanes a person watches (interactive, completion), [1] agent and background lanes
         self.holds = (hold_s, agent_hold_s)
@@ -127,7 +137,7 @@ class _Worker:
         self.agents: set[int] = set()     # open lanes of the agent and background classes
         self.fresh: set[int] = set()      # lanes admitted that have not emitted a token yet
         self.queued_ticks: collections.deque[Tick] = collections.deque()
-        self.prefill_s_per_token = 0.0   # measured; sizes prefill steps to the tick's step_ms
+        self.prefill_s_per_token = 0.0   # measured; sizes prefill steps
 
     # -- the link (either thread) --------------------------------------------------
 
@@ -270,11 +280,12 @@ class _Worker:
         t0 = time.monotonic()
         deadline = t0 + tick.time_budget_ms / 1000
         budget = tick.prefill_budget
-        rounds = prefill = decode = 0
+        rounds = prefill = decode = aborted = 0
         interrupted = stop = False
         self.interrupt = False
         while True:
             # admits and cancels that arrived mid-tick apply between steps
+            self.arrived = NOTHING_ARRIVED
             while not stop:
                 try:
                     op = self.ops.get_nowait()
@@ -298,7 +309,10 @@ class _Worker:
             t_step = time.monotonic()
             try:
                 res = self.executor.step(prefill_budget=budget if prefilling else 0, order=tick.prefill_lanes,
-                                         max_step_tokens=self._step_cap(tick.step_ms))
+                                         max_step_tokens=self._step_cap(BIG_STEP_MS, floor=BIG_STEP_MIN,
+                                                                        ceiling=PREFILL_CHUNK),
+                                         yield_step_tokens=self._step_cap(tick.step_ms),
+                                         arrived=self._arrived)
             except RuntimeError as exc:
                 # the engine could not run the batch: fail every lane it held
                 for tag in list(self.executor.lanes):
@@ -308,6 +322,9 @@ class _Worker:
                 break
             # the tick's last step: its rows go out with the TickDone that follows (one write)
             ending = time.monotonic() >= deadline
+            if res.aborted:
+                aborted += 1   # a more urgent job arrived: it is applied before the next step
+                continue
             if res.emits:
                 self.emit(res.emits, hold=ending)
             for tag, message in res.faults:
@@ -329,16 +346,20 @@ class _Worker:
             seq=tick.seq, rounds=rounds, prefill_tokens=prefill, decode_tokens=decode,
             busy_ms=(time.monotonic() - t0) * 1000, interrupted=interrupted,
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
-            kv_total=self.executor.pool_cells,
+            kv_total=self.executor.pool_cells, aborted=aborted,
         ))
         return False
 
-    def _step_cap(self, step_ms: int) -> int:
-        """Prefill tokens one engine step may take: about ``step_ms`` of measured work."""
+    def _step_cap(self, step_ms: int, *, floor: int = 64, ceiling: int = 2048) -> int:
+        """Prefill tokens one engine step may take: about ``step_ms`` of measured work,
+        in multiples of 64 within ``[floor, ceiling]``."""
         if not self.prefill_s_per_token:
-            return 256
+            return max(floor, min(ceiling, 256))
         tokens = int(step_ms / 1000 / self.prefill_s_per_token) // 64 * 64
-        return max(64, min(2048, tokens))
+        return max(floor, min(ceiling, tokens))
+
+    def _arrived(self) -> int:
+        return self.arrived
 
     # -- the reader (trio) -----------------------------------------------------------
 
@@ -407,9 +428,12 @@ class _Worker:
                                                     limiter=embed_limiter))
             elif isinstance(event, Interrupt):
                 self.interrupt = True
+                self.arrived = -1
             elif isinstance(event, Shutdown):
                 return
             else:
+                if isinstance(event, Admit):
+                    self.arrived = min(self.arrived, event.priority)
                 self.put(event)
 
 

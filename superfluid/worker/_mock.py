@@ -4,7 +4,9 @@ The next token is a pure function of the sequence's recent context (and, when
 sampling, of ``counter_seed(seed, k)``), so greedy output is identical across
 restarts, batch shapes and resumes. KV is simulated per sequence and every
 decode is checked to continue its sequence exactly, so executor bugs surface
-as errors. Costs are real sleeps per prefill token and per decode step.
+as errors. Costs are real sleeps per prefill token and per decode step; an
+abortable pass (``decode(rows, abort)``) polls ``abort`` every 2 ms of its
+sleep and, once it is True, drops what the pass wrote and raises StepAborted.
 
 Model spec: ``mock`` or ``mock?key=value&...`` with keys ``n_ctx`` (per-lane
 window, default 4096), ``step_ms`` (per decode step, default 2), ``prefill_us``
@@ -30,15 +32,17 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo
+from ._engine import BatchRow, ModelInfo, StepAborted
 from ._executor import counter_seed
 
 __all__ = ["InjectedBug", "LaneError", "MockEngine", "parse_mock_spec"]
 
+ABORT_POLL_S = 0.002   # an abortable pass checks its abort callable this often
 SPECIALS = {"<pad>": 0, "<s>": 1, "</s>": 2, "<|im_start|>": 3, "<|im_end|>": 4}
 BYTE0 = 5
 WORDS = (
@@ -223,10 +227,11 @@ class MockEngine:
     def is_eog(self, token: int) -> bool:
         return token in self.info.eog
 
-    def decode(self, rows: list[BatchRow]) -> list[Any]:
+    def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         outs: list[Any] = []
         n_prefill = 0
         n_decode = 0
+        before = {row.seq: len(self.kv[row.seq]) for row in rows}
         for row in rows:
             kv = self.kv[row.seq]
             if row.pos0 != len(kv):
@@ -240,8 +245,13 @@ class MockEngine:
                 n_prefill += len(row.tokens)
             outs.append(tuple(kv) if row.want_logits else None)
         cost = n_prefill * self.opts["prefill_us"] / 1e6 + (self.opts["step_ms"] / 1e3 if n_decode else 0.0)
-        if cost > 0:
-            time.sleep(cost)
+        end = time.monotonic() + cost
+        while (left := end - time.monotonic()) > 0:
+            if abort is not None and abort():
+                for seq, n in before.items():
+                    del self.kv[seq][n:]
+                raise StepAborted
+            time.sleep(min(left, ABORT_POLL_S) if abort is not None else left)
         return outs
 
     def new_sampler(self, sampling: Sampling, history: list[int]) -> _MockSampler:
