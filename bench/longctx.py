@@ -17,7 +17,9 @@ prompt tokens over the time until the last first token), decode tokens/s per str
 after the first, counted from the usage record since a chunk may carry several, over the time from
 the first chunk to the last; median over streams), aggregate
 decode tokens/s, and the wall time of the case; then the ratio ours/theirs of wall time and
-prefill rate. Names the commit it ran on. Needs a quiet machine.
+prefill rate. With ``--chat-after S``, a short chat (``x-superfluid-qos: interactive``; llama-server
+ignores the header) is sent S seconds into each case, and its first-token time is reported.
+Names the commit it ran on. Needs a quiet machine.
 """
 
 from __future__ import annotations
@@ -34,13 +36,27 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
-                     llama_server_argv, median, superfluid_argv)
+                     llama_server_argv, median, stream_request, superfluid_argv)
 
 from superfluid.suite._corpus import document  # noqa: E402
 
 
-async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampling: dict[str, Any]) -> dict[str, Any]:
-    results, wall = await completions_burst(url, model, prompts, tokens, sampling, http_timeout_s=3600)
+async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampling: dict[str, Any],
+                   chat_after: float | None = None) -> dict[str, Any]:
+    chat: dict[str, Any] = {}
+
+    async def send_chat() -> None:
+        await trio.sleep(chat_after or 0)
+        body = {"model": model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8,
+                "temperature": 0}
+        async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+            chat.update(await stream_request(client, "/v1/chat/completions", body,
+                                             headers={"x-superfluid-qos": "interactive"}))
+
+    async with trio.open_nursery() as n:
+        if chat_after is not None:
+            n.start_soon(send_chat)
+        results, wall = await completions_burst(url, model, prompts, tokens, sampling, http_timeout_s=3600)
     ttfts = sorted(r["ttft"] for r in results)
     prompt_tokens = sum((r["usage"] or {}).get("prompt_tokens", 0) for r in results)
     decode = []
@@ -55,7 +71,11 @@ async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampli
     return {"ttft_first": ttfts[0], "ttft_last": last_first, "prompt_tokens": prompt_tokens,
             "prefill_tok_s": prompt_tokens / last_first if last_first else 0.0,
             "decode_stream": median(decode) if decode else 0.0,
-            "decode_total": generated / wall if wall else 0.0, "wall": wall}
+            "decode_total": generated / wall if wall else 0.0, "wall": wall, "chat_ttft": chat.get("ttft")}
+
+
+def fmt_s(x: float | None) -> str:
+    return "failed" if x is None else f"{x:.2f} s"
 
 
 def model_id(url: str) -> str:
@@ -74,6 +94,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--order-seed", type=int)
+    p.add_argument("--chat-after", type=float, help="also send a short chat (x-superfluid-qos: interactive) this "
+                                                     "many seconds into each case and report its first-token time")
     p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -116,11 +138,13 @@ def main() -> None:
                 for name in order:
                     case_no += 1
                     prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
-                    got[name] = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling)
+                    got[name] = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling,
+                                         args.chat_after)
                     g = got[name]
+                    chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
                     print(f"  {length} x {n} {name}: wall {g['wall']:.1f} s, TTFT {g['ttft_first']:.1f}-"
                           f"{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} tok/s, decode "
-                          f"{g['decode_stream']:.1f} tok/s per stream", flush=True)
+                          f"{g['decode_stream']:.1f} tok/s per stream{chat}", flush=True)
                 rows.append((length, n, got))
     finally:
         for srv in servers.values():
@@ -129,9 +153,10 @@ def main() -> None:
     print(f"\ncommit {commit()}; model {Path(args.model).name}; {args.threads} threads; {lanes} lanes x {ctx} "
           f"context ({kv_cells(lanes, ctx)} KV cells each, no host cache); {args.tokens}-token replies, {mode}; "
           f"order seed {seed}; root {ROOT}")
+    chat_col = f" chat TTFT (sent at {args.chat_after:g} s) |" if args.chat_after is not None else ""
     print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
-          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) |" + chat_col)
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
     for _length, n, got in rows:
         ours, theirs = got.get("superfluid"), got.get("llama-server")
         for name, g in got.items():
@@ -141,7 +166,7 @@ def main() -> None:
                 prefill = f"{ours['prefill_tok_s'] / theirs['prefill_tok_s']:.2f}"
             print(f"| {g['prompt_tokens'] // n} x {n} | {name} | {g['ttft_first']:.1f} / {g['ttft_last']:.1f} s "
                   f"| {g['prefill_tok_s']:.0f} | {g['decode_stream']:.1f} | {g['decode_total']:.1f} | {g['wall']:.1f} s "
-                  f"| {ratio} | {prefill} |")
+                  f"| {ratio} | {prefill} |" + (f" {fmt_s(g['chat_ttft'])} |" if chat_col else ""))
 
 
 if __name__ == "__main__":
