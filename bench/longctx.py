@@ -1,16 +1,18 @@
 """Agent-sized prompts: prefill and decode at 2k-12k tokens, superfluid vs llama-server.
 
     python bench/longctx.py [--model PATH] [--llama-server PATH] [--lengths 2000,6000,12000]
-        [--streams 1,4] [--tokens 64] [--temperature 0.8 --seed S] [--order-seed N]
+        [--streams 1,4] [--tokens 64] [--temperature 0.8 --seed S] [--order-seed N] [--rounds R]
+        [--chat-after S]
 
-Each case sends ``streams`` requests at once, each with its own prompt of ``length`` tokens,
-give or take a few (distinct technical prose from the suite's corpus cut at ``length`` tokens of
-the model, so nothing is shared between streams), ``--tokens``-token replies with ignore_eos, on /v1/completions, to both servers in a
-seeded random order (printed). Both get the same model, threads, lanes (the largest
-``--streams``), context per lane (the longest prompt + reply, rounded up), KV cells (llama-server
-``-c`` = the cells our worker allocates, ``--cache-ram 0``; ours ``--host-cache-mb 0``) and
-sampling. Before each case both servers forget every prompt (a fresh prompt per case and system:
-the seed of the prose differs), so every request is a cold prefill.
+Each case sends ``streams`` requests at once, each with its own prompt of ``length`` tokens, give or
+take a few (distinct technical prose from the suite's corpus cut at ``length`` tokens of the model,
+so nothing is shared between streams), ``--tokens``-token replies with ignore_eos, on
+/v1/completions, to both servers in a seeded random order (printed), ``--rounds`` times (a fresh
+order each round). Both get the same model, threads, lanes (the largest ``--streams``), context per
+lane (the longest prompt + reply, rounded up), KV cells (llama-server ``-c`` = the cells our worker
+allocates, ``--cache-ram 0``; ours ``--host-cache-mb 0``) and sampling. Before each case both
+servers forget every prompt (a fresh prompt per case and system: the seed of the prose differs), so
+every request is a cold prefill.
 
 Per case and system: TTFT of the first and the last stream, aggregate prefill tokens/s (all
 prompt tokens over the time until the last first token), decode tokens/s per stream (tokens
@@ -94,6 +96,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--order-seed", type=int)
+    p.add_argument("--rounds", type=int, default=1, help="rounds per case, each in a random order of the systems")
     p.add_argument("--chat-after", type=float, help="also send a short chat (x-superfluid-qos: interactive) this "
                                                      "many seconds into each case and report its first-token time")
     p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
@@ -133,18 +136,18 @@ def main() -> None:
         case_no = 0
         for length in lengths:
             for n in streams:
-                order = rng.sample(list(servers), len(servers))
-                got: dict[str, dict[str, Any]] = {}
-                for name in order:
-                    case_no += 1
-                    prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
-                    got[name] = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling,
-                                         args.chat_after)
-                    g = got[name]
-                    chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
-                    print(f"  {length} x {n} {name}: wall {g['wall']:.1f} s, TTFT {g['ttft_first']:.1f}-"
-                          f"{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} tok/s, decode "
-                          f"{g['decode_stream']:.1f} tok/s per stream{chat}", flush=True)
+                got: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+                for rnd in range(args.rounds):
+                    for name in rng.sample(list(servers), len(servers)):
+                        case_no += 1
+                        prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
+                        g = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling,
+                                     args.chat_after)
+                        got[name].append(g)
+                        chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
+                        print(f"  {length} x {n} round {rnd + 1} {name}: wall {g['wall']:.1f} s, TTFT "
+                              f"{g['ttft_first']:.1f}-{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} "
+                              f"tok/s, decode {g['decode_stream']:.1f} tok/s per stream{chat}", flush=True)
                 rows.append((length, n, got))
     finally:
         for srv in servers.values():
@@ -154,19 +157,27 @@ def main() -> None:
           f"context ({kv_cells(lanes, ctx)} KV cells each, no host cache); {args.tokens}-token replies, {mode}; "
           f"order seed {seed}; root {ROOT}")
     chat_col = f" chat TTFT (sent at {args.chat_after:g} s) |" if args.chat_after is not None else ""
+    print(f"Medians over {args.rounds} round(s); ratios are medians of the per-round ratios.")
     print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
-          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) |" + chat_col)
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
+          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) "
+          "| decode ratio (ours/theirs) |" + chat_col)
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
     for _length, n, got in rows:
         ours, theirs = got.get("superfluid"), got.get("llama-server")
-        for name, g in got.items():
-            ratio = prefill = ""
+        for name, gs in got.items():
+            def med(key: str, gs: list[dict[str, Any]] = gs) -> float:
+                return median([g[key] for g in gs])
+            ratios = ["", "", ""]
             if name == "superfluid" and ours and theirs:
-                ratio = f"{theirs['wall'] / ours['wall']:.2f}"
-                prefill = f"{ours['prefill_tok_s'] / theirs['prefill_tok_s']:.2f}"
-            print(f"| {g['prompt_tokens'] // n} x {n} | {name} | {g['ttft_first']:.1f} / {g['ttft_last']:.1f} s "
-                  f"| {g['prefill_tok_s']:.0f} | {g['decode_stream']:.1f} | {g['decode_total']:.1f} | {g['wall']:.1f} s "
-                  f"| {ratio} | {prefill} |" + (f" {fmt_s(g['chat_ttft'])} |" if chat_col else ""))
+                pairs = list(zip(ours, theirs, strict=True))
+                ratios = [f"{median([t['wall'] / o['wall'] for o, t in pairs]):.2f}",
+                          f"{median([o['prefill_tok_s'] / t['prefill_tok_s'] for o, t in pairs]):.2f}",
+                          f"{median([o['decode_stream'] / t['decode_stream'] for o, t in pairs]):.2f}"]
+            chats = [g["chat_ttft"] for g in gs]
+            chat = fmt_s(None if None in chats else median(chats))
+            print(f"| {gs[0]['prompt_tokens'] // n} x {n} | {name} | {med('ttft_first'):.1f} / {med('ttft_last'):.1f} s "
+                  f"| {med('prefill_tok_s'):.0f} | {med('decode_stream'):.1f} | {med('decode_total'):.1f} "
+                  f"| {med('wall'):.1f} s | {' | '.join(ratios)} |" + (f" {chat} |" if chat_col else ""))
 
 
 if __name__ == "__main__":

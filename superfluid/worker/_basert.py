@@ -156,6 +156,8 @@ class BaseRTEngine:
     def is_eog(self, token: int) -> bool:
         return token in self.info.eog
 
+    aborts = False   # a pass runs to its end
+
     def decode(self, rows: list[BatchRow]) -> list[Any]:
         outs: list[Any] = []
         for row in rows:

@@ -82,6 +82,7 @@ class LaneSampler(Protocol):
 
 class Engine(Protocol):
     info: ModelInfo
+    aborts: bool   # decode honours ``abort`` (see decode); the executor sizes steps by it
 
     def capabilities(self) -> dict[str, Any]: ...
 

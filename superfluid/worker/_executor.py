@@ -132,6 +132,7 @@ class Executor:
         self.slots = [_Slot() for _ in range(engine.info.n_seq)]
         self.lanes: dict[int, Lane] = {}
         self.shared = engine.info.kv_layout != "per_seq"
+        self.aborts = bool(getattr(engine, "aborts", False))   # the engine can stop a pass midway
         # cells in the KV pool: one buffer per sequence, or one shared pool
         self.pool_cells = int(engine.info.extra.get("n_ctx", 0)) or engine.info.n_seq * engine.info.n_ctx_seq
         self._last_step_decoded = True
@@ -466,7 +467,7 @@ class Executor:
         rows = [rows[i] for i in order_idx]
         owners = [owners[i] for i in order_idx]
         abort = None
-        if arrived is not None and not decode_rows:
+        if arrived is not None and not decode_rows and self.aborts:
             floor = min(ln.priority for ln in owners)
             abort = lambda: arrived() < floor  # noqa: E731
         try:

@@ -283,6 +283,7 @@ class LlamaEngine:
         eog, specials = _scan_vocab(self._vocab, self._n_vocab)
         self._eog = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
+        self.aborts = not shared   # only one stream per sequence can drop a pass's tail
         self.info = ModelInfo(
             name=os.path.basename(path).removesuffix(".gguf"),
             architecture=_meta(model, "general.architecture") or "unknown",

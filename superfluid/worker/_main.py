@@ -78,10 +78,11 @@ GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit or Interrupt came in
-# A prefill step's size when no more urgent lane is decoding: about BIG_STEP_MS of measured work,
-# 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s over positions 0-2k / 2k-4k /
-# 4k-6k by chunk: 64: 142/81/46, 256: 163/93/62, 512: 169/92/64, 1024: 141/88/59. A step this long
-# still never holds back a more urgent arrival: it is aborted (Executor.step's ``arrived``).
+# A prefill step's size when no more urgent lane is decoding: one 512-token micro-batch on an engine
+# that can abort a pass (a more urgent arrival stops it: Executor.step's ``arrived``), else about
+# BIG_STEP_MS of measured work, 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s
+# over positions 0-2k / 2k-4k / 4k-6k by chunk: 64: 142/81/46, 256: 163/93/62, 512: 169/92/64,
+# 1024: 141/88/59.
 BIG_STEP_MS = 4000
 BIG_STEP_MIN = 256
 
@@ -307,10 +308,12 @@ class _Worker:
             if not (prefilling or (decoding and rounds < tick.max_rounds)):
                 break
             t_step = time.monotonic()
+            # an engine that can abort a pass takes whole micro-batches: a more urgent arrival stops it
+            big_step = PREFILL_CHUNK if self.executor.aborts else self._step_cap(
+                BIG_STEP_MS, floor=BIG_STEP_MIN, ceiling=PREFILL_CHUNK)
             try:
                 res = self.executor.step(prefill_budget=budget if prefilling else 0, order=tick.prefill_lanes,
-                                         max_step_tokens=self._step_cap(BIG_STEP_MS, floor=BIG_STEP_MIN,
-                                                                        ceiling=PREFILL_CHUNK),
+                                         max_step_tokens=big_step,
                                          yield_step_tokens=self._step_cap(tick.step_ms),
                                          arrived=self._arrived)
             except RuntimeError as exc:

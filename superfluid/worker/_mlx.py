@@ -243,6 +243,8 @@ class MlxEngine:
 
     # -- forward pass ----------------------------------------------------------------
 
+    aborts = False   # a pass runs to its end
+
     def decode(self, rows: list[BatchRow]) -> list[Any]:
         mx = self._mx
         for row in rows:

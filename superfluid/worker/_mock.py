@@ -227,6 +227,8 @@ class MockEngine:
     def is_eog(self, token: int) -> bool:
         return token in self.info.eog
 
+    aborts = True
+
     def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         outs: list[Any] = []
         n_prefill = 0
