@@ -496,6 +496,22 @@ async def test_shared_prefix_burst_prefills_the_prefix_about_once(nursery: trio.
     daemon.scope.cancel()
 
 
+async def chat_when_busy(d: Daemon, lanes: int, after: float, max_tokens: int, ttft: list[float]) -> None:
+    """Once ``lanes`` lanes are active, wait ``after`` seconds, send an interactive chat and
+    append the time to its first token with text to ``ttft``."""
+    with trio.fail_after(10):
+        while await metric(d, "superfluid_lanes_active") < lanes:
+            await trio.sleep(0.01)
+    await trio.sleep(after)
+    t0 = trio.current_time()
+    async with d.client.stream("POST", "/v1/chat/completions", headers={"x-superfluid-qos": "interactive"},
+                               json={**CHAT, "max_tokens": max_tokens, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                ttft.append(trio.current_time() - t0)
+                break
+
+
 async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery) -> None:
     """All lanes busy with background agents; a chat gets a lane at the next tick
     and every preempted agent stream resumes with nothing repeated or lost."""
@@ -517,23 +533,10 @@ async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery
                                    headers={"x-superfluid-qos": "background"}) as r:
             got[i] = stream_text(await sse_events(r))
 
-    async def run_chat() -> None:
-        with trio.fail_after(5):
-            while await metric(d, "superfluid_lanes_active") < 2:
-                await trio.sleep(0.01)
-        await trio.sleep(0.2)
-        t0 = trio.current_time()
-        async with d.client.stream("POST", "/v1/chat/completions", headers={"x-superfluid-qos": "interactive"},
-                                   json={**CHAT, "max_tokens": 8, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                if '"content":"' in line and '"content":""' not in line:
-                    chat_ttft.append(trio.current_time() - t0)
-                    break
-
     async with trio.open_nursery() as n:
         n.start_soon(run_agent, 0)
         n.start_soon(run_agent, 1)
-        n.start_soon(run_chat)
+        n.start_soon(chat_when_busy, d, 2, 0.2, 8, chat_ttft)
     assert await metric(d, "superfluid_preemptions_total") >= 1
     assert got == refs
     # without preemption the chat would wait for an agent to finish: 60 rounds x 20 ms
@@ -557,23 +560,11 @@ async def test_a_chat_does_not_wait_out_an_agents_prompt_pass(nursery: trio.Nurs
                                    headers={"x-superfluid-qos": "agent"}) as r:
             got.append(stream_text(await sse_events(r)))
 
-    async def run_chat() -> None:
-        with trio.fail_after(10):
-            while await metric(d, "superfluid_lanes_active") < 1:
-                await trio.sleep(0.01)
-        await trio.sleep(2.3)   # into the second pass: 512 tokens, 2.0 to 4.1 s
-        t0 = trio.current_time()
-        async with d.client.stream("POST", "/v1/chat/completions", headers={"x-superfluid-qos": "interactive"},
-                                   json={**CHAT, "max_tokens": 4, "stream": True}) as r:
-            async for line in r.aiter_lines():
-                if '"content":"' in line and '"content":""' not in line:
-                    chat_ttft.append(trio.current_time() - t0)
-                    break
-
     before = await metric(d, "superfluid_prefill_steps_aborted_total")
     async with trio.open_nursery() as n:
         n.start_soon(run_agent)
-        n.start_soon(run_chat)
+        # into the agent's second pass: 512 tokens, 2.0 to 4.1 s
+        n.start_soon(chat_when_busy, d, 1, 2.3, 4, chat_ttft)
     assert await metric(d, "superfluid_prefill_steps_aborted_total") >= before + 1
     async with d.client.stream("POST", "/v1/chat/completions", json=body) as r:  # uncontended
         assert got == [stream_text(await sse_events(r))]
