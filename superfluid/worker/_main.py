@@ -435,9 +435,11 @@ class _Worker:
             elif isinstance(event, Shutdown):
                 return
             else:
-                if isinstance(event, Admit):
-                    self.arrived = min(self.arrived, event.priority)
                 self.put(event)
+                if isinstance(event, Admit):
+                    # after the put: the engine resets ``arrived`` before it takes the queued ops,
+                    # so an Admit it has not taken always aborts (an Admit it took may abort once more)
+                    self.arrived = min(self.arrived, event.priority)
 
 
 async def _serve(args: argparse.Namespace, link_fd: int) -> int:
