@@ -49,3 +49,18 @@ def test_only_the_urgent_lane_leaves_the_hold() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_an_interrupt_ends_the_tick_but_aborts_no_step() -> None:
+    """Only an Admit of a more urgent class aborts a running prompt step (SPEC.md §5,
+    "Aborted steps"). The daemon sends an Interrupt whenever a preemptor waits, also when
+    its plan then admits nothing; when an Interrupt aborted the step too, every tick's
+    step was aborted and a worker kill beside six chats hung (fuzz seed 3156)."""
+    from superfluid.proto import Admit, Interrupt
+    from superfluid.worker._main import NOTHING_ARRIVED
+
+    worker = _Worker(None, None, -1, WorkerLink(WORKER), "mock", max_ops=8, hold_s=0.0, agent_hold_s=0.0)  # type: ignore[arg-type]
+    worker.take_command(Interrupt())
+    assert worker.interrupt and worker._arrived() == NOTHING_ARRIVED
+    worker.take_command(Admit(lane=1, tokens=[5, 6], n_prompt=2, max_new=4, priority=0))
+    assert worker._arrived() == 0 and worker.ops.qsize() == 1

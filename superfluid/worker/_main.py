@@ -77,7 +77,7 @@ _STOP = object()  # queued by the reader when the link ends: the engine thread r
 GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
-NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit or Interrupt came in
+NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit came in
 # A prefill step's size when no more urgent lane is decoding: one 512-token micro-batch on an engine
 # that can abort a pass (a more urgent arrival stops it: Executor.step's ``arrived``), else about
 # BIG_STEP_MS of measured work, 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s
@@ -127,8 +127,8 @@ class _Worker:
         self.ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.max_ops = max_ops
         self.interrupt = False
-        # the most urgent Admit.priority that arrived since the engine last looked (-1: an
-        # Interrupt); a prefill step of less urgent lanes is aborted when it drops below theirs
+        # the most urgent Admit.priority that arrived since the engine last looked; a prefill
+        # step of less urgent lanes is aborted when it drops below theirs
         self.arrived = NOTHING_ARRIVED
         # token rows not sent yet (under write_lock), apart by how long they may wait:
         # [0] lanes a person watches (interactive, completion), [1] agent and background lanes
@@ -429,17 +429,28 @@ class _Worker:
             elif isinstance(event, Embed):
                 tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_embed, event,
                                                     limiter=embed_limiter))
-            elif isinstance(event, Interrupt):
-                self.interrupt = True
-                self.arrived = -1
             elif isinstance(event, Shutdown):
                 return
             else:
-                self.put(event)
-                if isinstance(event, Admit):
-                    # after the put: the engine resets ``arrived`` before it takes the queued ops,
-                    # so an Admit it has not taken always aborts (an Admit it took may abort once more)
-                    self.arrived = min(self.arrived, event.priority)
+                self.take_command(event)
+
+    def take_command(self, event: Any) -> None:
+        """The reader's part for an Interrupt, Admit, Cancel or Tick.
+
+        An Admit of a more urgent class aborts the running prompt step (``arrived``). An
+        Interrupt only ends the running tick after its step: the daemon sends one whenever a
+        preemptor waits, also when its plan then admits nothing (a suspect on probation, a
+        capped class), and aborting every step then left the lanes no progress at all (fuzz
+        seed 3156: six chats and a worker kill hung). A preemption reaches the worker as a
+        Cancel and the preemptor's Admit, and that Admit aborts the step."""
+        if isinstance(event, Interrupt):
+            self.interrupt = True
+            return
+        self.put(event)
+        if isinstance(event, Admit):
+            # after the put: the engine resets ``arrived`` before it takes the queued ops,
+            # so an Admit it has not taken always aborts (an Admit it took may abort once more)
+            self.arrived = min(self.arrived, event.priority)
 
 
 async def _serve(args: argparse.Namespace, link_fd: int) -> int:
