@@ -544,12 +544,14 @@ async def test_interactive_chat_preempts_background_agents(nursery: trio.Nursery
     d.scope.cancel()
 
 
-async def test_a_chat_does_not_wait_out_an_agents_prompt_pass(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("lanes", [2, 1], ids=["free-lane", "preempting"])
+async def test_a_chat_does_not_wait_out_an_agents_prompt_pass(nursery: trio.Nursery, lanes: int) -> None:
     """With no more urgent lane live, an agent's prompt goes in big passes (here 2 s
     each); a chat arriving meanwhile aborts the running pass, which is redone later,
     so the chat's first token comes well inside one pass and the agent's text is
-    unchanged. Without the abort the chat waits for the pass to end."""
-    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=4000", max_batch=2))
+    unchanged. Without the abort the chat waits for the pass to end. With one lane the
+    chat preempts the agent: the preemptor's Admit aborts the pass."""
+    d = await start_daemon(nursery, mock_config("mock?step_ms=5&prefill_us=4000", max_batch=lanes))
     body = {"model": "mock", "max_tokens": 12, "ignore_eos": True, "stream": True, "temperature": 0,
             "messages": [{"role": "user", "content": "agent " + "the lane runs " * 400}]}
     got: list[str] = []
