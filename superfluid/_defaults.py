@@ -37,6 +37,7 @@ RESTART_WINDOW_S = 60.0
 RESUME_TTL_S = 300.0             # a resumable generation nobody follows runs on this long
 DRAIN_TIMEOUT_S = 30.0           # SIGUSR1 waits this long for in-flight work
 SHUTDOWN_GRACE_S = 5.0           # SIGTERM/SIGINT: in-flight streams end typed within this, then exit
+WORKER_EXIT_GRACE_S = 30.0       # a worker whose link ended exits by then even if its engine is stuck in a call
 BODY_TIMEOUT_S = 30.0            # a request body not complete within this is answered 408
 WS_IDLE_TIMEOUT_S = 300.0        # an idle WebSocket is closed after this
 MAX_MODELS = 4                   # models (worker processes) loaded at once

@@ -122,6 +122,10 @@ MUTATIONS = (
              "                d.priority < prefill_lanes[0].priority for d in decoders):\n",
              "                d.priority <= prefill_lanes[0].priority for d in decoders):\n",
              ("tests/test_executor.py::test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes",)),
+    Mutation("a worker exits when its stuck engine outlives the link", "superfluid/worker/_main.py",
+             "            os._exit(EXIT_ENGINE_STUCK)\n",
+             "            pass\n",
+             ("tests/test_shutdown.py::test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon",)),
 )
 
 

@@ -31,12 +31,14 @@ MSGS = [{"role": "user", "content": "tell me a long story"}]
 LONG = 5000
 
 
-def _spawn(port: int, sessions: Path, err: Path) -> subprocess.Popen[bytes]:
+def _spawn(port: int, sessions: Path, err: Path, *extra: str, env: dict[str, str] | None = None,
+           spec: str = "mock?step_ms=20&prefill_us=5&eos_every=100000") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "superfluid", "serve", "mock?step_ms=20&prefill_us=5&eos_every=100000", "--port", str(port),
+        [sys.executable, "-m", "superfluid", "serve", spec, "--port", str(port),
          "--sessions", str(sessions), "--shutdown-grace", str(GRACE_S), "--stream-interval-ms", "0",
-         "--agent-stream-interval-ms", "0"],
-        stdout=subprocess.DEVNULL, stderr=open(err, "ab"), start_new_session=True)  # noqa: SIM115
+         "--agent-stream-interval-ms", "0", *extra],
+        stdout=subprocess.DEVNULL, stderr=open(err, "ab"), start_new_session=True,  # noqa: SIM115
+        env=None if env is None else {**os.environ, **env})
 
 
 def _free_port() -> int:
@@ -185,3 +187,46 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
             assert head + tail == reference["choices"][0]["message"]["content"]
     finally:
         _kill_group(proc)
+
+
+async def test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon(tmp_path: Path) -> None:
+    """A worker whose link ends exits within its grace even when its engine thread is
+    stuck inside a runtime call (SPEC.md §2 "Worker lifetime"): the daemon is SIGKILLed
+    (no Shutdown, no reaping) while the mock engine hangs mid-generation; a thread cannot
+    be cancelled, and without the grace the worker sat in that call for good."""
+    import psutil
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _spawn(port, tmp_path / "sessions", tmp_path / "daemon.err", "--hang-timeout", "600",
+                  env={"SUPERFLUID_WORKER_EXIT_GRACE_S": "1"}, spec="mock?step_ms=5&prefill_us=5&eos_every=100000")
+    workers: list[psutil.Process] = []
+    try:
+        await _wait_ready(url, proc)
+        body = {"model": "mock", "messages": [{"role": "user", "content": "[[mock:hang_after=3]] go"}],
+                "max_tokens": 50, "stream": True}
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    seen = ""
+                    async for chunk in r.aiter_text():
+                        seen += chunk
+                        if seen.count('"content"') >= 2:
+                            break           # tokens flowed; the engine is now stuck in the hang
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if any("superfluid-worker-mock" in part for part in p.cmdline())]
+        assert workers, "no worker found"
+        await trio.sleep(0.5)
+        assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)  # stuck, alive
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with trio.fail_after(15):           # the grace is 1 s; without it the worker never exits
+            while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+                await trio.sleep(0.1)
+    finally:
+        _kill_group(proc)
+        for w in workers:
+            try:
+                w.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -78,6 +78,8 @@ GIL_SWITCH_S = 0.0005   # see main()
 INLINE_TOKENIZE = 1 << 16  # prompt characters tokenized on the reader; longer prompts go to a thread
 AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); background is 3
 NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit came in
+EXIT_GRACE_ENV = "SUPERFLUID_WORKER_EXIT_GRACE_S"
+EXIT_ENGINE_STUCK = 4   # the exit status when the engine outlived the link's end by the grace
 # A prefill step's size when no more urgent lane is decoding: one 512-token micro-batch on an engine
 # that can abort a pass (a more urgent arrival stops it: Executor.step's ``arrived``), else about
 # BIG_STEP_MS of measured work, 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s
@@ -489,9 +491,26 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
     worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16,
                      hold_s=max(0, args.stream_interval_ms) / 1000,
                      agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
+    engine_done = trio.Event()
+
+    async def serve_engine() -> None:
+        try:
+            await worker.serve_engine()
+        finally:
+            engine_done.set()
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(worker.serve_engine)
-        nursery.start_soon(worker.serve_reader, recv)
+        nursery.start_soon(serve_engine)
+        await worker.serve_reader(recv)
+        # The link ended (Shutdown, or the daemon is gone): the engine thread stops at its
+        # next step. One stuck inside a runtime call never gets there, and a thread cannot be
+        # cancelled, so after the grace the process ends itself rather than outlive its daemon.
+        with trio.move_on_after(args.exit_grace_s):
+            await engine_done.wait()
+        if not engine_done.is_set():
+            print(f"superfluid worker: the engine did not stop within {args.exit_grace_s:g}s of the link's"
+                  " end; exiting", file=sys.stderr, flush=True)
+            os._exit(EXIT_ENGINE_STUCK)
     return 0
 
 
@@ -533,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
     parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
+    parser.add_argument("--exit-grace-s", type=float,
+                        default=float(os.environ.get(EXIT_GRACE_ENV) or D.WORKER_EXIT_GRACE_S),
+                        help="after the link ends, how long the engine may take to stop before the process exits")
     try:
         args = parser.parse_args(argv)
     except SystemExit:
