@@ -73,7 +73,8 @@ async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampli
     return {"ttft_first": ttfts[0], "ttft_last": last_first, "prompt_tokens": prompt_tokens,
             "prefill_tok_s": prompt_tokens / last_first if last_first else 0.0,
             "decode_stream": median(decode) if decode else 0.0,
-            "decode_total": generated / wall if wall else 0.0, "wall": wall, "chat_ttft": chat.get("ttft")}
+            "decode_total": generated / wall if wall else 0.0, "wall": wall, "chat_ttft": chat.get("ttft"),
+            "agent_walls": sorted(r["wall"] for r in results)}
 
 
 def fmt_s(x: float | None) -> str:
@@ -147,7 +148,8 @@ def main() -> None:
                         chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
                         print(f"  {length} x {n} round {rnd + 1} {name}: wall {g['wall']:.1f} s, TTFT "
                               f"{g['ttft_first']:.1f}-{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} "
-                              f"tok/s, decode {g['decode_stream']:.1f} tok/s per stream{chat}", flush=True)
+                              f"tok/s, decode {g['decode_stream']:.1f} tok/s per stream, agents' walls "
+                              f"{', '.join(f'{w:.1f}' for w in g['agent_walls'])} s{chat}", flush=True)
                 rows.append((length, n, got))
     finally:
         for srv in servers.values():
@@ -160,24 +162,31 @@ def main() -> None:
     print(f"Medians over {args.rounds} round(s); ratios are medians of the per-round ratios.")
     print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
           "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) "
-          "| decode ratio (ours/theirs) |" + chat_col)
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
+          "| decode ratio (ours/theirs) | agents' walls, 1st..last to finish | agent wall ratios (ours/theirs, "
+          "k-th finisher) |" + chat_col)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
     for _length, n, got in rows:
         ours, theirs = got.get("superfluid"), got.get("llama-server")
         for name, gs in got.items():
             def med(key: str, gs: list[dict[str, Any]] = gs) -> float:
                 return median([g[key] for g in gs])
             ratios = ["", "", ""]
+            walls = ", ".join(f"{median([g['agent_walls'][k] for g in gs]):.1f}" for k in range(n)) + " s"
+            agent_ratios = ""
             if name == "superfluid" and ours and theirs:
                 pairs = list(zip(ours, theirs, strict=True))
                 ratios = [f"{median([t['wall'] / o['wall'] for o, t in pairs]):.2f}",
                           f"{median([o['prefill_tok_s'] / t['prefill_tok_s'] for o, t in pairs]):.2f}",
                           f"{median([o['decode_stream'] / t['decode_stream'] for o, t in pairs]):.2f}"]
+                # the k-th agent to finish here against the k-th there: "every agent within 10%"
+                agent_ratios = ", ".join(
+                    f"{median([o['agent_walls'][k] / t['agent_walls'][k] for o, t in pairs]):.2f}" for k in range(n))
             chats = [g["chat_ttft"] for g in gs]
             chat = fmt_s(None if None in chats else median(chats))
             print(f"| {gs[0]['prompt_tokens'] // n} x {n} | {name} | {med('ttft_first'):.1f} / {med('ttft_last'):.1f} s "
                   f"| {med('prefill_tok_s'):.0f} | {med('decode_stream'):.1f} | {med('decode_total'):.1f} "
-                  f"| {med('wall'):.1f} s | {' | '.join(ratios)} |" + (f" {chat} |" if chat_col else ""))
+                  f"| {med('wall'):.1f} s | {' | '.join(ratios)} | {walls} | {agent_ratios} |"
+                  + (f" {chat} |" if chat_col else ""))
 
 
 if __name__ == "__main__":
