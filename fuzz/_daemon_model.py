@@ -444,6 +444,7 @@ class Harness:
         self.actions = actions
         self.workdir = workdir
         self.daemon = Daemon(workdir)
+        self.dumped = False
         self.ref = reference()
         self.epoch = 0
         self.step = -1
@@ -542,6 +543,7 @@ class Harness:
                 if deadline.cancelled_caught:
                     req.outcome = "violation"
                     req.problems.append(f"no end within {REQUEST_DEADLINE_S:g}s")
+                    self.dump_daemon()
             except (httpx.TransportError, httpx.StreamError) as exc:
                 if req.epoch != self.epoch or self.killing:
                     req.outcome = "killed"
@@ -556,6 +558,16 @@ class Harness:
                     self.idle.set()
 
         self.nursery.start_soon(wrapper)
+
+    def dump_daemon(self) -> None:
+        """Once a sequence: SIGUSR2 makes the daemon log where every task waits (kept in the workdir)."""
+        if self.dumped or self.daemon.proc is None or not self.daemon.alive():
+            return
+        self.dumped = True
+        try:
+            os.kill(self.daemon.proc.pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
 
     async def apply(self, action: Action) -> None:
         if isinstance(action, Start):

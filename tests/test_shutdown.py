@@ -230,3 +230,32 @@ async def test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon(t
                 w.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+async def test_sigusr2_logs_where_every_task_waits_and_each_models_scheduler(tmp_path: Path) -> None:
+    """SIGUSR2 writes the task tree (each task's await chain, with its job) and every model's
+    scheduler state to the log, and the daemon serves on (SPEC.md §2, "SIGUSR2")."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    err = tmp_path / "daemon.err"
+    proc = _spawn(port, tmp_path / "sessions", err, spec="mock?step_ms=50&prefill_us=5&eos_every=100000")
+    try:
+        await _wait_ready(url, proc)
+        body = {"model": "mock", "prompt": "once upon", "max_tokens": 400, "stream": True}
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    chunks = r.aiter_text()             # kept: a dropped iterator closes the response
+                    await chunks.__anext__()            # one request is streaming
+                    os.kill(proc.pid, signal.SIGUSR2)
+                    while "model mock: worker" not in err.read_text():
+                        await trio.sleep(0.05)
+                assert (await client.get("/health")).status_code == 200
+        text = err.read_text()
+        dump = text[text.index("SIGUSR2: tasks and schedulers"):]
+        [handler] = [line for line in dump.splitlines() if "completions@superfluid/api/_openai.py" in line]
+        assert "[job 1]" in handler                     # the request's task, down to the frame holding its job
+        assert "_serve_signals@superfluid/daemon/_server.py" in dump
+        assert "running {" in dump and "'RUNNING'" in dump
+    finally:
+        _kill_group(proc)

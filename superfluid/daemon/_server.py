@@ -3,7 +3,7 @@
 Nursery tree (daemon)::
 
     root
-    ├── signal watcher          SIGTERM/SIGINT: streams end typed, then cancel root (stop); SIGUSR1: drain
+    ├── signal watcher          SIGTERM/SIGINT: streams end typed, then cancel root (stop); SIGUSR1: drain; SIGUSR2: dump
     ├── model lifetimes         unloads models idle past their keep-alive (_lifetime.py)
     ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
     │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
@@ -43,10 +43,12 @@ summary_log = logging.getLogger("superfluid.summary")
 
 
 async def _serve_signals(root: trio.Nursery, drain: trio.Event, app_holder: list[App], grace_s: float) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2) as signals:
         stopping = False
         async for signum in signals:
-            if signum == signal.SIGUSR1:
+            if signum == signal.SIGUSR2:
+                _dump(app_holder)
+            elif signum == signal.SIGUSR1:
                 log.info("SIGUSR1: draining (no new requests; in-flight ones may finish)")
                 for app in app_holder:
                     app.accepting = False
@@ -58,6 +60,16 @@ async def _serve_signals(root: trio.Nursery, drain: trio.Event, app_holder: list
             else:
                 stopping = True
                 root.start_soon(stop, root.cancel_scope, app_holder, grace_s, signal.Signals(signum).name)
+
+
+def _dump(apps: list[App]) -> None:
+    """SIGUSR2: every task's await chain and every model's scheduler state, to the log."""
+    from ._dump import scheduler_state, task_tree
+
+    lines = ["SIGUSR2: tasks and schedulers", *task_tree()]
+    for app in apps:
+        lines += [scheduler_state(name, model.scheduler) for name, model in app.registry.loaded.items()]
+    log.warning("%s", "\n".join(lines))
 
 
 async def stop(root: trio.CancelScope, apps: list[App], grace_s: float, why: str = "stop") -> None:
