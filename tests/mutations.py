@@ -126,6 +126,10 @@ MUTATIONS = (
              "            os._exit(EXIT_ENGINE_STUCK)\n",
              "            pass\n",
              ("tests/test_shutdown.py::test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon",)),
+    Mutation("commands behind a death report are applied", "superfluid/sched/_loop.py",
+             "            if isinstance(event, LinkLost):\n                lost = event\n",
+             "            if isinstance(event, LinkLost):\n                raise event\n",
+             ("tests/test_fuzz_regressions.py::test_commands_drained_behind_a_dead_workers_report_are_applied",)),
 )
 
 

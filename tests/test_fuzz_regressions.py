@@ -562,3 +562,38 @@ async def test_client_closed_connections_release_their_fds(nursery: trio.Nursery
             await trio.sleep(0.05)
     assert close_wait() == 0
     d.scope.cancel()
+
+
+async def test_commands_drained_behind_a_dead_workers_report_are_applied(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Fuzz seeds 10218, 11158 and 11159: a request never answered (no status) after its model's
+    worker died. The loop drains the inbox in batches; when the worker's death report came first
+    in a batch, the loop raised at once and the commands drained behind it were dropped: a
+    handler's tokenize or reserve waited for a reply that never came. Every command is applied.
+
+    The report wakes the loop waiting on its inbox; the handlers' commands land behind it before
+    the loop runs (here: put there at once, as handler tasks scheduled in the same batch do)."""
+    from superfluid.sched._loop import _Reply, _Reserve, _Tokenize
+
+    from .test_actor import FakeLink, _run_generation
+
+    sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics().for_model("m"))
+    first = FakeLink(sched, 1)
+    late = Job(prompt=[4, 5], sampling=Sampling(), max_new=2, klass=QosClass.AGENT)
+    tokenized, reserved = _Reply(), _Reply()
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run_commits)
+        n.start_soon(_run_generation, sched, first)
+        await trio.testing.wait_all_tasks_blocked()          # the loop waits on its inbox
+        first.die()                                           # the death report wakes it ...
+        sched.inbox_send.send_nowait((None, _Tokenize([("ab", False)], False, tokenized)))
+        sched.inbox_send.send_nowait((None, _Reserve(late, reserved)))   # ... these wait behind
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(_run_generation, sched, FakeLink(sched, 2))
+        with trio.fail_after(30):
+            assert await tokenized.wait() == [ord("a"), ord("b")]
+            await reserved.wait()
+            await sched.queue(late)
+            await late.ended.wait()
+        n.cancel_scope.cancel()
+    assert late.tokens == [100, 101]

@@ -634,17 +634,20 @@ class Scheduler:
             except trio.WouldBlock:
                 break
         out = []
+        lost: LinkLost | None = None
         for tag, event in items:
             if tag is None:
                 if event is not None:
-                    self._apply(event)
+                    self._apply(event)  # every command drained is applied, also behind a death report
                 continue
-            if tag != gen:
+            if tag != gen or lost is not None:
                 continue  # a dead generation's leftovers
             if isinstance(event, LinkLost):
-                raise event
-            if event is not None:
+                lost = event
+            elif event is not None:
                 out.append(event)
+        if lost is not None:
+            raise lost
         return out
 
     def _held(self) -> frozenset[int]:
