@@ -597,3 +597,20 @@ async def test_commands_drained_behind_a_dead_workers_report_are_applied(
             await late.ended.wait()
         n.cancel_scope.cancel()
     assert late.tokens == [100, 101]
+
+
+async def test_a_worker_failure_while_the_model_is_unloaded_is_the_unload() -> None:
+    """Fuzz seed 16070: an unload cancelled the model's actor while its write to a killed worker
+    failed; the worker's nursery ended with the WorkerDied and its children's Cancelled, which
+    open_worker re-raised as a group, so the actor "failed" (a traceback, 503 model_failed) instead
+    of stopping. A worker failure under an outer cancel is that cancel."""
+    from superfluid.nursery import WorkerDied, WorkerSpec, open_worker
+
+    inbox, _events = trio.open_memory_channel[object](1000)
+    spec = WorkerSpec(runtime="mock", model="mock", max_batch=2, shutdown_grace_s=0.3, term_grace_s=0.3)
+    with trio.fail_after(20):
+        with trio.CancelScope() as unload:
+            async with open_worker(spec, inbox, generation=1):
+                unload.cancel()                 # the unload, while ...
+                raise WorkerDied("write to worker failed: BrokenResourceError()")   # ... a write fails
+    assert unload.cancelled_caught

@@ -215,7 +215,13 @@ async def open_worker(
     except BaseExceptionGroup as group:
         # hide the nursery: a worker failure surfaces as one LinkLost (WorkerDied)/WorkerLoadFailed
         failures, rest = group.split((LinkLost, WorkerLoadFailed, trio.TooSlowError))
-        if rest is not None or failures is None:
+        if rest is not None:
+            if rest.split(trio.Cancelled)[1] is None:
+                # cancelled from outside (an unload) as the worker failed: the cancel is what
+                # happened; the failure beside it is moot (raised, it made the actor "fail")
+                raise rest from None
+            raise
+        if failures is None:
             raise
         raise first_leaf(failures) from group
 
