@@ -130,6 +130,10 @@ MUTATIONS = (
              "            if isinstance(event, LinkLost):\n                lost = event\n",
              "            if isinstance(event, LinkLost):\n                raise event\n",
              ("tests/test_fuzz_regressions.py::test_commands_drained_behind_a_dead_workers_report_are_applied",)),
+    Mutation("a worker failure under an unload is the unload", "superfluid/nursery/_worker.py",
+             "            if rest.split(trio.Cancelled)[1] is None:\n",
+             "            if False:\n",
+             ("tests/test_fuzz_regressions.py::test_a_worker_failure_while_the_model_is_unloaded_is_the_unload",)),
 )
 
 
