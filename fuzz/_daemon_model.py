@@ -198,9 +198,21 @@ def path_of(route: str) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below Linux's ephemeral range (32768-60999): a port the kernel hands out
+    (bind to 0) may become a client connection's local port before the daemon binds it, or
+    while a killed daemon restarts on it (seed 19024: "address already in use", and requests
+    reached another sequence's daemon)."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _argv(port: int, sessions: Path, *, opts: str = OPTS, max_batch: int = MAX_BATCH) -> list[str]:
