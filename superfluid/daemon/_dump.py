@@ -1,6 +1,6 @@
-"""``SIGUSR2``: the daemon writes where every task waits and each model's scheduler state
-to its log (one block, at WARNING so it shows under any ``--log-level``). For a request
-that never ends: find its handler's task and read what it awaits."""
+"""``SIGUSR2``: the daemon logs where every task waits, beside each model's
+``Scheduler.describe()`` (one block, at WARNING so it shows under any ``--log-level``).
+For a request that never ends: find its handler's task and read what it awaits."""
 
 from __future__ import annotations
 
@@ -56,15 +56,3 @@ def task_tree() -> list[str]:
     walk(trio.lowlevel.current_root_task(), 0)
     return lines
 
-
-def scheduler_state(name: str, sched: Any) -> str:
-    """One model's scheduler, briefly: queues, running lanes, reservations, tokenizes."""
-    queues = {k.label: [j.id for j in q] for k, q in sched.queues.items() if q}
-    running = {lane: (job.id, job.state.name, job.started, job.n_generated, job.prefill_left)
-               for lane, job in sched.running.items()}
-    tokenize = {req: (p.sent, p.attempts) for req, p in sched._tokenize.items()}
-    worker = getattr(sched, "worker", None)
-    return (f"model {name}: worker {'none' if worker is None else getattr(worker, 'generation', '?')}"
-            f"{' dead' if worker is not None and worker.dead else ''}, unavailable {sched.unavailable!r}, "
-            f"closed {sched.closed is not None}, queued {queues}, reserved {dict(sched._reserved)}, "
-            f"running {running}, tokenize {tokenize}, tick {sched.tick_no}")

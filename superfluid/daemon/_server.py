@@ -64,11 +64,11 @@ async def _serve_signals(root: trio.Nursery, drain: trio.Event, app_holder: list
 
 def _dump(apps: list[App]) -> None:
     """SIGUSR2: every task's await chain and every model's scheduler state, to the log."""
-    from ._dump import scheduler_state, task_tree
+    from ._dump import task_tree
 
     lines = ["SIGUSR2: tasks and schedulers", *task_tree()]
     for app in apps:
-        lines += [scheduler_state(name, model.scheduler) for name, model in app.registry.loaded.items()]
+        lines += [f"model {name}: {model.scheduler.describe()}" for name, model in app.registry.loaded.items()]
     log.warning("%s", "\n".join(lines))
 
 

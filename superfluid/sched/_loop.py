@@ -963,6 +963,19 @@ class Scheduler:
         return {"lanes_active": len(self.running), "queued": sum(len(q) for q in self.queues.values()),
                 "ticks": self.tick_no, **self.last_tick}
 
+    def describe(self) -> str:
+        """One line for a person debugging a stuck request (SIGUSR2): worker, queues,
+        reservations, running lanes ``lane: (job, state, started, generated, prefill left)``
+        and pending tokenizes ``req: (sent, attempts)``."""
+        worker = self.worker
+        queues = {k.label: [j.id for j in q] for k, q in self.queues.items() if q}
+        running = {lane: (job.id, job.state.name, job.started, job.n_generated, job.prefill_left)
+                   for lane, job in self.running.items()}
+        tokenize = {req: (p.sent, p.attempts) for req, p in self._tokenize.items()}
+        return (f"worker {'none' if worker is None else worker.generation}{' dead' if worker and worker.dead else ''}"
+                f", unavailable {self.unavailable!r}, closed {self.closed is not None}, queued {queues}, "
+                f"reserved {dict(self._reserved)}, running {running}, tokenize {tokenize}, tick {self.tick_no}")
+
 
 def _shared_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b)) - 1
