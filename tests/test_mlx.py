@@ -207,16 +207,28 @@ async def test_mlx_serves_every_dialect() -> None:
     async with open_daemon(mlx_config()) as d:
         models = (await d.client.get("/v1/models")).json()["data"]
         assert models[0]["runtime"]["id"] == "mlx"
-        assert models[0]["capabilities"]["grammar"] != True  # noqa: E712 - a reason string
+        assert models[0]["capabilities"]["grammar"] is True
         oa = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="x", timeout=300)
         stream = await oa.chat.completions.create(
             model="smol-mlx", messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=6, temperature=0, stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text.startswith("The capital of France"), text
-        with pytest.raises(openai.BadRequestError, match="unsupported_parameter|constrained output"):
-            await oa.chat.completions.create(model="smol-mlx", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=2, response_format={"type": "json_object"})
+        # constrained output through llguidance: a schema-valid document, and a forced tool call that
+        # max_tokens cuts is closed to a valid call (the truncation recovery of llama.cpp's route)
+        done = await oa.chat.completions.create(
+            model="smol-mlx", messages=[{"role": "user", "content": "Weather in Paris, in celsius, as JSON."}],
+            max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": GRAMMAR_SCHEMA}})
+        doc = json.loads(done.choices[0].message.content or "")
+        assert set(doc) == {"city", "units"} and doc["units"] in ("celsius", "fahrenheit"), doc
+        cut = await oa.chat.completions.create(
+            model="smol-mlx", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            max_tokens=4, temperature=0, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "get_weather", "parameters": GRAMMAR_SCHEMA}}])
+        (call,) = cut.choices[0].message.tool_calls or ()
+        assert cut.choices[0].finish_reason == "length" and call.function.name == "get_weather", cut
+        assert set(json.loads(call.function.arguments)) == {"city", "units"}, call
         an = anthropic.AsyncAnthropic(base_url=d.url, api_key="x", timeout=300)
         msg = await an.messages.create(model="smol-mlx", max_tokens=4, extra_body={"temperature": 0},
                                        messages=[{"role": "user", "content": "What is the capital of France?"}])
@@ -315,8 +327,69 @@ def test_mlx_host_sampler_is_counter_seeded_and_applies_its_stages() -> None:
     assert pen.sample(x, 1) != top
     lp, best = pen.logprobs(x, top, 3)
     assert best[0][0] == top and abs(best[0][2] - lp) < 1e-9 and len(best) == 3
-    with pytest.raises(ValueError, match="grammar"):
+    with pytest.raises(ValueError, match="no grammar engine"):   # an engine without one (baseRT)
         _LaneSampler(Fake, Sampling(grammar="json"))  # type: ignore[arg-type]
+
+
+GRAMMAR_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "units": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "units"], "additionalProperties": False}
+
+
+@pytest.mark.real(MLX_DIR)
+def test_mlx_host_grammar_constrains_every_draw_and_refuses_what_it_forbids() -> None:
+    """The host sampler under a JSON-schema grammar (llguidance on the MLX directory's own
+    tokenizer): greedy and sampled draws from random logits spell a schema-valid document, then
+    only end-of-generation; a forbidden token is refused; a resumed lane replays its history."""
+    import numpy as np
+
+    from superfluid.worker._guidance import Grammars
+    from superfluid.worker._mlx import _LaneSampler, _Vocab
+
+    config = json.loads((MLX_DIR / "config.json").read_text())
+    vocab = _Vocab(MLX_DIR, config)
+    eog = (vocab.token_id("<|im_end|>"),)
+
+    class Fake:
+        class info:  # noqa: N801 - stands in for ModelInfo
+            n_vocab = vocab.n_vocab
+
+        grammars = Grammars((MLX_DIR / "tokenizer.json").read_text(), vocab.n_vocab, eog)  # type: ignore[arg-type]
+        piece = staticmethod(vocab.piece)
+
+    rng = np.random.default_rng(3)
+    grammar = "json_schema:" + json.dumps(GRAMMAR_SCHEMA)
+    for sampling in (Sampling(grammar=grammar), Sampling(grammar=grammar, temperature=1.0, seed=5)):
+        lane = _LaneSampler(Fake, sampling)  # type: ignore[arg-type]
+        drawn: list[int] = []
+        rows: list[np.ndarray] = []
+        for k in range(80):
+            rows.append(rng.normal(size=vocab.n_vocab).astype(np.float32) * 4)
+            tok = lane.sample(rows[-1], k)
+            if tok in eog:
+                break
+            lane.accept(tok)
+            drawn.append(tok)
+        else:
+            raise AssertionError(f"no end after 80 tokens: {b''.join(map(vocab.piece, drawn))!r}")
+        doc = json.loads(b"".join(vocab.piece(t) for t in drawn))
+        assert set(doc) == {"city", "units"} and doc["units"] in ("celsius", "fahrenheit"), doc
+        # finished: every row draws end-of-generation, whatever the logits say
+        assert lane.sample(np.where(np.arange(vocab.n_vocab) == eog[0], -50.0, 50.0).astype(np.float32), 99) == eog[0]
+        # a re-admitted lane replays its history into the grammar and draws what the original drew
+        resumed = _LaneSampler(Fake, sampling)  # type: ignore[arg-type]
+        for tok in drawn[:6]:
+            resumed.accept(tok)
+        assert [resumed.sample(rows[k], k) for k in (6,)] == drawn[6:7]
+    fresh = _LaneSampler(Fake, Sampling(grammar=grammar))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not match the grammar"):
+        fresh.accept(vocab.encode("hello", add_special=False, parse_special=False)[0])
+    fresh.accept(vocab.encode("{", add_special=False, parse_special=False)[0])   # still usable after a refusal
+    with pytest.raises(ValueError, match="invalid grammar|JSON schema"):
+        _LaneSampler(Fake, Sampling(grammar='json_schema:{"type": "frob"}'))  # type: ignore[arg-type]
+    json_object = _LaneSampler(Fake, Sampling(grammar="json"))  # type: ignore[arg-type]
+    first = json_object.sample(rng.normal(size=vocab.n_vocab).astype(np.float32), 0)
+    assert vocab.piece(first).startswith(b"{")
 
 
 def test_the_daemon_side_never_imports_mlx(tmp_path: Path) -> None:

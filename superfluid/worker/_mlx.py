@@ -27,7 +27,9 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   or top-k, top-p, min-p, temperature and a draw from
   ``numpy.random.default_rng(counter_seed(seed, k))`` for generated token
   ``k``, so a re-admitted lane continues the same random stream.
-  Grammars are refused (the capability record says so).
+  A grammar (``json``, ``json_schema:…``, GBNF) masks the row after bias and
+  penalties, through llguidance (``_guidance.py``): a finished grammar allows only
+  the end-of-generation tokens; a token it forbids is refused by ``accept``.
 * Log probabilities come from the raw logits (log-softmax).
 * Tokenization uses ``tokenizers`` on ``tokenizer.json`` (``parse_special``
   false: control-token text is plain text); pieces are the tokens' bytes.
@@ -46,6 +48,7 @@ import numpy as np
 from ..proto import Sampling
 from ._engine import BatchRow, ModelInfo, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
+from ._guidance import Grammars, HostGrammar
 
 __all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
 
@@ -54,7 +57,7 @@ GIB = 1 << 30
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
 _NO_MEDIA = "text-only runtime: MLX vision models are not served"
-_NO_GRAMMAR = "the MLX runtime has no grammar engine yet (JSON schema and forced tool calls need llama.cpp)"
+_NO_GRAMMAR = "this runtime has no grammar engine bound (JSON schema and forced tool calls need llama.cpp or MLX)"
 
 
 class MemoryFitError(RuntimeError):
@@ -193,6 +196,7 @@ class MlxEngine:
                    "deterministic": deterministic, "quantization": self.config.get("quantization")},
         )
         self._eog_set = frozenset(eog)
+        self.grammars = Grammars((root / "tokenizer.json").read_text(encoding="utf-8"), self.vocab.n_vocab, eog)
         # A decode round as one batched forward pass, or one pass per lane. On the CPU device
         # MLX's matmuls do not gain from more rows (8 rows cost ~8.5x one) and the batch costs
         # pads and concatenations: 8 lanes took 12.0 s a round batched vs 7.5 s per lane
@@ -224,7 +228,7 @@ class MlxEngine:
                          "min_p": True, "logit_bias": True, "repeat_penalty": True, "presence_penalty": True,
                          "frequency_penalty": True},
             "logprobs": True,
-            "grammar": _NO_GRAMMAR,
+            "grammar": _grammar_capability(),
             "prefix_cache": True,
             "embeddings": "not an embedding runtime",
             "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
@@ -380,17 +384,24 @@ class _Exported:
         return self._bytes
 
 
-def _check_sampling(s: Sampling) -> None:
-    if s.grammar:
-        raise ValueError(_NO_GRAMMAR)
-    check_sampling_ranges(s)
+def _grammar_capability() -> bool | str:
+    import importlib.util
+
+    return True if importlib.util.find_spec("llguidance") else "llguidance is not installed (pip install 'superfluid[mlx]')"
 
 
 class _LaneSampler:
-    """One lane's host sampler (see the module docstring)."""
+    """One lane's host sampler (see the module docstring). An engine without a ``grammars``
+    compiler (baseRT) refuses a grammar."""
 
     def __init__(self, engine: MlxEngine, sampling: Sampling) -> None:
-        _check_sampling(sampling)
+        check_sampling_ranges(sampling)
+        self._grammar: HostGrammar | None = None
+        if sampling.grammar:
+            grammars = getattr(engine, "grammars", None)
+            if grammars is None:
+                raise ValueError(_NO_GRAMMAR)
+            self._grammar = grammars.compile(sampling.grammar)
         self._engine = engine
         self.s = sampling
         n = engine.info.n_vocab
@@ -417,6 +428,8 @@ class _LaneSampler:
 
     def sample(self, out: Any, k: int) -> int:
         x = self._adjusted(out)
+        if self._grammar is not None:
+            self._grammar.mask(x)
         if self.s.greedy:
             return int(np.argmax(x))
         return _draw(x, self.s, counter_seed(self.s.seed, k))
@@ -427,6 +440,8 @@ class _LaneSampler:
     def accept(self, token: int) -> None:
         if not 0 <= token < self._engine.info.n_vocab:
             raise ValueError(f"token {token} is outside the {self._engine.info.n_vocab}-token vocabulary")
+        if self._grammar is not None:
+            self._grammar.consume(token)
         if self._penalize:
             self._recent.append(token)
             del self._recent[:-PENALTY_LAST_N]
