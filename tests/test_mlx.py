@@ -264,6 +264,45 @@ async def test_mlx_worker_kill_mid_stream_continues() -> None:
         assert metric_sum(metrics, "superfluid_worker_respawns_total") == 1
 
 
+_WEIGHTS_PROBE = """
+import json, sys
+from superfluid.worker._engine import BatchRow
+from superfluid.worker._mlx import MlxEngine
+e = MlxEngine(sys.argv[1], max_batch=1, max_context=256)
+toks = e.tokenize("The capital of France is", add_special=False, parse_special=False)
+out, pos = [], 0
+for _ in range(int(sys.argv[2])):
+    (row,) = e.decode([BatchRow(seq=0, tokens=tuple(toks), pos0=pos, want_logits=True)])
+    pos += len(toks)
+    toks = [int(row.argmax())]
+    out.append(toks[0])
+print(json.dumps({"blas": e.info.extra["blas"], "weights": e.info.extra["weights"], "greedy": out}))
+"""
+
+
+@pytest.mark.real(MLX_DIR)
+def test_mlx_cpu_weights_are_dequantized_over_openblas_and_agree_with_the_quantized_ones() -> None:
+    """On the CPU device the worker binds OpenBLAS (where the system has it) before mlx loads,
+    and then runs the 4-bit weights as f32 (MLX's CPU quantized matmul is ~60x slower than
+    OpenBLAS's); greedy output is the quantized model's. ``native`` keeps the 4-bit weights."""
+    def probe(n: int = 8, **env: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", _WEIGHTS_PROBE, str(MLX_DIR), str(n)], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=300, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    from superfluid.worker._mlx import _OPENBLAS
+
+    default, native = probe(), probe(SUPERFLUID_MLX_CPU_WEIGHTS="native")
+    have = [p for p in _OPENBLAS if os.path.exists(p)]
+    if have:
+        assert default["blas"] == have[0] and default["weights"] == "f32", default
+    else:
+        assert default["blas"] == "the wheel's own" and default["weights"] == "native", default
+    assert native["weights"] == "native"
+    assert default["greedy"] == native["greedy"], (default, native)
+    assert probe(1, SUPERFLUID_MLX_BLAS="0")["blas"] == "the wheel's own"
+
+
 @pytest.mark.real(MLX_DIR)
 def test_mlx_batched_decode_round_matches_per_lane_passes() -> None:
     """The batched decode round (the GPU default) gives each lane the logits its own pass gives."""
