@@ -15,6 +15,12 @@
 (c) kv: 32 concurrent ~3,900-token requests against 8 lanes x 4,096 context, then a fresh
     request; the demand is printed against the real KV cells. Outcomes must be ok or typed errors.
 
+``--runtime mlx`` runs part (a) on MLX: the MLX directory ``python -m superfluid.models --mlx``
+builds (ours dequantizes it to f32 over OpenBLAS on a Linux CPU) against ``mlx_lm.server`` on the
+f32 copy ``bench/mlx_vs_server.py`` makes (same numbers, same kernels, OpenBLAS preloaded), with
+``--decode-concurrency``/``--prompt-concurrency`` 8 (the agents fill it) and 9 (a spare place for
+the chat).
+
 Equal memory: every llama-server gets the KV cells our worker allocates for 8 lanes x 4,096
 (``max(4, lanes + 2)`` sequences: 40,960), split over its slots, and ``--cache-ram 0``; ours runs with
 ``--host-cache-mb 0``. Each part runs its systems in a seeded random order (printed); the
@@ -57,6 +63,12 @@ SETUPS: dict[str, dict[str, Any]] = {  # name -> which server, its slots, whethe
     "superfluid, no headers": {"kind": "superfluid", "qos": False},
     f"llama-server -np {LANES}": {"kind": "llama-server", "slots": LANES},
     f"llama-server -np {LANES + 1}": {"kind": "llama-server", "slots": LANES + 1},
+}
+MLX_SETUPS: dict[str, dict[str, Any]] = {
+    "superfluid + QoS headers": {"kind": "superfluid", "qos": True},
+    "superfluid, no headers": {"kind": "superfluid", "qos": False},
+    f"mlx_lm.server {LANES}": {"kind": "mlx_lm.server", "slots": LANES},
+    f"mlx_lm.server {LANES + 1}": {"kind": "mlx_lm.server", "slots": LANES + 1},
 }
 PART_SETUPS = {"agents": list(SETUPS), "shared": ["superfluid, no headers", f"llama-server -np {LANES}"],
                "kv": ["superfluid, no headers", f"llama-server -np {LANES}"]}
@@ -198,7 +210,8 @@ def model_id(url: str) -> str:
 def run_system(name: str, server: Server, part: str, qos: bool) -> dict[str, Any]:
     try:
         server.wait_ready()
-        mid = model_id(server.url)
+        # mlx_lm.server's /v1/models lists the Hugging Face cache; "default_model" is its --model
+        mid = "default_model" if name.startswith("mlx_lm") else model_id(server.url)
         if part == "agents":
             res = trio.run(part_agents, server.url, mid, qos)
         elif part == "shared":
@@ -217,6 +230,15 @@ def start(setup: str, args: argparse.Namespace, binary: str) -> Server:
     if how["kind"] == "superfluid":
         return Server("superfluid", superfluid_argv(args.model, port, "--max-batch", str(LANES), "--max-context",
                                                     str(CTX), "--threads", str(args.threads)), port)
+    if how["kind"] == "mlx_lm.server":
+        import mlx_vs_server
+
+        from superfluid.worker._mlx import _OPENBLAS
+
+        blas = next((b for b in _OPENBLAS if Path(b).exists()), None)
+        return Server("mlx_lm.server", mlx_vs_server.mlx_server_argv(mlx_vs_server.f32_dir(args.model), port,
+                                                                     how["slots"]),
+                      port, env={"LD_PRELOAD": blas} if blas else {})
     return Server("llama-server", llama_server_argv(binary, args.model, port, lanes=LANES, ctx=CTX,
                                                     threads=args.threads, slots=how["slots"]),
                   port, env={"LD_LIBRARY_PATH": str(Path(binary).parent)})
@@ -235,17 +257,33 @@ ROWS = {
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--model", default=None, help="default: the SmolLM2 GGUF (llama.cpp) or MLX directory (mlx)")
+    p.add_argument("--runtime", choices=("llamacpp", "mlx"), default="llamacpp",
+                   help="mlx: part (a) against mlx_lm.server (see the module docstring)")
     p.add_argument("--llama-server", default="")
-    p.add_argument("--parts", default="agents,shared,kv")
+    p.add_argument("--parts", default=None, help="default: agents,shared,kv (llamacpp), agents (mlx)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--order-seed", type=int, default=None,
                    help="seed of each part's random order of the systems (default: drawn, and printed)")
-    p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
+    p.add_argument("--only", choices=("superfluid", "llama-server", "mlx_lm.server"),
+                   help="measure one side (no table)")
     p.add_argument("--size", type=float, default=1.0,
                    help="scale prompt and reply lengths (default 1.0, the published sizes; e.g. 0.02 to smoke-test)")
     args = p.parse_args()
     SIZE["factor"] = args.size
+    if args.runtime == "mlx":
+        from superfluid.models._mlx_convert import mlx_test_model_path
+
+        args.model = args.model or str(mlx_test_model_path())
+        args.parts = args.parts or "agents"
+        if args.parts != "agents":
+            p.error("--runtime mlx runs the agents part only")
+        SETUPS.clear()
+        SETUPS.update(MLX_SETUPS)
+        PART_SETUPS["agents"] = list(MLX_SETUPS)
+        args.llama_server = "unused"
+    args.model = args.model or str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    args.parts = args.parts or "agents,shared,kv"
     parts = [x for x in args.parts.split(",") if x]
     unknown = [x for x in parts if x not in ROWS]
     if unknown:
@@ -266,9 +304,13 @@ def main() -> None:
         return
     print()
     scaled = "" if args.size == 1.0 else f"; SIZES x {args.size} (a smoke test, not the published setup)"
-    print(f"commit {commit()}; model {Path(args.model).name}; greedy; {LANES} lanes x {CTX} context{scaled}; "
-          f"{kv_cells(LANES, CTX)} KV cells for every server (llama-server -c {kv_cells(LANES, CTX)} "
-          f"--cache-ram 0); superfluid --host-cache-mb 0")
+    if args.runtime == "mlx":
+        print(f"commit {commit()}; model {Path(args.model).name} (MLX; mlx_lm.server on its f32 copy); greedy; "
+              f"{LANES} lanes x {CTX} context{scaled}")
+    else:
+        print(f"commit {commit()}; model {Path(args.model).name}; greedy; {LANES} lanes x {CTX} context{scaled}; "
+              f"{kv_cells(LANES, CTX)} KV cells for every server (llama-server -c {kv_cells(LANES, CTX)} "
+              f"--cache-ram 0); superfluid --host-cache-mb 0")
     print(f"system order (seed {order_seed}): " + "; ".join(f"{part}: {', '.join(o)}" for part, o in orders.items()))
     for part in parts:
         cols = PART_SETUPS[part]

@@ -304,6 +304,41 @@ def test_mlx_cpu_weights_are_dequantized_over_openblas_and_agree_with_the_quanti
 
 
 @pytest.mark.real(MLX_DIR)
+def test_mlx_prompt_pass_aborts_between_pieces_and_leaves_the_kv_as_before() -> None:
+    """A prompt pass given ``abort`` runs in pieces of ABORT_PIECE tokens and asks between them:
+    aborted, every row's cache is back at its ``pos0`` and the re-run's logits are an unaborted
+    pass's (the QoS path: a chat arriving mid-prompt waits one piece, not the whole pass)."""
+    import numpy as np
+
+    from superfluid.worker._engine import BatchRow, StepAborted
+    from superfluid.worker._mlx import ABORT_PIECE, MlxEngine
+
+    engine = MlxEngine(str(MLX_DIR), max_batch=2, max_context=1024)
+    try:
+        prompt = tuple(engine.tokenize("The quick brown fox jumps over the lazy dog. " * 40, add_special=False,
+                                       parse_special=False))[: 2 * ABORT_PIECE + 40]
+        for seq in (0, 1):
+            engine.decode([BatchRow(seq=seq, tokens=prompt[:10], pos0=0, want_logits=False)])
+        asked: list[int] = []
+
+        def after_one_piece() -> bool:
+            asked.append(engine._caches[0][0].offset)
+            return len(asked) > 1
+
+        rest = BatchRow(seq=0, tokens=prompt[10:], pos0=10, want_logits=True)
+        with pytest.raises(StepAborted):
+            engine.decode([rest], after_one_piece)
+        assert asked == [10, 10 + ABORT_PIECE]              # asked before each piece: one piece ran
+        assert engine._caches[0][0].offset == 10            # and was taken back
+        (again,) = engine.decode([rest], lambda: False)
+        (whole,) = engine.decode([BatchRow(seq=1, tokens=prompt[10:], pos0=10, want_logits=True)])
+        assert int(again.argmax()) == int(whole.argmax())
+        assert np.max(np.abs(again - whole)) < 1e-2         # pieces vs one pass: float reassociation only
+    finally:
+        engine.close()
+
+
+@pytest.mark.real(MLX_DIR)
 def test_mlx_batched_decode_round_matches_per_lane_passes() -> None:
     """The batched decode round (the GPU default) gives each lane the logits its own pass gives."""
     import numpy as np

@@ -17,12 +17,14 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
 * :meth:`MlxEngine.decode` runs each row as its own forward pass over its
   sequence's cache, all rows' graphs evaluated together in one ``mx.eval``;
   the handle per row is that row's last-position logits as a float32 numpy
-  array. A decode round (one token for each of several sequences) can instead
+  array. Given ``abort``, a prompt pass runs in pieces of ``ABORT_PIECE``
+  tokens, asking ``abort`` before each; once it says so, every row's cache is
+  trimmed back to its ``pos0`` and :class:`StepAborted` is raised. A decode round (one token for each of several sequences) can instead
   run as one batched pass (``_DecodeView``: per-layer caches left-padded into
-  a batch, a per-row mask and RoPE offsets); that is the default on a GPU, and
-  on the CPU with f32 weights (8 lanes: 206 ms a round batched vs 732 ms per
-  lane), except in a deterministic worker (``SUPERFLUID_MLX_BATCH_DECODE=0|1``
-  overrides).
+  a batch, a per-row mask and RoPE offsets); that is the default, except in a
+  deterministic worker (8 lanes on the CPU: 206 ms a round batched vs 732 ms
+  per lane with f32 weights, 1.33 s vs 1.78 s with 4-bit ones;
+  ``SUPERFLUID_MLX_BATCH_DECODE=0|1`` overrides).
 * On a Linux CPU the worker binds OpenBLAS over the wheel's reference BLAS
   (:func:`preload_blas`) and dequantizes 4-bit weights to f32 where they fit
   (``SUPERFLUID_MLX_CPU_WEIGHTS=f32|native``): MLX's CPU quantized matmul runs
@@ -46,18 +48,21 @@ import glob
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..proto import Sampling
-from ._engine import BatchRow, ModelInfo, check_sampling_ranges, logprobs_from_logits
+from ._engine import BatchRow, ModelInfo, StepAborted, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
 from ._guidance import Grammars, HostGrammar
 
 __all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
 
 PENALTY_LAST_N = 64
+# A prompt pass that may be aborted runs in pieces of this many tokens: about 0.8 s each for
+# SmolLM2 as f32 on 2 cores, the longest a chat that arrives mid-pass waits for the pass to stop.
+ABORT_PIECE = 128
 GIB = 1 << 30
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
@@ -110,6 +115,9 @@ _OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
              "/usr/lib64/libopenblas.so.0", "/usr/lib/libopenblas.so.0")
 
 
+_BLAS_LOADED: str | None = None   # what preload_blas bound in this process
+
+
 def preload_blas() -> str | None:
     """Put an optimised BLAS in front of the one the Linux ``mlx[cpu]`` wheel bundles.
 
@@ -122,9 +130,10 @@ def preload_blas() -> str | None:
     """
     import sys
 
+    global _BLAS_LOADED
     choice = os.environ.get(BLAS_ENV, "")
-    if choice == "0" or not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
-        return None
+    if _BLAS_LOADED or choice == "0" or not sys.platform.startswith("linux") or "mlx.core" in sys.modules:
+        return _BLAS_LOADED if choice != "0" else None
     import ctypes
 
     for path in (choice,) if choice else _OPENBLAS:
@@ -133,6 +142,7 @@ def preload_blas() -> str | None:
                 ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOW)
             except OSError:
                 continue
+            _BLAS_LOADED = path
             return path
     return None
 
@@ -286,15 +296,13 @@ class MlxEngine:
         )
         self._eog_set = frozenset(eog)
         self.grammars = Grammars((root / "tokenizer.json").read_text(encoding="utf-8"), self.vocab.n_vocab, eog)
-        # A decode round as one batched forward pass, or one pass per lane. With the wheel's own
-        # BLAS or quantized weights, MLX's CPU matmuls do not gain from more rows (8 rows cost
-        # ~8.5x one) and the batch costs pads and concatenations: 8 lanes took 12.0 s a round
-        # batched vs 7.5 s per lane. With OpenBLAS and f32 weights a decode step is memory-bound,
-        # so rows come almost free (8 rows: 178 ms a step vs 115 ms for one). On a GPU the batch is
-        # the point. A deterministic worker decodes each lane alone: its logits must not depend on
-        # which other lanes share the step.
-        batched = not cpu or weights.startswith("f32")
-        default = "1" if batched and not deterministic else "0"
+        # A decode round as one batched forward pass, or one pass per lane. Batched is faster on
+        # every device measured on a quiet machine: 8 lanes on the CPU took 206 ms a round batched
+        # vs 732 ms per lane with f32 weights over OpenBLAS (a step is memory-bound, so rows come
+        # almost free) and 1.33 s vs 1.78 s with the 4-bit weights. (An earlier reading of the
+        # opposite, 12.0 s vs 7.5 s, was taken at load ~20.) A deterministic worker decodes each
+        # lane alone: its logits must not depend on which other lanes share the step.
+        default = "0" if deterministic else "1"
         self.batch_decode = os.environ.get("SUPERFLUID_MLX_BATCH_DECODE", default) == "1"
 
     def _eog(self) -> tuple[int, ...]:
@@ -340,9 +348,9 @@ class MlxEngine:
 
     # -- forward pass ----------------------------------------------------------------
 
-    aborts = False   # a pass runs to its end
+    aborts = True   # a prompt pass runs in pieces, ``abort`` polled between them
 
-    def decode(self, rows: list[BatchRow]) -> list[Any]:
+    def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         mx = self._mx
         for row in rows:
             if not row.tokens:
@@ -352,6 +360,8 @@ class MlxEngine:
                 raise RuntimeError(f"sequence {row.seq} holds {held} positions; row starts at {row.pos0}")
         if self.batch_decode and len(rows) > 1 and all(len(r.tokens) == 1 for r in rows):
             return self._decode_round(rows)
+        if abort is not None and any(len(r.tokens) > ABORT_PIECE for r in rows):
+            return self._decode_pieces(rows, abort)
         pending: list[tuple[int, Any]] = []
         outs: list[Any] = [None] * len(rows)
         for i, row in enumerate(rows):
@@ -366,6 +376,35 @@ class MlxEngine:
         for i, arr in pending:
             if i >= 0:
                 outs[i] = np.array(arr, copy=True)
+        return outs
+
+    def _decode_pieces(self, rows: list[BatchRow], abort: Callable[[], bool]) -> list[Any]:
+        """The rows in pieces of ``ABORT_PIECE`` tokens, each evaluated before ``abort`` is asked
+        again; once it says so, every row's cache goes back to its ``pos0`` and StepAborted."""
+        mx = self._mx
+        outs: list[Any] = [None] * len(rows)
+        try:
+            for i, row in enumerate(rows):
+                cache = self._caches[row.seq]
+                for start in range(0, len(row.tokens), ABORT_PIECE):
+                    if abort():
+                        raise StepAborted
+                    piece = list(row.tokens[start:start + ABORT_PIECE])
+                    logits = self.model(mx.array([piece]), cache=cache)
+                    if row.want_logits and start + ABORT_PIECE >= len(row.tokens):
+                        last = logits[0, -1, :].astype(mx.float32)
+                        mx.eval(last)
+                        outs[i] = np.array(last, copy=True)
+                    else:
+                        mx.eval(cache[-1].keys)
+        except StepAborted:
+            for row in rows:
+                cache = self._caches[row.seq]
+                extra = cache[0].offset - row.pos0
+                if extra > 0:
+                    for c in cache:
+                        c.trim(extra)
+            raise
         return outs
 
     def _decode_round(self, rows: list[BatchRow]) -> list[Any]:
