@@ -3,7 +3,7 @@
 # bench-results/<commit>/ (one log per benchmark; each prints its own markdown table naming the
 # commit), then regenerate docs/suite-results.md from the suite's result files.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite throughput sampled qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled qos logcost determinism monitor
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -38,6 +38,19 @@ for part in $parts; do
             $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
                 --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log" || true
             $PY -m superfluid.suite compare "$out/suite" > docs/suite-results.md ;;
+        suite-mlx)
+            # the MLX pair: ours on the MLX test directory (4-bit, run as f32 over OpenBLAS on a Linux
+            # CPU) vs mlx_lm.server on its f32 copy with the same OpenBLAS; Gemma as ours' companion
+            mlx=$($PY -m superfluid.models --mlx | tail -1)
+            f32=$HOME/.cache/superfluid/mlx-f32/$(basename "$mlx")
+            [ -f "$f32/config.json" ] || $PY -m mlx_lm convert --hf-path "$mlx" --mlx-path "$f32" -d --dtype float32
+            blas=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+            box=$out/box-mlx.json
+            printf '{"box": "%s", "superfluid_args": ["--deterministic"], "models": {"mlx": "%s", "small_gguf": "%s", "mlx_server_model": "%s"}, "mlx_server_env": {"LD_PRELOAD": "%s"}}\n' \
+                "$(hostname)" "$mlx" "$small" "$f32" "$blas" > "$box"
+            $PY -m superfluid.suite run --systems superfluid-mlx,mlx-lm-server --scale small \
+                --box "$box" --out "$out/suite-mlx" 2>&1 | tee "$out/suite-mlx.log" || true
+            $PY -m superfluid.suite compare "$out/suite-mlx" > docs/suite-results-mlx.md ;;
         throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
         sampled) $PY bench/throughput.py --model "$model" --llama-server "$server" --temperature 0.8 --seed 1 \
                      2>&1 | tee "$out/throughput-sampled.log" ;;

@@ -572,3 +572,20 @@ def test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes(decoding: in
     ex.admit(attrs.evolve(make_admit(0, PROMPTS[2]), priority=AGENT))
     steps = [ex.step(prefill_budget=4096, max_step_tokens=512, yield_step_tokens=64) for _ in range(2)]
     assert max(s.prefill_tokens for s in steps) == expected
+
+
+def test_a_chats_prompt_step_carries_no_agents_chunks() -> None:
+    """A prefill step holds prompts of one class, the most urgent waiting: a chat's short
+    prompt is not padded out with agents' equal-length chunks (each costs prefill time before
+    the chat's first token); agents of one class still share their steps."""
+    ex = make(max_lanes=4, n_seq=6)
+    for lane in (1, 2):
+        ex.admit(attrs.evolve(make_admit(lane, PROMPTS[2]), priority=AGENT))
+    ex.step(prefill_budget=PREFILL_CHUNK)
+    before = {t: ex.lanes[t].n_past for t in (1, 2)}
+    chat = words(1, 2, 3, 4, 5)
+    ex.admit(attrs.evolve(make_admit(0, chat), priority=URGENT))
+    res = ex.step(prefill_budget=PREFILL_CHUNK)
+    assert res.prefill_tokens == len(chat) and [e[0] for e in res.emits] == [0]
+    assert {t: ex.lanes[t].n_past for t in (1, 2)} == before
+    check_invariants(ex)

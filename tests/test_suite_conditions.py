@@ -424,6 +424,28 @@ def test_every_system_gets_the_kv_cells_a_superfluid_worker_allocates(tmp_path: 
     assert kv["demand_ratio"] == round(kv["demand_tokens"] / kv["kv_tokens"], 2)
 
 
+def test_the_mlx_systems_pair_ours_with_mlx_lm_server_on_equal_lanes(tmp_path: Path) -> None:
+    """superfluid-mlx names the runtime for its MLX model only (its GGUF companion keeps llama.cpp);
+    mlx-lm-server gets the lanes as decode and prompt concurrency, and the model the box names."""
+    from superfluid.suite._process import Server
+    from superfluid.suite._systems import Box, system_spec
+
+    (tmp_path / "smol-mlx").mkdir()
+    box = Box(name="t", root=tmp_path, data={"models": {"mlx": "smol-mlx", "small_gguf": "small.gguf",
+                                                        "mlx_server_model": "smol-f32"},
+                                             "mlx_server_env": {"LD_PRELOAD": "/x/libopenblas.so.0"}})
+    ours_spec = system_spec("superfluid-mlx", box, mock_spec="mock")
+    ours = Server(ours_spec, lanes=4, ctx=1024, run_dir=tmp_path, companion=True).argv()
+    assert ours[ours.index("--runtime") + 1] == f"{tmp_path / 'smol-mlx'}=mlx"
+    assert ours[ours.index("--model") + 1] == str(tmp_path / "small.gguf")
+    assert ours_spec.caps.worker_pattern == "superfluid-worker-mlx"
+    theirs_spec = system_spec("mlx-lm-server", box, mock_spec="mock")
+    theirs = Server(theirs_spec, lanes=4, ctx=1024, run_dir=tmp_path).argv()
+    assert theirs[theirs.index("--model") + 1] == str(tmp_path / "smol-f32")
+    assert theirs[theirs.index("--decode-concurrency") + 1] == theirs[theirs.index("--prompt-concurrency") + 1] == "4"
+    assert theirs_spec.env == {"LD_PRELOAD": "/x/libopenblas.so.0"} and theirs_spec.model_id == "default_model"
+
+
 # -- tool_session forces the call: a fake server that calls the tool only when told to --------------------------
 
 def _sse(*objs: dict[str, Any]) -> bytes:

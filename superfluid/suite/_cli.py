@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run scenario x system cells (resumes: finished cells are skipped)")
     r.add_argument("--systems", type=_names, default=None,
-                   help="comma list: superfluid-mock, superfluid-llamacpp, llama-server, or box extra_systems "
-                        "(with --url: one name, used for capabilities)")
+                   help="comma list: superfluid-mock, superfluid-llamacpp, superfluid-mlx, llama-server, "
+                        "mlx-lm-server, or box extra_systems (with --url: one name, used for capabilities)")
     r.add_argument("--box", help="box JSON: binaries, models, ports, versions, extra systems")
     r.add_argument("--url", help="target an already running server at http://127.0.0.1:PORT")
     r.add_argument("--scenarios", type=_names, default=tuple(SCENARIOS),

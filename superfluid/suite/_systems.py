@@ -130,7 +130,9 @@ def _port(box: Box, name: str, default: int) -> int:
 def _superfluid(box: Box, name: str, runtime: str, model: str | None, companion: str | None) -> SystemSpec:
     binary = box.path("superfluid")
     head = [binary, "serve"] if binary else [sys.executable, "-m", "superfluid", "serve"]
-    argv = (*head, "{model}", "--runtime", runtime, "--http", "127.0.0.1:{port}", "--max-batch", "{lanes}",
+    # an MLX model's companion (a GGUF) keeps its own runtime: the directive names the model
+    selector = runtime if runtime in ("mock", "llamacpp") else "{model}=" + runtime
+    argv = (*head, "{model}", "--runtime", selector, "--http", "127.0.0.1:{port}", "--max-batch", "{lanes}",
             "--max-context", "{ctx}", "--sessions", "{run_dir}/sess-{name}", "--host-cache-mb", "0", "--no-tui",
             *[str(a) for a in box.data.get("superfluid_args") or []])
     env = {}
@@ -161,6 +163,15 @@ def _default_gguf() -> str | None:
         return None
 
 
+def _default_mlx() -> str | None:
+    try:
+        from ..models._mlx_convert import mlx_test_model_path
+
+        return str(mlx_test_model_path(build=False))
+    except (FileNotFoundError, ImportError):
+        return None
+
+
 def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
     """The named system on this box.
 
@@ -176,6 +187,19 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         if gguf is None:
             raise ValueError("superfluid-llamacpp needs models.gguf in the box file (no cached default model)")
         return _superfluid(box, name, "llamacpp", gguf, box.path("small_gguf", models=True))
+    if name == "superfluid-mlx":
+        return _superfluid(box, name, "mlx", box.path("mlx", models=True) or _default_mlx(),
+                           box.path("small_gguf", models=True))
+    if name == "mlx-lm-server":
+        # the same mlx-lm's own server; "mlx_server_model" may name an f32 copy of the directory (equal
+        # compute to ours on a Linux CPU, where superfluid runs 4-bit layers as f32 over OpenBLAS)
+        model = box.path("mlx_server_model", models=True) or box.path("mlx", models=True) or _default_mlx()
+        argv = (sys.executable, "-m", "mlx_lm", "server", "--model", "{model}", "--host", "127.0.0.1", "--port",
+                "{port}", "--decode-concurrency", "{lanes}", "--prompt-concurrency", "{lanes}",
+                *[str(a) for a in box.data.get("mlx_server_args") or []])
+        env = {k: str(v) for k, v in (box.data.get("mlx_server_env") or {}).items()}
+        return SystemSpec(name=name, argv=argv, caps=Caps(family="other"), port=_port(box, name, DEFAULT_PORTS[name]),
+                          env=env, model=model, model_id="default_model", probe="/health")
     if name == "llama-server":
         binary = box.path("llama_server")
         gguf = box.path("gguf", models=True) or _default_gguf()
@@ -198,7 +222,7 @@ def system_spec(name: str, box: Box, *, mock_spec: str) -> SystemSpec:
         return SystemSpec(name=name, argv=tuple(spec["argv"]), caps=caps, port=int(spec.get("port", 18620 + i)),
                           probe=str(spec.get("probe", "/v1/models")), env=dict(spec.get("env") or {}),
                           model=box.path("gguf", models=True), model_id=spec.get("model_id"))
-    known = ["superfluid-mock", "superfluid-llamacpp", "llama-server", *extras]
+    known = ["superfluid-mock", "superfluid-llamacpp", "superfluid-mlx", "llama-server", "mlx-lm-server", *extras]
     raise ValueError(f"unknown system {name!r}; known: {', '.join(known)}")
 
 

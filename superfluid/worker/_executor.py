@@ -448,6 +448,10 @@ class Executor:
             for ln in prefill_lanes:
                 if rows and len(rows) * first + first > budget:
                     break
+                if ln.priority != prefill_lanes[0].priority:
+                    # a less urgent prompt's chunk would only delay the urgent one's first token
+                    # (prefill cost grows with the step's tokens): it waits for the next step
+                    break
                 if (self._cell(ln) == first) if self.deterministic else ln.pending >= first:
                     rows.append(self._chunk(ln, first))
                     owners.append(ln)
