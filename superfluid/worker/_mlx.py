@@ -17,11 +17,11 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
 * :meth:`MlxEngine.decode` runs each row as its own forward pass over its
   sequence's cache, all rows' graphs evaluated together in one ``mx.eval``;
   the handle per row is that row's last-position logits as a float32 numpy
-  array. Given ``abort``, a prompt pass runs in pieces of about ``PIECE_S``
-  of work (16 to ``ABORT_PIECE`` tokens), asking ``abort`` before each; once
-  it says so, every row's cache is trimmed back to its ``pos0`` and
-  :class:`StepAborted` is raised. A decode round (one token for each of
-  several sequences) can instead run as one batched pass (``_DecodeView``: per-layer caches left-padded into
+  array. Given ``abort``, a prompt pass runs in pieces of ``ABORT_PIECE``
+  (64) tokens, asking ``abort`` before each; once it says so, every row's
+  cache is trimmed back to its ``pos0`` and :class:`StepAborted` is raised.
+  A decode round (one token for each of several sequences) can instead run
+  as one batched pass (``_DecodeView``: per-layer caches left-padded into
   a batch, a per-row mask and RoPE offsets); that is the default, except in a
   deterministic worker (8 lanes on the CPU: 206 ms a round batched vs 732 ms
   per lane with f32 weights, 1.33 s vs 1.78 s with 4-bit ones;
@@ -61,14 +61,12 @@ from ._guidance import Grammars, HostGrammar
 __all__ = ["MemoryFitError", "MlxEngine", "check_model_dir"]
 
 PENALTY_LAST_N = 64
-# A prompt pass that may be aborted runs in pieces, ``abort`` asked between them: a piece is as
-# long as a chat that arrives mid-pass may wait. Pieces aim at PIECE_S of measured work, 16 to
-# ABORT_PIECE tokens (a deterministic worker: always ABORT_PIECE, as its numbers must not depend
-# on timing). SmolLM2 as f32 on 2 cores prefills ~150 tokens/s at position 0 and ~64 at 1,500
-# (attention), and pieces of 64 to 512 tokens ran a 2,048-token prompt at the same rate within
-# noise (75-86 tokens/s), so small pieces cost nothing measurable.
+# A prompt pass that may be aborted runs in pieces of ABORT_PIECE tokens, ``abort`` asked between
+# them: a piece is as long as a chat that arrives mid-pass may wait. SmolLM2 as f32 on 2 cores
+# prefills ~150 tokens/s at position 0 and ~55 at 1,500 (attention), so a piece takes 0.4-1.2 s.
+# Smaller pieces cost throughput: a 2,048-token prompt ran at 76-83 tokens/s in pieces of 64, 78-82
+# in one pass, 70-73 in pieces of 48, 65-72 of 32, 58-61 in pieces sized to 0.25 s (16 at the end).
 ABORT_PIECE = 64
-PIECE_S = 0.25
 GIB = 1 << 30
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
@@ -366,7 +364,7 @@ class MlxEngine:
                 raise RuntimeError(f"sequence {row.seq} holds {held} positions; row starts at {row.pos0}")
         if self.batch_decode and len(rows) > 1 and all(len(r.tokens) == 1 for r in rows):
             return self._decode_round(rows)
-        if abort is not None and any(len(r.tokens) > 16 for r in rows):
+        if abort is not None and any(len(r.tokens) > ABORT_PIECE for r in rows):
             return self._decode_pieces(rows, abort)
         pending: list[tuple[int, Any]] = []
         outs: list[Any] = [None] * len(rows)
@@ -385,21 +383,18 @@ class MlxEngine:
         return outs
 
     def _decode_pieces(self, rows: list[BatchRow], abort: Callable[[], bool]) -> list[Any]:
-        """The rows in pieces (see ``PIECE_S``), each evaluated before ``abort`` is asked again;
+        """The rows in pieces of ``ABORT_PIECE`` tokens, each evaluated before ``abort`` is asked again;
         once it says so, every row's cache goes back to its ``pos0`` and StepAborted."""
-        import time
-
         mx = self._mx
         outs: list[Any] = [None] * len(rows)
         try:
             for i, row in enumerate(rows):
                 cache = self._caches[row.seq]
-                start, n = 0, ABORT_PIECE
+                start = 0
                 while start < len(row.tokens):
                     if abort():
                         raise StepAborted
-                    piece = list(row.tokens[start:start + n])
-                    t0 = time.monotonic()
+                    piece = list(row.tokens[start:start + ABORT_PIECE])
                     logits = self.model(mx.array([piece]), cache=cache)
                     start += len(piece)
                     if row.want_logits and start >= len(row.tokens):
@@ -408,9 +403,6 @@ class MlxEngine:
                         outs[i] = np.array(last, copy=True)
                     else:
                         mx.eval(cache[-1].keys)
-                    if not self.deterministic:
-                        per_token = (time.monotonic() - t0) / len(piece)
-                        n = max(16, min(ABORT_PIECE, int(PIECE_S / max(per_token, 1e-6)) // 16 * 16))
         except StepAborted:
             for row in rows:
                 cache = self._caches[row.seq]
