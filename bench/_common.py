@@ -31,10 +31,10 @@ from superfluid.suite._systems import kv_cells  # noqa: E402  (one sizing rule, 
 from superfluid.client import aiter_sse  # noqa: E402  (the one SSE reader)
 
 
-def commit() -> str:
-    """``git rev-parse --short HEAD`` of this checkout, ``-dirty`` with uncommitted changes."""
+def commit(tree: Path = ROOT) -> str:
+    """``git rev-parse --short HEAD`` of this checkout (or ``tree``), ``-dirty`` with uncommitted changes."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
                               check=False).stdout.strip()
 
     rev = git("rev-parse", "--short", "HEAD") or "unknown"

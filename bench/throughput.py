@@ -1,7 +1,7 @@
 """Aggregate throughput, superfluid vs llama-server on the same llama.cpp build and model.
 
     python bench/throughput.py [--model PATH] [--llama-server PATH] [--rounds 5] [--tokens 128]
-        [--temperature 0.8 --seed S] [--order-seed N]
+        [--temperature 0.8 --seed S] [--order-seed N] [--concurrency 1,8] [--baseline TREE]
 
 8 distinct prompts, 128-token replies on /v1/completions with ignore_eos, at 1, 2, 4 and 8
 concurrent requests; a warm-up round, then the median of --rounds rounds; aggregate tokens/s
@@ -12,6 +12,11 @@ for prompt ``i``. Both servers stay up; within each round the order of the syste
 at random from ``--order-seed`` (printed), so neither side always runs first and drift hits both
 alike; the ratio is the median of the per-round ratios (ours against llama-server's round of the
 same index), which cancels drift slower than a round.
+
+``--baseline TREE`` adds a third system: our daemon run from another source tree (a
+``git worktree`` of an earlier commit, put first on ``PYTHONPATH``, its worker too) with the same
+flags, so a change is judged by same-run ratios against llama-server and against itself
+before the change, not against a number from another day.
 
 Equal memory: llama-server gets ``-c`` = the KV cells our worker allocates for 8 lanes x 4,096
 (``max(4, lanes + 2)`` sequences) and ``--cache-ram 0``, and ours runs with ``--host-cache-mb 0``
@@ -46,6 +51,7 @@ Rounds = dict[int, dict[str, list[tuple[float, float]]]]
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
 LANES, CTX = 8, 4096
 EXECUTOR = "in-process executor"
+BASE = "superfluid-base"
 GREEDY: dict[str, Any] = {"temperature": 0}
 
 
@@ -77,7 +83,7 @@ async def measure(url: str, model: str, rounds: int, tokens: int,
 
 
 async def measure_rounds(servers: dict[str, Server], rounds: int, tokens: int, sampling: dict[str, Any],
-                         order_seed: int, executor: Any = None,
+                         order_seed: int, executor: Any = None, concs: tuple[int, ...] = (1, 2, 4, 8),
                          ) -> tuple[dict[str, dict[int, tuple[float, float]]], Rounds, dict[int, list[list[str]]]]:
     """Rounds run every system once each, in a seeded random order per round (and, given
     ``executor(conc) -> tok/s``, the in-process executor: blocking, while the servers idle).
@@ -92,7 +98,7 @@ async def measure_rounds(servers: dict[str, Server], rounds: int, tokens: int, s
     out: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in names}
     every: Rounds = {}
     orders: dict[int, list[list[str]]] = {}
-    for k, conc in enumerate((1, 2, 4, 8)):
+    for k, conc in enumerate(concs):
         orders[conc] = round_orders(names, rounds, order_seed + k)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for order in orders[conc]:
@@ -165,6 +171,9 @@ def main() -> None:
                    help="seed of the per-round random order of the systems (default: drawn, and printed)")
     p.add_argument("--host-cache-mb", type=int, default=0,
                    help="superfluid's host cache for evicted prefixes (default 0: llama-server has none)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default 1,2,4,8)")
+    p.add_argument("--baseline", default="", metavar="TREE",
+                   help="also run our daemon from this source tree (e.g. a git worktree of an earlier commit)")
     p.add_argument("--skip-executor", action="store_true", help="do not run the in-process executor")
     p.add_argument("--only", choices=("superfluid", "llama-server"), help="measure one side (no table)")
     p.add_argument("--sessions", default="", help="superfluid's sessions dir (e.g. on tmpfs, to price fsync)")
@@ -176,6 +185,7 @@ def main() -> None:
         log_cost(args)
         return
     sampling = sampling_body(args)
+    concs = tuple(int(c) for c in args.concurrency.split(","))
     if args.only == "superfluid":
         port = free_port()
         extra = ["--sessions", args.sessions] if args.sessions else []
@@ -195,6 +205,12 @@ def main() -> None:
     servers = {"superfluid": Server("superfluid", superfluid_argv(
         args.model, port, "--max-batch", str(LANES), "--max-context", str(CTX), "--threads", str(args.threads),
         host_cache_mb=args.host_cache_mb), port)}
+    if args.baseline:
+        tree = str(Path(args.baseline).resolve())
+        port = free_port()
+        servers[BASE] = Server("superfluid-base", superfluid_argv(
+            args.model, port, "--max-batch", str(LANES), "--max-context", str(CTX), "--threads", str(args.threads),
+            host_cache_mb=args.host_cache_mb), port, env={"PYTHONPATH": tree})
     port = free_port()
     servers["llama-server"] = Server("llama-server", llama_server_argv(
         binary, args.model, port, lanes=LANES, ctx=CTX, threads=args.threads), port,
@@ -208,7 +224,7 @@ def main() -> None:
             engine = InProcess(args.model, max_lanes=LANES, threads=args.threads, sampling=sampling)
             level = partial(engine.level, tokens=args.tokens)
         results, every, orders = trio.run(measure_rounds, servers, args.rounds, args.tokens, sampling, order_seed,
-                                          level)
+                                          level, concs)
     finally:
         for srv in servers.values():
             srv.stop()
@@ -216,12 +232,12 @@ def main() -> None:
             engine.close()
     executor = {c: tok_s for c, (tok_s, _ttft) in results.get(EXECUTOR, {}).items()}
 
-    def per_round(c: int, theirs: str) -> list[float]:
+    def per_round(c: int, theirs: str, ours: str = "superfluid") -> list[float]:
         runs = every[c]
-        return [o[0] / t[0] for o, t in zip(runs["superfluid"], runs[theirs], strict=True)]
+        return [o[0] / t[0] for o, t in zip(runs[ours], runs[theirs], strict=True)]
 
-    def paired(c: int, theirs: str) -> float:
-        return median(per_round(c, theirs))
+    def paired(c: int, theirs: str, ours: str = "superfluid") -> float:
+        return median(per_round(c, theirs, ours))
 
     said = ("greedy" if not args.temperature else
             f"sampled: temperature {args.temperature}, seed {args.seed}+i, top_k {args.top_k}, top_p {args.top_p}, "
@@ -237,7 +253,7 @@ def main() -> None:
     print("| concurrent | superfluid tok/s | llama-server tok/s | ratio | rounds below 1.00 | superfluid TTFT ms "
           "| llama-server TTFT ms |" + (f" {EXECUTOR} tok/s | ours/executor |" if executor else ""))
     print("|---|---|---|---|---|---|---|" + ("---|---|" if executor else ""))
-    for c in (1, 2, 4, 8):
+    for c in concs:
         o, t = results["superfluid"][c], results["llama-server"][c]
         ratios = per_round(c, "llama-server")
         row = (f"| {c} | {o[0]:.1f} | {t[0]:.1f} | {paired(c, 'llama-server'):.2f} | "
@@ -245,6 +261,16 @@ def main() -> None:
         if executor:
             row += f" {executor[c]:.1f} | {paired(c, EXECUTOR):.2f} |"
         print(row)
+    if BASE in results:
+        print(f"\nbaseline: {BASE} = our daemon from {args.baseline} (commit {commit(Path(args.baseline))})")
+        print(f"| concurrent | superfluid tok/s | {BASE} tok/s | ours/llama-server | base/llama-server "
+              "| ours/base | rounds ours < base |")
+        print("|---|---|---|---|---|---|---|")
+        for c in concs:
+            mine = per_round(c, BASE)
+            print(f"| {c} | {results['superfluid'][c][0]:.1f} | {results[BASE][c][0]:.1f} | "
+                  f"{paired(c, 'llama-server'):.3f} | {paired(c, 'llama-server', BASE):.3f} | {median(mine):.3f} | "
+                  f"{sum(r < 1 for r in mine)} of {len(mine)} |")
 
 
 if __name__ == "__main__":
