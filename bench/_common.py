@@ -64,12 +64,12 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, cwd: str | None = None) -> None:
         self.name, self.argv, self.port = name, argv, port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log or Path(f"/tmp/bench-{name}-{port}.log")
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
+                                     start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -14,7 +14,8 @@ alike; the ratio is the median of the per-round ratios (ours against llama-serve
 same index), which cancels drift slower than a round.
 
 ``--baseline TREE`` adds a third system: our daemon run from another source tree (a
-``git worktree`` of an earlier commit, put first on ``PYTHONPATH``, its worker too) with the same
+``git worktree`` of an earlier commit, its working directory and first on ``PYTHONPATH``, its
+worker too; the log says which files each daemon imported) with the same
 flags, so a change is judged by same-run ratios against llama-server and against itself
 before the change, not against a number from another day.
 
@@ -33,6 +34,7 @@ rounds in a seeded random order per round, medians and their ratio.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import sys
@@ -210,7 +212,11 @@ def main() -> None:
         port = free_port()
         servers[BASE] = Server("superfluid-base", superfluid_argv(
             args.model, port, "--max-batch", str(LANES), "--max-context", str(CTX), "--threads", str(args.threads),
-            host_cache_mb=args.host_cache_mb), port, env={"PYTHONPATH": tree})
+            host_cache_mb=args.host_cache_mb), port, env={"PYTHONPATH": tree}, cwd=tree)
+        # ``python -m`` puts the working directory first on sys.path: the tree must be both
+        where = subprocess.run([sys.executable, "-c", "import superfluid; print(superfluid.__file__)"], cwd=tree,
+                               env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True).stdout.strip()
+        print(f"{BASE} imports {where}", flush=True)
     port = free_port()
     servers["llama-server"] = Server("llama-server", llama_server_argv(
         binary, args.model, port, lanes=LANES, ctx=CTX, threads=args.threads), port,
