@@ -232,6 +232,22 @@ def usage_of(job: Job) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": job.cached}}
 
 
+def extras_of(job: Job) -> dict[str, Any]:
+    """The ``superfluid`` object of a reply: ``spec`` when the request drafted."""
+    if job.spec is None:
+        return {}
+    proposed, accepted = job.spec
+    return {"spec": {"proposed": proposed, "accepted": accepted,
+                     "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0}}
+
+
+def with_extras(obj: dict[str, Any], job: Job) -> dict[str, Any]:
+    extras = extras_of(job)
+    if extras:
+        obj["superfluid"] = extras
+    return obj
+
+
 async def wait_admitted(job: Job) -> None:
     """Wait until the worker took or refused ``job``.
 

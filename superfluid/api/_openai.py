@@ -22,7 +22,7 @@ from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
 from ..proto._sse_template import SseTemplate
 from ._sessions import run_resumable
 from ._generate import (
-    Follower, open_lane, prepare, resumable_requested, wait_admitted, watch_disconnect,
+    Follower, open_lane, prepare, resumable_requested, wait_admitted, watch_disconnect, with_extras,
 )
 from ._http import ApiError, Receive, Send, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
@@ -159,7 +159,8 @@ async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> No
         choice["logprobs"] = {"content": _chat_logprobs(lps)}
     obj = {"id": rid, "object": "chat.completion", "created": created, "model": reply.model.name,
            "system_fingerprint": "superfluid", "choices": [choice], "usage": usage_of(reply.job)}
-    await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(reply.job.cached).encode())])
+    await send_json(send, 200, with_extras(obj, reply.job),
+                    headers=[(b"x-superfluid-warm", str(reply.job.cached).encode())])
 
 
 async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
@@ -172,6 +173,7 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
                                "model": reply.model.name, "system_fingerprint": "superfluid", "choices": [choice]}
         if usage:
             out["usage"] = usage_of(reply.job)
+            with_extras(out, reply.job)
         return out
 
     def chunk(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
@@ -233,7 +235,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
                 obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
                        "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs,
                                     "finish_reason": follower.finish}], "usage": usage_of(job)}
-                await send_json(send, 200, obj, headers=[(b"x-superfluid-warm", str(job.cached).encode())])
+                await send_json(send, 200, with_extras(obj, job), headers=[(b"x-superfluid-warm", str(job.cached).encode())])
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,
@@ -274,7 +276,9 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
     except ApiError as exc:
         await sse.fail(exc)
         return
-    final = chunk("", follower.finish, _completion_logprobs(held, offset)[0] if want_logprobs and held else None)
+    lps = _completion_logprobs(held, offset)[0] if want_logprobs and held else None
+    final = (encode_sse_json(with_extras(obj("", follower.finish, lps), job)) if job.spec is not None
+             else chunk("", follower.finish, lps))
     if usage:
         final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [], "usage": usage_of(job)})

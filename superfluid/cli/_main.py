@@ -24,6 +24,7 @@ from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerDied, WorkerLoadFailed
 from ._errors import USAGE, CliError, HelpFormatter, Parser
 from ..sched import PlannerConfig, QosClass, parse_qos
+from ..proto import MAX_DRAFT_DEPTH, SPEC_DIRECTIVES, SpecConfig
 from ..models._hub import PullError
 from ._models import COMMANDS as MODEL_COMMANDS, PullInterrupted, add_commands as add_model_commands, hub_model
 from ._launch import add_launch_parsers, split_agent_args
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-memory-check", action="store_true",
                    help="load a model even when its weights and KV cache exceed available memory "
                         "($SUPERFLUID_MEMORY_AVAILABLE pretends an amount, for tests)")
+    _add_speculation(s)
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
@@ -217,6 +219,61 @@ def _security(args: argparse.Namespace) -> dict[str, Any]:
             "allowed_hosts": tuple(parse_allowed_host(h) for h in args.allowed_host),
             "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
 
+
+
+def _add_speculation(s: argparse.ArgumentParser) -> None:
+    d = SpecConfig()
+    s.add_argument("--speculate", choices=SPEC_DIRECTIVES, default="off",
+                   help="prompt-lookup drafts the tokens that followed the last earlier occurrence of a lane's last "
+                        "three (else two) tokens and verifies them in one pass (exact: greedy output is unchanged); "
+                        "auto = prompt-lookup where the model's KV can drop a rejected draft, else plain; with "
+                        "several models each resolves on its own (default off)")
+    s.add_argument("--spec-draft-tokens", type=_in_range(int, 1, MAX_DRAFT_DEPTH), default=d.depth, metavar="N",
+                   help=f"the deepest draft (1-{MAX_DRAFT_DEPTH}; default {d.depth})")
+    s.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=d.adaptive,
+                   help="pick the draft depth with the most measured tokens/s per lane count (default on)")
+    s.add_argument("--spec-min-yield", type=_in_range(float, 0, MAX_DRAFT_DEPTH), default=d.min_yield,
+                   help=f"a request averaging fewer accepted draft tokens a round stops drafting; two such and none "
+                        f"passing abandon speculation (default {d.min_yield})")
+    s.add_argument("--spec-yield-rounds", type=_in_range(int, 1, 1 << 20), default=d.yield_rounds, metavar="N",
+                   help=f"drafting rounds before the yield floor judges a request (default {d.yield_rounds})")
+    s.add_argument("--spec-throughput-gate", action=argparse.BooleanOptionalAction, default=d.throughput_gate,
+                   help="measure drafting against plain decoding per lane count; decode plainly where it is not "
+                        "--spec-min-speedup faster (default on)")
+    s.add_argument("--spec-gate-probe-tokens", type=_in_range(int, 1, 4096), default=d.probe_rounds, metavar="N",
+                   help=f"rounds of each side a throughput probe measures (default {d.probe_rounds})")
+    s.add_argument("--spec-min-speedup", type=_in_range(float, 0.01, 100), default=d.min_speedup,
+                   help=f"the speedup a lane count must measure to keep drafting (default {d.min_speedup})")
+    s.add_argument("--spec-gate-reprobe", type=_in_range(int, 1, 1 << 20), default=d.reprobe, metavar="N",
+                   help=f"requests before a lane count that failed the gate is measured again, doubling each time "
+                        f"(default {d.reprobe})")
+    s.add_argument("--spec-gate-reprobe-max", type=_in_range(int, 1, 1 << 20), default=d.reprobe_max, metavar="N",
+                   help=f"the longest re-probe interval (default {d.reprobe_max})")
+    s.add_argument("--spec-max-temperature", type=_in_range(float, 0, 100), default=None, metavar="T",
+                   help="requests sampling hotter than T never draft (default: no cap)")
+
+
+def _speculation(args: argparse.Namespace) -> SpecConfig:
+    if args.spec_gate_reprobe_max < args.spec_gate_reprobe:
+        raise CliError("--spec-gate-reprobe-max must be at least --spec-gate-reprobe", USAGE)
+    return SpecConfig(depth=args.spec_draft_tokens, adaptive=args.spec_adaptive, min_yield=args.spec_min_yield,
+                      yield_rounds=args.spec_yield_rounds, throughput_gate=args.spec_throughput_gate,
+                      probe_rounds=args.spec_gate_probe_tokens, min_speedup=args.spec_min_speedup,
+                      reprobe=args.spec_gate_reprobe, reprobe_max=args.spec_gate_reprobe_max,
+                      max_temperature=-1.0 if args.spec_max_temperature is None else args.spec_max_temperature)
+
+
+def _in_range(kind: type[int] | type[float], low: float, high: float) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {value!r}")
+        return number
+
+    return parse
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
@@ -429,6 +486,7 @@ def _serve(args: argparse.Namespace) -> int:
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
         aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
+        speculate=args.speculate, spec_gates=_speculation(args),
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

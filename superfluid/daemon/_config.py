@@ -7,6 +7,7 @@ from pathlib import Path
 import attrs
 
 from .. import _defaults as D
+from ..proto import SpecConfig
 from ..sched import PlannerConfig, QosClass
 
 __all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir"]
@@ -89,6 +90,8 @@ class ServeConfig:
     aliases: tuple[tuple[str, str], ...] = ()  # --alias NAME=MODEL: another name a request may use for a model
     pooling: str = ""                     # --pooling for embeddings: mean|cls|last ("": the GGUF's, else mean)
     check_memory: bool = True             # refuse a load whose weights + KV exceed available memory
+    speculate: str = "off"                # --speculate off|auto|prompt-lookup, resolved per model by its worker
+    spec_gates: SpecConfig = attrs.field(factory=SpecConfig)   # the --spec-* flags
 
 
 def default_sessions_dir() -> Path:

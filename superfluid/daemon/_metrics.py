@@ -42,6 +42,13 @@ _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
     "superfluid_kv_used_tokens": (Gauge, "KV cells held by live lanes.", ()),
     "superfluid_kv_total_tokens": (Gauge, "KV cells in the worker's pool.", ()),
     "superfluid_ttft_seconds": (Histogram, "Time from request to first token.", ()),
+    "superfluid_spec_proposed_total": (Counter, "Draft tokens speculation proposed (prompt-lookup).", ()),
+    "superfluid_spec_accepted_total": (Counter, "Draft tokens verification accepted.", ()),
+    "superfluid_spec_gate_state": (
+        Gauge, "Speculation's throughput gate per decoding lane count: 1 drafting, 0 plain, 0.5 measuring.",
+        ("lanes",)),
+    "superfluid_spec_gate_speedup": (
+        Gauge, "The gate's last measured drafting/plain tokens-per-second ratio per lane count.", ("lanes",)),
     "superfluid_queue_full_total": (Counter, "Requests refused with 429 because their class's queue was full.",
                                     ("class",)),
 }

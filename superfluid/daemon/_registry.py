@@ -265,6 +265,7 @@ class ModelRegistry:
                               stream_interval_ms=cfg.stream_interval_ms,
                               agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
                               pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,
+                              speculate=cfg.speculate, spec_gates=cfg.spec_gates,
                               command=source.worker or _worker(source.runtime))
             policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
             owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
@@ -287,6 +288,10 @@ class ModelRegistry:
             if make_default or self.default is None:
                 self.default = source.name
             log.info("model %s loaded on %s (worker pid %s)", source.name, source.runtime, owner.pid)
+            if cfg.speculate != "off":
+                said = (owner.ack.capabilities.get("speculation") if owner.ack is not None else None) or "off"
+                log.info("model %s: speculation: %s", source.name,
+                         said if said in ("prompt-lookup", "off") else f"off ({cfg.speculate}: {said})")
             return model
 
     async def unload(self, name: str) -> bool:

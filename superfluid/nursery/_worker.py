@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from .. import _defaults as D
+from ..proto import SpecConfig
 from ..proto import (
     DAEMON,
     NEED_DATA,
@@ -76,6 +77,8 @@ class WorkerSpec:
     agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS
     deterministic: bool = False
     pooling: str = ""           # embeddings: mean|cls|last ("": the model's own, else mean)
+    speculate: str = "off"      # off|auto|prompt-lookup (the worker resolves it for its model)
+    spec_gates: SpecConfig = attrs.field(factory=SpecConfig)
     start_timeout_s: float = D.WORKER_START_TIMEOUT_S
     shutdown_grace_s: float = 2.0
     term_grace_s: float = 3.0
@@ -99,6 +102,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv.append("--deterministic")
     if spec.pooling:
         argv += ["--pooling", spec.pooling]
+    if spec.speculate != "off":
+        argv += ["--speculate", spec.speculate, *spec.spec_gates.to_argv()]
     return argv
 
 

@@ -41,6 +41,9 @@ from ._link import MAX_TICKS_IN_FLIGHT as MAX_TICKS_IN_FLIGHT
 from ._link import NEED_DATA as NEED_DATA
 from ._link import LinkStatistics as LinkStatistics
 from ._link import WorkerLink as WorkerLink
+from ._spec import MAX_DRAFT_DEPTH as MAX_DRAFT_DEPTH
+from ._spec import SPEC_DIRECTIVES as SPEC_DIRECTIVES
+from ._spec import SpecConfig as SpecConfig
 from ._sse import SSE_DONE as SSE_DONE
 from ._sse import SSE_PING as SSE_PING
 from ._sse import SseDecoder as SseDecoder

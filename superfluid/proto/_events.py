@@ -318,22 +318,29 @@ class Admitted(Event):
     cached: int = attrs.field(validator=_nonneg)
 
 
+def _spec_pair(v: Any) -> bool:
+    return (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and x >= 0 for x in v)
+            and v[1] <= v[0])
+
+
 @attrs.frozen(kw_only=True)
 class Emit(Event):
     """One engine round's output. ``items`` rows are
     ``[lane, token, piece, finish, logprobs]`` where ``piece`` is the token's
     bytes, ``finish`` is ``None`` or a reason in :data:`FINISH_REASONS`, and
     ``logprobs`` is ``None`` or ``[logprob, [[token, piece, logprob], ...]]``.
-    A row with ``token == -1`` carries only a finish (no token)."""
+    A row with ``token == -1`` carries only a finish (no token). A lane's
+    finishing row may carry a sixth field, ``[proposed, accepted]``: the draft
+    tokens its speculation proposed and had accepted over the whole lane."""
 
     code: ClassVar[int] = 0x0B
     items: tuple[tuple[Any, ...], ...] = attrs.field(converter=lambda v: tuple(tuple(r) for r in v))
 
     def __attrs_post_init__(self) -> None:
         for row in self.items:
-            if len(row) != 5:
-                raise ValueError("an emit row has five fields")
-            lane, token, piece, finish, _lp = row
+            if len(row) != 5 and not (len(row) == 6 and row[3] is not None and _spec_pair(row[5])):
+                raise ValueError("an emit row has five fields (six on a drafting lane's finish)")
+            lane, token, piece, finish, _lp = row[:5]
             if not isinstance(lane, int) or lane < 0 or not isinstance(token, int) or token < -1:
                 raise ValueError(f"bad emit row {row!r}")
             if not isinstance(piece, bytes):
@@ -355,6 +362,9 @@ class TickDone(Event):
     kv_used: int = 0
     kv_total: int = 0
     aborted: int = 0      # prefill passes stopped midway for a more urgent arrival
+    # speculation, when it runs: cumulative ``proposed``/``accepted``/``rounds``/``plain_rounds``,
+    # ``abandoned``, and ``counts`` {lanes: [verdict, speedup]} (worker/_spec.py ``Gates.snapshot``)
+    spec: dict[str, Any] = attrs.field(factory=dict, metadata={"since": 1})
 
 
 @attrs.frozen(kw_only=True)

@@ -174,7 +174,7 @@ class WorkerLink:
             if event.lane not in lanes:
                 raise error(f"Admitted for unknown lane {event.lane}")
         elif isinstance(event, Emit):
-            for lane, _tok, _piece, finish, _lp in event.items:
+            for lane, _tok, _piece, finish, *_rest in event.items:
                 if lane not in lanes:
                     raise error(f"Emit for unknown lane {lane}")
                 if finish is not None:

@@ -102,6 +102,7 @@ class Job:
     first_token_at: float | None = None
     admitted_at: float | None = None
     done_at: float | None = None
+    spec: tuple[int, int] | None = None   # speculation: (draft tokens proposed, accepted), from the worker
     _changed: trio.Event = attrs.field(factory=trio.Event)
     ended: trio.Event = attrs.field(factory=trio.Event)   # set once, when the job is done
 

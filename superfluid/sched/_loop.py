@@ -247,6 +247,8 @@ class Scheduler:
         self._demand = False
         self._prefill_rate = 0.0
         self.last_tick: dict[str, float] = {}
+        self._spec_seen: dict[str, int] = {}   # the worker's cumulative speculation counts, as last reported
+        self.spec: dict[str, Any] = {}         # its last speculation report (gates, totals)
 
     # -- commands: what request handlers call (each one a message to the actor) ---------------
 
@@ -759,6 +761,23 @@ class Scheduler:
         self.metrics.set("superfluid_kv_total_tokens", done.kv_total)
         self.last_tick = {"busy_ms": done.busy_ms, "prefill": done.prefill_tokens, "decode": done.decode_tokens,
                           "rounds": done.rounds}
+        if done.spec:
+            self._spec_report(done.spec)
+
+    def _spec_report(self, spec: dict[str, Any]) -> None:
+        """Speculation's cumulative counts (per worker generation: a new worker starts again
+        from zero) become counter increments; the gates' verdicts become gauges."""
+        for key in ("proposed", "accepted"):
+            now = int(spec.get(key, 0))
+            before = self._spec_seen.get(key, 0)
+            self.metrics.inc(f"superfluid_spec_{key}_total", now - before if now >= before else now)
+            self._spec_seen[key] = now
+        for lanes, (verdict, speedup) in dict(spec.get("counts", {})).items():
+            state = {"on": 1.0, "off": 0.0}.get(verdict, 0.5)
+            self.metrics.set("superfluid_spec_gate_state", state, lanes=str(lanes))
+            if speedup:
+                self.metrics.set("superfluid_spec_gate_speedup", speedup, lanes=str(lanes))
+        self.spec = spec
 
     async def _handle(self, event: Any) -> None:
         if event is None:
@@ -821,10 +840,12 @@ class Scheduler:
 
     def _apply_round(self, event: Emit, spans: dict[int, list[Any]], ended: list[tuple[Job, str]]) -> None:
         decoding = 0
-        for lane, token, piece, finish, lp in event.items:
+        for lane, token, piece, finish, lp, *spec in event.items:
             job = self.running.get(lane)
             if job is None:
                 continue
+            if spec:
+                job.spec = (int(spec[0][0]), int(spec[0][1]))
             if token >= 0 and finish not in ("eos", "cancelled", "error"):
                 job.staged.append((token, piece, lp))
                 spans.setdefault(job.id, [job, 0])[1] += 1

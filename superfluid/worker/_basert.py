@@ -157,6 +157,7 @@ class BaseRTEngine:
         return token in self.info.eog
 
     aborts = False   # a pass runs to its end
+    drafts = "the basert engine drafts with its own strategies, which superfluid does not drive yet"
 
     def decode(self, rows: list[BatchRow]) -> list[Any]:
         outs: list[Any] = []

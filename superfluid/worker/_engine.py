@@ -54,12 +54,15 @@ class ModelInfo:
 @attrs.frozen(kw_only=True)
 class BatchRow:
     """``tokens`` go into sequence ``seq`` at positions ``pos0, pos0+1, ...``;
-    with ``want_logits`` the row's last token produces logits to sample from."""
+    with ``want_logits`` the row's last token produces logits to sample from,
+    and with ``all_logits`` too every token does (a speculative row: its output
+    is then a list of handles, one per token; only engines with ``drafts``)."""
 
     seq: int
     tokens: tuple[int, ...]
     pos0: int
     want_logits: bool
+    all_logits: bool = False
 
 
 class LaneSampler(Protocol):
@@ -83,6 +86,9 @@ class LaneSampler(Protocol):
 class Engine(Protocol):
     info: ModelInfo
     aborts: bool   # decode honours ``abort`` (see decode); the executor sizes steps by it
+    # decode takes ``all_logits`` rows and ``seq_rm`` drops any suffix: prompt-lookup can run;
+    # a string says why not (in the runtime's words)
+    drafts: bool | str
 
     def capabilities(self) -> dict[str, Any]: ...
 

@@ -48,6 +48,8 @@ import attrs
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
+from ..proto import SpecConfig
+from ._spec import PLAIN, Gates, LaneSpec
 
 __all__ = ["Executor", "Lane", "StepResult"]
 
@@ -74,6 +76,7 @@ class Lane:
     n_past: int = 0
     cached: int = 0
     replay: bool = False   # deterministic: tokens after the prompt are decoded one per round
+    spec: LaneSpec | None = None   # drafting state, if this lane may speculate
 
     @property
     def prefill_end(self) -> int:
@@ -124,7 +127,8 @@ def counter_seed(seed: int, k: int) -> int:
 
 class Executor:
     def __init__(self, engine: Engine, *, max_lanes: int, host_cache_bytes: int = 0,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, speculate: SpecConfig | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.engine = engine
         self.deterministic = deterministic
         self.info = engine.info
@@ -141,6 +145,10 @@ class Executor:
                       "state_copies": 0}
         self.host = HostCache(host_cache_bytes)
         self._recent_live: collections.deque[int] = collections.deque(maxlen=2 * self.max_lanes)
+        # prompt-lookup speculation (worker/_spec.py); the caller has checked the engine drafts
+        if speculate is not None and (deterministic or engine.drafts is not True):
+            raise ValueError("prompt-lookup needs a non-deterministic executor over an engine that drafts")
+        self.gates = None if speculate is None else Gates(speculate, *([clock] if clock else []))
 
     # -- lanes ---------------------------------------------------------------
 
@@ -179,10 +187,21 @@ class Executor:
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
             sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
             cached=min(matched, msg.n_prompt), replay=self.deterministic,
+            spec=LaneSpec() if self._may_draft(msg.sampling) else None,
         )
+        if self.gates is not None:
+            self.gates.admitted()
         self.lanes[msg.lane] = lane
         self.stats["cached_tokens"] += lane.cached
         return lane
+
+    def _may_draft(self, s: Sampling) -> bool:
+        """Grammar, ``logit_bias`` and logprobs lanes never speculate, nor ones sampling
+        hotter than ``--spec-max-temperature``."""
+        if self.gates is None or s.grammar or s.logit_bias or s.n_logprobs >= 0:
+            return False
+        cap = self.gates.config.max_temperature
+        return cap < 0 or s.temperature <= cap
 
     def _pick_slot(self, tokens: list[int], salt: str = "") -> tuple[int, int, int | None]:
         """Choose a free sequence for ``tokens``: (seq, tokens reusable, source seq).
@@ -457,6 +476,8 @@ class Executor:
                     owners.append(ln)
         else:
             decode_rows = len(decoders)
+            if self.gates is not None and decoders:
+                return self._draft_round(decoders, res)
             for ln in decoders:
                 rows.append(self._decode_row(ln))
                 owners.append(ln)
@@ -502,6 +523,109 @@ class Executor:
                 lane = self.lanes.pop(row[0])
                 self._release(lane, publish=True)
         return res
+
+    # -- speculation ------------------------------------------------------------
+
+    def _draft_round(self, decoders: list[Lane], res: StepResult) -> StepResult:
+        """A decode round with prompt-lookup drafts (see worker/_spec.py).
+
+        Every row of a drafting round has the same length (one pending token and
+        ``depth`` drafts; a lane with a shorter draft or none pads it with its last
+        token, and a lane that may not speculate uses only its first position):
+        llama.cpp runs a batch whose sequences carry unequal token counts as one
+        micro-batch per position."""
+        gates = self.gates
+        assert gates is not None
+        self._last_step_decoded = True
+        n = len(decoders)
+        depth = gates.depth(n)
+        room = min(self.info.n_ctx_seq - 1 - (ln.n_past + 1) for ln in decoders)
+        depth = max(PLAIN, min(depth, room))
+        drafts: dict[int, list[int]] = {}
+        if depth:
+            for ln in decoders:
+                if ln.spec is not None and gates.wants(ln.spec):
+                    got = ln.spec.lookup.draft(ln.tokens, depth)
+                    if got:
+                        drafts[ln.lane] = got
+                    else:
+                        # a round its drafter had nothing for counts against its yield
+                        ln.spec.rounds += 1
+                        gates.judge(ln.spec)
+            if not drafts:
+                depth = PLAIN
+            else:
+                depth = max(len(d) for d in drafts.values())
+        t0 = gates.clock()
+        rows: list[BatchRow] = []
+        for ln in sorted(decoders, key=lambda x: x.seq):
+            if depth:
+                draft = drafts.get(ln.lane, [])
+                pad = [ln.tokens[-1]] * (depth - len(draft))
+                rows.append(BatchRow(seq=ln.seq, tokens=(ln.tokens[ln.n_past], *draft, *pad), pos0=ln.n_past,
+                                     want_logits=True, all_logits=True))
+            else:
+                rows.append(self._decode_row(ln))
+        owners = sorted(decoders, key=lambda x: x.seq)
+        outs = self.engine.decode(rows)
+        self.stats["steps"] += 1
+        emitted = 0
+        for row, ln, out in zip(rows, owners, outs, strict=True):
+            if not depth:
+                ln.n_past += 1
+                self.slots[ln.seq].tokens = ln.tokens[: ln.n_past]
+                res.decode_tokens += 1
+                emitted += self._sample_into(res, ln, out)
+                continue
+            start = ln.n_past
+            drafted = ln.lane in drafts
+            verify = drafted or (ln.spec is not None and gates.wants(ln.spec))
+            accepted = 0
+            for i, handle in enumerate(out):
+                got = self._sample_into(res, ln, handle)
+                emitted += got
+                if not got or res.emits[-1][3] is not None:
+                    break   # the lane ended (eos, length, context) or its sampler failed
+                if not verify or i == depth or res.emits[-1][1] != row.tokens[i + 1]:
+                    break
+                accepted += 1
+            # KV holds the pending token and the accepted drafts; the rest of the row goes
+            valid = start + 1 + accepted
+            ln.n_past = valid
+            if valid < start + len(row.tokens):
+                self.engine.seq_rm(ln.seq, valid, -1)
+            self.slots[ln.seq].tokens = ln.tokens[:valid]
+            res.decode_tokens += 1 + accepted
+            if drafted and ln.spec is not None:
+                real = len(drafts[ln.lane])
+                ln.spec.rounds += 1
+                ln.spec.proposed += real
+                ln.spec.accepted += min(accepted, real)
+                gates.drafted(real, min(accepted, real))
+                gates.judge(ln.spec)
+        gates.record(n, depth, emitted, gates.clock() - t0)
+        for tag, _msg in res.faults:
+            lane = self.lanes.pop(tag, None)
+            if lane is not None:
+                self._release(lane, publish=False)
+        self.stats["decode_tokens"] += res.decode_tokens
+        for emit in res.emits:
+            if emit[3] is not None and emit[0] in self.lanes:
+                self._release(self.lanes.pop(emit[0]), publish=True)
+        return res
+
+    def _sample_into(self, res: StepResult, ln: Lane, out: Any) -> int:
+        """Draw ``ln``'s next token from ``out`` into ``res``; 1 if a row was emitted (a finish
+        row of a drafting lane carries its ``[proposed, accepted]``), 0 if its sampler failed."""
+        try:
+            row = self._sample(ln, out)
+        except Exception as exc:  # noqa: BLE001 - boundary: one lane's sampler failed; the batch goes on
+            res.faults.append((ln.lane, f"{type(exc).__name__}: {exc}"))
+            return 0
+        if row[3] is not None and ln.spec is not None and ln.spec.rounds:
+            row.append([ln.spec.proposed, ln.spec.accepted])
+        res.emits.append(row)
+        return 1
 
     def _lane_sampling(self, msg: Admit) -> Sampling:
         """``ignore_eos`` bans the end-of-generation tokens (a -inf bias, as

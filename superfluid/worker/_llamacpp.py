@@ -284,6 +284,9 @@ class LlamaEngine:
         self._eog = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
         self.aborts = not shared   # only one stream per sequence can drop a pass's tail
+        self.drafts = True if not shared else (
+            "llama.cpp keeps this model's sliding-window or recurrent KV in one shared pool, which cannot "
+            "drop a rejected draft's tail")
         self.info = ModelInfo(
             name=os.path.basename(path).removesuffix(".gguf"),
             architecture=_meta(model, "general.architecture") or "unknown",
@@ -372,7 +375,7 @@ class LlamaEngine:
                 self._abort_check = None
                 _LOG.echo = True
         last = bounds[-1][0]
-        return [None if i is None else i - last for i in outs]
+        return [None if i is None else [j - last for j in i] if isinstance(i, list) else i - last for i in outs]
 
     def _poll_abort(self, _data: Any) -> bool:
         """ggml's abort callback: polled by the compute thread between graph nodes
@@ -530,17 +533,22 @@ class LlamaEngine:
             self._model = None
 
 
-def _plan(rows: list[BatchRow]) -> tuple[list[tuple[int, int, int]], int, list[int | None]]:
+def _plan(rows: list[BatchRow]) -> tuple[list[tuple[int, int, int]], int, list[Any]]:
     """Lay the rows out as (token, pos, seq) entries: every token that needs no
-    logits first (in row order), then each logits row's last token. Returns the
-    entries, how many need no logits, and per row the entry index of its logits."""
+    logits first (in row order), then each logits row's last token (every token
+    of an ``all_logits`` row). Returns the entries, how many need no logits, and
+    per row the entry index of its logits (a list for an ``all_logits`` row)."""
     body: list[tuple[int, int, int]] = []
     tails: list[tuple[int, int, int]] = []
-    tail_of: list[int | None] = []
+    tail_of: list[Any] = []
     for row in rows:
         n = len(row.tokens)
         if n == 0:
             raise ValueError(f"an empty batch row for sequence {row.seq}")
+        if row.all_logits and row.want_logits:
+            tail_of.append(list(range(len(tails), len(tails) + n)))
+            tails.extend((row.tokens[j], row.pos0 + j, row.seq) for j in range(n))
+            continue
         head = n - 1 if row.want_logits else n
         body.extend((row.tokens[j], row.pos0 + j, row.seq) for j in range(head))
         if row.want_logits:
@@ -549,7 +557,8 @@ def _plan(rows: list[BatchRow]) -> tuple[list[tuple[int, int, int]], int, list[i
         else:
             tail_of.append(None)
     n_body = len(body)
-    return body + tails, n_body, [None if t is None else n_body + t for t in tail_of]
+    return body + tails, n_body, [None if t is None else [n_body + i for i in t] if isinstance(t, list)
+                                  else n_body + t for t in tail_of]
 
 
 def _chunks(total: int, cap: int) -> list[tuple[int, int]]:

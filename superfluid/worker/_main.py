@@ -67,6 +67,9 @@ from ..runtime import _registry as registry
 from ._engine import Engine
 from ._executor import PREFILL_CHUNK, Executor
 from ._mock import InjectedBug
+from ..proto import SPEC_DIRECTIVES, SpecConfig
+
+_SPEC = SpecConfig()   # the flags' defaults
 
 INJECTED_BUG = InjectedBug.__name__ + ":"  # how the executor words a lane fault of that type
 
@@ -352,6 +355,7 @@ class _Worker:
             busy_ms=(time.monotonic() - t0) * 1000, interrupted=interrupted,
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
             kv_total=self.executor.pool_cells, aborted=aborted,
+            spec=self.executor.gates.snapshot() if self.executor.gates is not None else {},
         ))
         return False
 
@@ -480,11 +484,16 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
         await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
         return 3
+    speculate, said = resolve_speculation(args, engine)
+    if speculate is None and args.speculate == "prompt-lookup":
+        failed = LoadFailed(message=f"--speculate prompt-lookup: {said}")
+        await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
+        return 3
     executor = Executor(engine, max_lanes=args.max_batch, host_cache_bytes=args.host_cache_mb << 20,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, speculate=speculate)
     await trio.to_thread.run_sync(_write_all, link_fd, link.send(HelloAck(
         version=PROTOCOL_VERSION, runtime=args.runtime, runtime_version=_runtime_version(args.runtime),
-        model=engine.info.to_dict(), capabilities=engine.capabilities(),
+        model=engine.info.to_dict(), capabilities={**engine.capabilities(), "speculation": said},
         limits={"max_lanes": executor.max_lanes, "max_context": engine.info.n_ctx_seq,
                 "max_frame": DEFAULT_MAX_FRAME, "n_seq": engine.info.n_seq},
     )))
@@ -512,6 +521,25 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
                   " end; exiting", file=sys.stderr, flush=True)
             os._exit(EXIT_ENGINE_STUCK)
     return 0
+
+
+def resolve_speculation(args: argparse.Namespace, engine: Engine) -> tuple[SpecConfig | None, str]:
+    """``--speculate`` for this worker's model: the config to run, and what to say
+    (``prompt-lookup``, or why it decodes plainly, in the runtime's words)."""
+    if args.speculate == "off":
+        return None, "off"
+    if args.deterministic:
+        return None, ("deterministic mode computes every KV entry in one fixed shape; a verified draft is "
+                      "computed in another")
+    drafts = getattr(engine, "drafts", False)
+    if drafts is not True:
+        return None, str(drafts or f"the {args.runtime} runtime cannot verify drafts")
+    config = SpecConfig(depth=args.spec_draft_tokens, adaptive=bool(args.spec_adaptive), min_yield=args.spec_min_yield,
+                        yield_rounds=args.spec_yield_rounds, throughput_gate=bool(args.spec_throughput_gate),
+                        probe_rounds=args.spec_gate_probe_tokens, min_speedup=args.spec_min_speedup,
+                        reprobe=args.spec_gate_reprobe, reprobe_max=args.spec_gate_reprobe_max,
+                        max_temperature=args.spec_max_temperature)
+    return config, "prompt-lookup"
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -551,6 +579,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
+    parser.add_argument("--speculate", choices=SPEC_DIRECTIVES, default="off")
+    parser.add_argument("--spec-draft-tokens", type=int, default=_SPEC.depth)
+    parser.add_argument("--spec-adaptive", type=int, default=1)
+    parser.add_argument("--spec-min-yield", type=float, default=_SPEC.min_yield)
+    parser.add_argument("--spec-yield-rounds", type=int, default=_SPEC.yield_rounds)
+    parser.add_argument("--spec-throughput-gate", type=int, default=1)
+    parser.add_argument("--spec-gate-probe-tokens", type=int, default=_SPEC.probe_rounds)
+    parser.add_argument("--spec-min-speedup", type=float, default=_SPEC.min_speedup)
+    parser.add_argument("--spec-gate-reprobe", type=int, default=_SPEC.reprobe)
+    parser.add_argument("--spec-gate-reprobe-max", type=int, default=_SPEC.reprobe_max)
+    parser.add_argument("--spec-max-temperature", type=float, default=_SPEC.max_temperature)
     parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     parser.add_argument("--exit-grace-s", type=float,
                         default=float(os.environ.get(EXIT_GRACE_ENV) or D.WORKER_EXIT_GRACE_S),

@@ -353,6 +353,7 @@ class MlxEngine:
     # -- forward pass ----------------------------------------------------------------
 
     aborts = True   # a prompt pass runs in pieces, ``abort`` polled between them
+    drafts = "the mlx runtime does not verify drafts yet"
 
     def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         mx = self._mx

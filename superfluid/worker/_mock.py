@@ -11,7 +11,12 @@ sleep and, once it is True, drops what the pass wrote and raises StepAborted.
 Model spec: ``mock`` or ``mock?key=value&...`` with keys ``n_ctx`` (per-lane
 window, default 4096), ``step_ms`` (per decode step, default 2), ``prefill_us``
 (per prompt token, default 20), ``eos_every`` (mean reply length, default 48),
-``refuse_load`` (fail to load), ``name`` (the model's name in the daemon).
+``refuse_load`` (fail to load), ``name`` (the model's name in the daemon),
+``copy`` (the share of choices whose first candidate repeats what followed the
+last earlier occurrence of the context's last three tokens, else two, else one,
+as a model copying its prompt does: 0 by default), ``draft_us`` (the cost of each extra token of a
+speculative decode row, default 0) and ``drafts=0`` (refuse speculation, as a
+runtime that cannot verify drafts does).
 
 Faults, asked for inside a prompt: ``[[mock:crash_after=N]]`` SIGKILLs the
 worker when the lane would draw generated token N; ``[[mock:hang_after=N]]``
@@ -76,7 +81,8 @@ MOCK_EMBED_DIM = 64
 
 
 def parse_mock_spec(spec: str) -> dict[str, float]:
-    opts = {"n_ctx": 4096.0, "step_ms": 2.0, "prefill_us": 20.0, "eos_every": 48.0, "refuse_load": 0.0, "n_seq": 0.0}
+    opts = {"n_ctx": 4096.0, "step_ms": 2.0, "prefill_us": 20.0, "eos_every": 48.0, "refuse_load": 0.0, "n_seq": 0.0,
+            "copy": 0.0, "draft_us": 0.0, "drafts": 1.0}
     _, _, query = spec.partition("?")
     for key, value in parse_qsl(query):
         if key == "name":
@@ -107,7 +113,16 @@ class _MockSampler:
 
     def _candidates(self, ctx: tuple[int, ...], k: int) -> list[int]:
         base = _h(ctx[-6:], len(ctx))
-        return [WORD0 + (base >> (6 * i)) % len(WORDS) for i in range(4)]
+        cands = [WORD0 + (base >> (6 * i)) % len(WORDS) for i in range(4)]
+        copy = self.engine.opts["copy"]
+        if copy and (base >> 40) % 1000 < copy * 1000:
+            for n in (3, 2, 1):
+                tail = ctx[-n:]
+                at = next((end for end in range(len(ctx) - 1, n - 1, -1) if ctx[end - n:end] == tail), None)
+                if at is not None and WORD0 <= ctx[at]:
+                    cands[0] = ctx[at]
+                    break
+        return cands
 
     def sample(self, out: Any, k: int) -> int:
         ctx: tuple[int, ...] = out
@@ -161,6 +176,7 @@ class MockEngine:
             chat_template=CHATML, special_tokens=dict(SPECIALS), add_bos=False,
         )
         self.kv: list[list[int]] = [[] for _ in range(n_seq)]
+        self.drafts: bool | str = True if self.opts["drafts"] else "the mock runtime was started with drafts=0"
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -233,6 +249,7 @@ class MockEngine:
         outs: list[Any] = []
         n_prefill = 0
         n_decode = 0
+        n_drafted = 0
         before = {row.seq: len(self.kv[row.seq]) for row in rows}
         for row in rows:
             kv = self.kv[row.seq]
@@ -241,12 +258,18 @@ class MockEngine:
             if row.pos0 + len(row.tokens) > self.info.n_ctx_seq:
                 raise RuntimeError(f"mock: seq {row.seq} overflows its window")
             kv.extend(row.tokens)
+            if row.all_logits and row.want_logits:
+                n_decode += 1
+                n_drafted += len(row.tokens) - 1
+                outs.append([tuple(kv[:row.pos0 + j + 1]) for j in range(len(row.tokens))])
+                continue
             if len(row.tokens) == 1 and row.want_logits:
                 n_decode += 1
             else:
                 n_prefill += len(row.tokens)
             outs.append(tuple(kv) if row.want_logits else None)
-        cost = n_prefill * self.opts["prefill_us"] / 1e6 + (self.opts["step_ms"] / 1e3 if n_decode else 0.0)
+        cost = (n_prefill * self.opts["prefill_us"] / 1e6 + (self.opts["step_ms"] / 1e3 if n_decode else 0.0)
+                + n_drafted * self.opts["draft_us"] / 1e6)
         end = time.monotonic() + cost
         while (left := end - time.monotonic()) > 0:
             if abort is not None and abort():
