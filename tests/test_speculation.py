@@ -302,10 +302,22 @@ async def test_the_daemon_drafts_reports_the_counts_and_a_killed_worker_changes_
         assert (metric_sum(metrics, "superfluid_spec_accepted_total", model="mock") or 0) >= spec["accepted"]
         assert (metric_sum(metrics, "superfluid_spec_proposed_total", model="mock") or 0) >= spec["proposed"]
         assert "superfluid_spec_gate_state{" in metrics
+        # continuous usage: every chunk counts the tokens so far (a chunk may carry several)
+        async with d.client.stream("POST", "/v1/chat/completions", json={
+                **CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}}) as r:
+            counts = [e["usage"]["completion_tokens"] async for e in _events(r) if e["choices"][0]["delta"]]
+        steps = [b - a for a, b in zip(counts, counts[1:], strict=False)]
+        assert counts == sorted(counts) and counts[-1] == 160 and max(steps) > 1
         # a completion reports too
         done = (await d.client.post("/v1/completions", json={"model": "mock", "prompt": DOC_TEXT, "max_tokens": 60,
                                                              "ignore_eos": True, "temperature": 0})).json()
         assert done["superfluid"]["spec"]["proposed"] > 0
+
+
+async def _events(r: Any) -> Any:
+    async for event in aiter_sse(r.aiter_bytes()):
+        if event.data and event.data != "[DONE]":
+            yield event.json()
 
 
 async def test_a_runtime_that_cannot_verify_drafts_refuses_prompt_lookup_and_auto_decodes_plainly() -> None:

@@ -120,9 +120,9 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         if stream and resumable_requested(scope):
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
             return
-        opts = body.get("stream_options")
-        usage = isinstance(opts, dict) and opts.get("include_usage") is True
-        await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream, usage=usage)
+        usage, continuous = _stream_options(body)
+        await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream, usage=usage,
+                              continuous=continuous)
         return
     rid = f"chatcmpl-superfluid-{next(_ids)}"
     created = int(time.time())
@@ -142,9 +142,18 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         return
     async with open_reply(app, model, req, receive, klass=klass, owner=owner) as reply:
         if stream:
-            await _stream_chat(send, reply, rid=rid, created=created)
+            await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream_options``: ``include_usage`` (a last chunk with usage) and ``continuous_usage_stats``
+    (every chunk carries the usage so far: an accepted draft arrives as one chunk of several tokens)."""
+    opts = body.get("stream_options")
+    if not isinstance(opts, dict):
+        return False, False
+    return opts.get("include_usage") is True, opts.get("continuous_usage_stats") is True
 
 
 async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
@@ -163,9 +172,9 @@ async def _whole_chat(send: Send, reply: Reply, *, rid: str, created: int) -> No
                     headers=[(b"x-superfluid-warm", str(reply.job.cached).encode())])
 
 
-async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> None:
+async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int, continuous: bool = False) -> None:
     def obj(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
-            usage: bool = False) -> dict[str, Any]:
+            usage: bool = continuous) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         if rows:
             choice["logprobs"] = {"content": _chat_logprobs(rows)}
@@ -177,10 +186,11 @@ async def _stream_chat(send: Send, reply: Reply, *, rid: str, created: int) -> N
         return out
 
     def chunk(delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
-              usage: bool = False) -> bytes:
+              usage: bool = continuous) -> bytes:
         return encode_sse_json(obj(delta, finish, rows, usage))
 
-    plain = _template(lambda text: obj({"content": text}, None))  # a content-only chunk (most of them)
+    # a content-only chunk (most of them); with continuous usage each chunk is built whole
+    plain = None if continuous else _template(lambda text: obj({"content": text}, None))
 
     await reply.wait_admitted()  # errors before admission (an uncompilable grammar) are HTTP errors
     sse = SseResponse(send)
@@ -213,7 +223,7 @@ def _template(build: Any, *args: Any) -> SseTemplate | None:
 
 
 async def _run_completion(app: App, model: ServedModel, job: Job, receive: Receive, send: Send,
-                          stops: list[str], *, stream: bool, usage: bool = False) -> None:
+                          stops: list[str], *, stream: bool, usage: bool = False, continuous: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
     follower = Follower(job, stops)
@@ -221,7 +231,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
         async with watch_disconnect(receive):
             if stream:
                 await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
-                                         usage=usage)
+                                         usage=usage, continuous=continuous)
             else:
                 parts: list[str] = []
                 rows: list[Any] = []
@@ -239,15 +249,20 @@ async def _run_completion(app: App, model: ServedModel, job: Job, receive: Recei
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,
-                             usage: bool = False) -> None:
+                             usage: bool = False, continuous: bool = False) -> None:
     """Completion chunks; with ``stream_options.include_usage`` a last chunk
-    with empty ``choices`` carries ``usage`` (as OpenAI does)."""
+    with empty ``choices`` carries ``usage`` (as OpenAI does), and with
+    ``continuous_usage_stats`` every chunk carries the usage so far."""
     def obj(text: str, finish: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "system_fingerprint": "superfluid",
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "system_fingerprint": "superfluid",
+               "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+        if continuous:
+            out["usage"] = usage_of(job)
+        return out
 
-    plain = _template(obj, None, None)  # a text-only chunk: its bytes but the text are fixed
+    # a text-only chunk: its bytes but the text are fixed (not with usage in every chunk)
+    plain = None if continuous else _template(obj, None, None)
 
     def chunk(text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
         if plain is not None and finish is None and logprobs is None:

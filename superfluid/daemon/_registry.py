@@ -288,10 +288,7 @@ class ModelRegistry:
             if make_default or self.default is None:
                 self.default = source.name
             log.info("model %s loaded on %s (worker pid %s)", source.name, source.runtime, owner.pid)
-            if cfg.speculate != "off":
-                said = (owner.ack.capabilities.get("speculation") if owner.ack is not None else None) or "off"
-                log.info("model %s: speculation: %s", source.name,
-                         said if said in ("prompt-lookup", "off") else f"off ({cfg.speculate}: {said})")
+
             return model
 
     async def unload(self, name: str) -> bool:

@@ -61,6 +61,10 @@ def summary_lines(config: ServeConfig, models: Iterable[ServedModel], binds: lis
         lines.append(f"  model {f['name']}{mark}: runtime {f['runtime']}, from {f['source']}")
         lines.append(f"    context {f['context']} tokens per lane, {f['lanes']} lanes, "
                      f"{f['kv_cells']} KV cells, {host}")
+        if config.speculate != "off":
+            caps = model.owner.ack.capabilities if model.owner.ack else {}
+            said = str(caps.get("speculation", "off"))
+            lines.append(f"    speculation: {said if said == 'prompt-lookup' else f'off ({config.speculate}: {said})'}")
     lines.append("  dialects: " + "; ".join(f"{name} {routes}" for name, routes in DIALECTS))
     lines.append(f"  sessions: {sessions_dir}")
     lines.append(f"  auth: {_auth(config)}")
