@@ -456,3 +456,20 @@ def test_gemma_refuses_drafts_in_its_shared_pool_and_verifies_them_exactly_per_s
         assert gates is not None and gates.totals["accepted"] > 0
     finally:
         per_seq.close()
+
+
+def test_a_clear_loss_ends_a_probe_early_and_larger_lane_counts_inherit_the_verdict() -> None:
+    gates = _spec.Gates(SpecConfig(probe_rounds=16, reprobe=5))
+    for n in (2, 4):
+        gates.depth(n)   # seen, probing
+    for _ in range(_spec.EARLY_ROUNDS):
+        gates.record(2, 0, 2, 0.010)   # plain: 200 tokens/s
+        gates.record(2, 4, 2, 0.020)   # drafting: 100 tokens/s, half as fast
+    count = gates.counts[2]
+    assert count.verdict == "off" and count.speedup == pytest.approx(0.5)   # 4 rounds a side, not 16
+    assert gates.counts[4].verdict == "off" and gates.counts[4].wait == 5   # more lanes: off with it
+    assert gates.depth(8) == 0 and gates.counts[8].verdict == "off"       # a new larger count starts off
+    assert gates.depth(1) != 0 or gates.counts[1].verdict == "probe"      # a smaller one still probes
+    for _ in range(5):
+        gates.admitted()
+    assert {n: c.verdict for n, c in gates.counts.items() if n != 1} == {2: "probe", 4: "probe", 8: "probe"}

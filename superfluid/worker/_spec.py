@@ -47,6 +47,8 @@ __all__ = ["PLAIN", "Gates", "LaneSpec", "Lookup"]
 
 MAX_DEPTH = MAX_DRAFT_DEPTH
 PLAIN = 0
+EARLY_ROUNDS = 4    # probe rounds a side before a clear loss may end a probe early
+EARLY_LOSS = 0.75   # drafting measured below this share of plain tokens/s after EARLY_ROUNDS: off at once
 
 
 class Lookup:
@@ -120,6 +122,7 @@ class Gates:
         self.totals = {"proposed": 0, "accepted": 0, "rounds": 0, "plain_rounds": 0}
         self._flip = 0
         self._explore = 0
+        self._judged: set[int] = set()   # lane counts the gate has seen
 
     # -- per lane ---------------------------------------------------------------
 
@@ -159,6 +162,14 @@ class Gates:
             return PLAIN
         count = self.counts.setdefault(n_lanes, _Count())
         if self.config.throughput_gate:
+            if n_lanes not in self._judged:
+                self._judged.add(n_lanes)
+                low = [m for m, c in self.counts.items() if m < n_lanes and c.verdict == "off"]
+                if low and count.verdict == "probe":
+                    # a smaller lane count failed: this one starts off, on the same re-probe schedule
+                    was = self.counts[max(low)]
+                    count.verdict, count.speedup, count.interval, count.wait = (
+                        "off", was.speedup, was.interval, was.wait)
             if count.verdict == "off":
                 return PLAIN
             if count.verdict == "probe":
@@ -221,19 +232,28 @@ class Gates:
         side[1] += tokens
         side[2] += seconds
         plain, spec = count.probe["plain"], count.probe["spec"]
-        if min(plain[0], spec[0]) < self.config.probe_rounds:
+        done = min(plain[0], spec[0])
+        if done < min(EARLY_ROUNDS, self.config.probe_rounds):
             return
         plain_rate = plain[1] / plain[2] if plain[2] > 0 else 0.0
         spec_rate = spec[1] / spec[2] if spec[2] > 0 else 0.0
-        count.speedup = spec_rate / plain_rate if plain_rate else 0.0
+        speedup = spec_rate / plain_rate if plain_rate else 0.0
+        # a clear loss is called early: a probe's drafting rounds are what the gate exists to avoid
+        if done < self.config.probe_rounds and speedup >= EARLY_LOSS:
+            return
+        count.speedup = speedup
         count.probe = _Count().probe
-        if count.speedup >= self.config.min_speedup:
+        if speedup >= self.config.min_speedup:
             count.verdict = "on"
-        else:
-            count.verdict = "off"
-            count.interval = min(self.config.reprobe_max, 2 * count.interval if count.interval else
-                                 self.config.reprobe)
-            count.wait = count.interval
+            return
+        # speculation pays less the more lanes share a round: larger counts fail with this one
+        for n, other in self.counts.items():
+            if n >= n_lanes and (other is count or other.verdict != "off"):
+                other.verdict = "off"
+                other.speedup = other.speedup if other is not count and other.speedup else speedup
+                other.interval = min(self.config.reprobe_max, 2 * other.interval if other.interval else
+                                     self.config.reprobe)
+                other.wait = other.interval
 
     def admitted(self) -> None:
         """One admission: lane counts that failed the gate count down to their re-probe."""
