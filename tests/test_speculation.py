@@ -199,6 +199,11 @@ def test_the_throughput_gate_keeps_drafting_where_it_pays() -> None:
     assert gates is not None and gates.counts[1].verdict == "on"
     assert gates.counts[1].speedup >= 1.08
     assert gates.snapshot()["counts"][1][0] == "on"
+    # "on" is measured again after --spec-gate-reprobe admissions (the workload may change)
+    for _ in range(SpecConfig().reprobe):
+        assert gates.counts[1].verdict == "on"
+        gates.admitted()
+    assert gates.counts[1].verdict == "probe"
 
 
 def test_the_throughput_gate_decodes_plainly_where_drafts_cost_more_and_reprobes_on_schedule() -> None:

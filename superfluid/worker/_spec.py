@@ -87,6 +87,7 @@ class _Count:
     verdict: str = "probe"         # probe | on | off
     probe: dict[str, list[float]] = attrs.field(factory=lambda: {"plain": [0, 0.0, 0.0], "spec": [0, 0.0, 0.0]})
     interval: int = 0              # admissions between re-probes after an "off"
+    on_interval: int = 0           # admissions between re-probes while "on"
     wait: int = 0                  # admissions left before the next re-probe
     speedup: float = 0.0           # the last probe's drafting/plain tokens-per-second ratio
     # [rounds, seconds] per depth (0 = plain), halved past 64 rounds: the machine's load drifts
@@ -244,7 +245,11 @@ class Gates:
         count.speedup = speedup
         count.probe = _Count().probe
         if speedup >= self.config.min_speedup:
-            count.verdict = "on"
+            # a workload that paid may give way to one that does not: "on" is measured again too,
+            # less and less often while it holds
+            count.on_interval = min(self.config.reprobe_max, 2 * count.on_interval if count.on_interval else
+                                    self.config.reprobe)
+            count.verdict, count.wait = "on", count.on_interval
             return
         # speculation pays less the more lanes share a round: larger counts fail with this one
         for n, other in self.counts.items():
@@ -256,9 +261,9 @@ class Gates:
                 other.wait = other.interval
 
     def admitted(self) -> None:
-        """One admission: lane counts that failed the gate count down to their re-probe."""
+        """One admission: judged lane counts count down to their re-probe."""
         for count in self.counts.values():
-            if count.verdict == "off":
+            if count.verdict in ("off", "on"):
                 count.wait -= 1
                 if count.wait <= 0:
                     count.verdict = "probe"
