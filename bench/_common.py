@@ -106,12 +106,15 @@ def superfluid_argv(model: str, port: int, *extra: str, host_cache_mb: int = 0) 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any],
                          headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Stream one request; returns ttft, wall, tokens (chunks with text), usage, error."""
+    """Stream one request; returns ttft, wall, tokens (chunks with text), usage, error, the text and
+    our ``superfluid.spec`` (speculation counts) if the server sent one."""
     t0 = trio.current_time()
-    out: dict[str, Any] = {"ttft": None, "tokens": 0, "usage": None, "timings": None, "error": None, "stamps": []}
+    out: dict[str, Any] = {"ttft": None, "tokens": 0, "usage": None, "timings": None, "error": None, "stamps": [],
+                           "spec": None, "text": []}
     async with client.stream("POST", path, json={**body, "stream": True}, headers=headers or {}) as r:
         if r.status_code != 200:
             out["error"] = f"http {r.status_code}: {(await r.aread())[:200]!r}"
+            out["text"] = ""
             return out
         async for event in aiter_sse(r.aiter_bytes()):
             if not event.data or event.data == "[DONE]":
@@ -124,14 +127,17 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                 out["usage"] = obj["usage"]
             if obj.get("timings"):  # llama-server: prompt_n = prompt tokens it prefilled
                 out["timings"] = obj["timings"]
+            out["spec"] = (obj.get("superfluid") or {}).get("spec") or out["spec"]
             for ch in obj.get("choices") or []:
                 text = ch.get("text") or (ch.get("delta") or {}).get("content")
                 if text:
+                    out["text"].append(text)
                     now = trio.current_time()
                     if out["ttft"] is None:
                         out["ttft"] = now - t0
                     out["tokens"] += 1
                     out["stamps"].append(now - t0)
+    out["text"] = "".join(out["text"])
     out["wall"] = trio.current_time() - t0
     return out
 

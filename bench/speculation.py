@@ -52,9 +52,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (ROOT, Server, commit, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
-                     round_orders, superfluid_argv)
+                     round_orders, stream_request, superfluid_argv)
 
-from superfluid.client import aiter_sse  # noqa: E402
 
 LANES, CTX = 8, 4096
 OURS = {"plain": ["--speculate", "off"],
@@ -189,26 +188,7 @@ WORKLOADS = {"code-edit": [code_edit(i) for i in range(8)], "quote": [quote(i) f
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    """``_common.stream_request`` for chat, keeping what it drops: the text, ``superfluid.spec``."""
-    out: dict[str, Any] = {"usage": None, "timings": None, "spec": None, "text": [], "error": None}
-    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-        if r.status_code != 200:
-            out["error"] = f"http {r.status_code}: {(await r.aread())[:200]!r}"
-            return out
-        async for event in aiter_sse(r.aiter_bytes()):
-            if not event.data or event.data == "[DONE]":
-                continue
-            obj = event.json()
-            if "error" in obj:
-                out["error"] = obj["error"]
-            out["usage"] = obj.get("usage") or out["usage"]
-            out["timings"] = obj.get("timings") or out["timings"]
-            out["spec"] = (obj.get("superfluid") or {}).get("spec") or out["spec"]
-            for ch in obj.get("choices") or []:
-                if text := (ch.get("delta") or {}).get("content"):
-                    out["text"].append(text)
-    out["text"] = "".join(out["text"])
-    return out
+    return await stream_request(client, "/v1/chat/completions", body)
 
 
 def drafts(r: dict[str, Any], ours: bool) -> tuple[int, int] | None:
