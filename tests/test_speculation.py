@@ -19,7 +19,7 @@ import pytest
 from superfluid.client import aiter_sse
 from superfluid.suite._client import metric_sum
 
-from superfluid.proto import Admit, Emit, Sampling, SpecConfig
+from superfluid.proto import SPEC_FLAGS, Admit, Emit, Sampling, SpecConfig
 from superfluid.worker import _spec
 from superfluid.worker._executor import Executor
 from superfluid.worker._mock import WORD0, WORDS, MockEngine
@@ -432,11 +432,7 @@ def test_gemma_refuses_drafts_in_its_shared_pool_and_verifies_them_exactly_per_s
 
     def args(directive: str, deterministic: bool = False) -> argparse.Namespace:
         return argparse.Namespace(speculate=directive, deterministic=deterministic, runtime="llamacpp",
-                                  **{k: v for k, v in zip(
-                                      ["spec_draft_tokens", "spec_adaptive", "spec_min_yield", "spec_yield_rounds",
-                                       "spec_throughput_gate", "spec_gate_probe_tokens", "spec_min_speedup",
-                                       "spec_gate_reprobe", "spec_gate_reprobe_max", "spec_max_temperature"],
-                                      [4, 1, 0.75, 24, 1, 16, 1.08, 32, 1024, -1.0], strict=True)})
+                                  **{f"spec_{name}": None for name in SPEC_FLAGS})
 
     shared = LlamaEngine(str(GEMMA_GGUF), max_batch=2, max_context=512, threads=2)
     try:

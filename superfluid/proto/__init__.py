@@ -43,6 +43,7 @@ from ._link import LinkStatistics as LinkStatistics
 from ._link import WorkerLink as WorkerLink
 from ._spec import MAX_DRAFT_DEPTH as MAX_DRAFT_DEPTH
 from ._spec import SPEC_DIRECTIVES as SPEC_DIRECTIVES
+from ._spec import SPEC_FLAGS as SPEC_FLAGS
 from ._spec import SpecConfig as SpecConfig
 from ._sse import SSE_DONE as SSE_DONE
 from ._sse import SSE_PING as SSE_PING

@@ -7,11 +7,11 @@ from typing import Any
 
 import attrs
 
-__all__ = ["MAX_DRAFT_DEPTH", "SPEC_DIRECTIVES", "SpecConfig"]
+__all__ = ["MAX_DRAFT_DEPTH", "SPEC_DIRECTIVES", "SPEC_FLAGS", "SpecConfig"]
 
 SPEC_DIRECTIVES = ("off", "auto", "prompt-lookup")
 MAX_DRAFT_DEPTH = 15
-_FLAGS = {"depth": "--spec-draft-tokens", "adaptive": "--spec-adaptive", "min_yield": "--spec-min-yield",
+SPEC_FLAGS = {"depth": "--spec-draft-tokens", "adaptive": "--spec-adaptive", "min_yield": "--spec-min-yield",
           "yield_rounds": "--spec-yield-rounds", "throughput_gate": "--spec-throughput-gate",
           "probe_rounds": "--spec-gate-probe-tokens", "min_speedup": "--spec-min-speedup",
           "reprobe": "--spec-gate-reprobe", "reprobe_max": "--spec-gate-reprobe-max",
@@ -47,7 +47,7 @@ class SpecConfig:
         values = dict(zip(argv[::2], argv[1::2], strict=True))
         kw: dict[str, Any] = {}
         for field in attrs.fields(cls):
-            flag = _FLAGS[field.name]
+            flag = SPEC_FLAGS[field.name]
             if flag in values:
                 kw[field.name] = (bool(int(values[flag])) if field.type in (bool, "bool") else
                                   int(values[flag]) if field.type in (int, "int") else float(values[flag]))
@@ -57,5 +57,5 @@ class SpecConfig:
         out: list[str] = []
         for field in attrs.fields(type(self)):
             value = getattr(self, field.name)
-            out += [_FLAGS[field.name], str(int(value)) if isinstance(value, bool) else repr(value)]
+            out += [SPEC_FLAGS[field.name], str(int(value)) if isinstance(value, bool) else repr(value)]
         return out

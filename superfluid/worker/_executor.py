@@ -510,18 +510,18 @@ class Executor:
             else:
                 res.prefill_tokens += len(row.tokens)
             if row.want_logits:
-                try:
-                    res.emits.append(self._sample(ln, out))
-                except Exception as exc:  # noqa: BLE001 - boundary: one lane's sampler failed; the batch goes on
-                    res.faults.append((ln.lane, f"{type(exc).__name__}: {exc}"))
+                self._sample_into(res, ln, out)
+        return self._settle(res)
+
+    def _settle(self, res: StepResult) -> StepResult:
+        """After a step's draws: lanes whose sampler failed close unpublished, finished ones publish."""
         for tag, _msg in res.faults:
             self._release(self.lanes.pop(tag), publish=False)
         self.stats["prefill_tokens"] += res.prefill_tokens
         self.stats["decode_tokens"] += res.decode_tokens
         for row in res.emits:
             if row[3] is not None:
-                lane = self.lanes.pop(row[0])
-                self._release(lane, publish=True)
+                self._release(self.lanes.pop(row[0]), publish=True)
         return res
 
     # -- speculation ------------------------------------------------------------
@@ -558,7 +558,8 @@ class Executor:
                 depth = max(len(d) for d in drafts.values())
         t0 = gates.clock()
         rows: list[BatchRow] = []
-        for ln in sorted(decoders, key=lambda x: x.seq):
+        owners = sorted(decoders, key=lambda x: x.seq)
+        for ln in owners:
             if depth:
                 draft = drafts.get(ln.lane, [])
                 pad = [ln.tokens[-1]] * (depth - len(draft))
@@ -566,7 +567,6 @@ class Executor:
                                      want_logits=True, all_logits=True))
             else:
                 rows.append(self._decode_row(ln))
-        owners = sorted(decoders, key=lambda x: x.seq)
         outs = self.engine.decode(rows)
         self.stats["steps"] += 1
         emitted = 0
@@ -604,15 +604,7 @@ class Executor:
                 gates.drafted(real, min(accepted, real))
                 gates.judge(ln.spec)
         gates.record(n, depth, emitted, gates.clock() - t0)
-        for tag, _msg in res.faults:
-            lane = self.lanes.pop(tag, None)
-            if lane is not None:
-                self._release(lane, publish=False)
-        self.stats["decode_tokens"] += res.decode_tokens
-        for emit in res.emits:
-            if emit[3] is not None and emit[0] in self.lanes:
-                self._release(self.lanes.pop(emit[0]), publish=True)
-        return res
+        return self._settle(res)
 
     def _sample_into(self, res: StepResult, ln: Lane, out: Any) -> int:
         """Draw ``ln``'s next token from ``out`` into ``res``; 1 if a row was emitted (a finish

@@ -67,9 +67,7 @@ from ..runtime import _registry as registry
 from ._engine import Engine
 from ._executor import PREFILL_CHUNK, Executor
 from ._mock import InjectedBug
-from ..proto import SPEC_DIRECTIVES, SpecConfig
-
-_SPEC = SpecConfig()   # the flags' defaults
+from ..proto import SPEC_DIRECTIVES, SPEC_FLAGS, SpecConfig
 
 INJECTED_BUG = InjectedBug.__name__ + ":"  # how the executor words a lane fault of that type
 
@@ -534,11 +532,11 @@ def resolve_speculation(args: argparse.Namespace, engine: Engine) -> tuple[SpecC
     drafts = getattr(engine, "drafts", False)
     if drafts is not True:
         return None, str(drafts or f"the {args.runtime} runtime cannot verify drafts")
-    config = SpecConfig(depth=args.spec_draft_tokens, adaptive=bool(args.spec_adaptive), min_yield=args.spec_min_yield,
-                        yield_rounds=args.spec_yield_rounds, throughput_gate=bool(args.spec_throughput_gate),
-                        probe_rounds=args.spec_gate_probe_tokens, min_speedup=args.spec_min_speedup,
-                        reprobe=args.spec_gate_reprobe, reprobe_max=args.spec_gate_reprobe_max,
-                        max_temperature=args.spec_max_temperature)
+    given = [(flag, value) for name, flag in SPEC_FLAGS.items() if (value := getattr(args, f"spec_{name}")) is not None]
+    try:
+        config = SpecConfig.from_argv([x for pair in given for x in pair])
+    except ValueError as exc:
+        return None, f"bad speculation flags: {exc}"
     return config, "prompt-lookup"
 
 
@@ -580,16 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--pooling", choices=("", "mean", "cls", "last"), default="")
     parser.add_argument("--speculate", choices=SPEC_DIRECTIVES, default="off")
-    parser.add_argument("--spec-draft-tokens", type=int, default=_SPEC.depth)
-    parser.add_argument("--spec-adaptive", type=int, default=1)
-    parser.add_argument("--spec-min-yield", type=float, default=_SPEC.min_yield)
-    parser.add_argument("--spec-yield-rounds", type=int, default=_SPEC.yield_rounds)
-    parser.add_argument("--spec-throughput-gate", type=int, default=1)
-    parser.add_argument("--spec-gate-probe-tokens", type=int, default=_SPEC.probe_rounds)
-    parser.add_argument("--spec-min-speedup", type=float, default=_SPEC.min_speedup)
-    parser.add_argument("--spec-gate-reprobe", type=int, default=_SPEC.reprobe)
-    parser.add_argument("--spec-gate-reprobe-max", type=int, default=_SPEC.reprobe_max)
-    parser.add_argument("--spec-max-temperature", type=float, default=_SPEC.max_temperature)
+    for name, flag in SPEC_FLAGS.items():   # as the daemon passes them (SpecConfig.to_argv); unset: the default
+        parser.add_argument(flag, dest=f"spec_{name}", default=None)
     parser.add_argument("--basert-lib", default=None, help="libbasert to load (else $BASERT_LIB)")
     parser.add_argument("--exit-grace-s", type=float,
                         default=float(os.environ.get(EXIT_GRACE_ENV) or D.WORKER_EXIT_GRACE_S),

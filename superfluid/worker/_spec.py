@@ -45,7 +45,6 @@ from ..proto import MAX_DRAFT_DEPTH, SpecConfig
 
 __all__ = ["PLAIN", "Gates", "LaneSpec", "Lookup"]
 
-MAX_DEPTH = MAX_DRAFT_DEPTH
 PLAIN = 0
 EARLY_ROUNDS = 4    # probe rounds a side before a clear loss may end a probe early
 EARLY_LOSS = 0.75   # drafting measured below this share of plain tokens/s after EARLY_ROUNDS: off at once
@@ -119,7 +118,7 @@ class Gates:
         self.failing = 0       # requests the yield floor stopped
         self.passing = 0       # requests that met it
         # acceptance per draft position (1-based): [drafted, accepted]
-        self.positions = [[0, 0] for _ in range(MAX_DEPTH + 1)]
+        self.positions = [[0, 0] for _ in range(MAX_DRAFT_DEPTH + 1)]
         self.totals = {"proposed": 0, "accepted": 0, "rounds": 0, "plain_rounds": 0}
         self._flip = 0
         self._explore = 0
