@@ -25,7 +25,7 @@ from superfluid.worker._executor import Executor
 from superfluid.worker._mock import WORD0, WORDS, MockEngine
 from superfluid.worker._spec import Lookup
 
-from .conftest import GEMMA_GGUF, REAL_GGUF, mock_config, open_daemon, stream_text, worker_pids
+from .conftest import GEMMA_GGUF, MLX_DIR, REAL_GGUF, mock_config, open_daemon, stream_text, worker_pids
 
 GREEDY = Sampling(temperature=0.0)
 ALWAYS = SpecConfig(throughput_gate=False, adaptive=False, min_yield=0.0)   # draft every round, depth 4
@@ -328,7 +328,7 @@ async def _events(r: Any) -> Any:
 async def test_a_runtime_that_cannot_verify_drafts_refuses_prompt_lookup_and_auto_decodes_plainly() -> None:
     from superfluid.nursery import WorkerLoadFailed
 
-    refusing = DAEMON_MOCK + "&drafts=0"   # as the mlx and basert runtimes do today
+    refusing = DAEMON_MOCK + "&drafts=0"   # as the basert runtime does today
     with pytest.raises(BaseException) as info:  # noqa: PT011 - the daemon's startup failure
         async with open_daemon(mock_config(refusing, speculate="prompt-lookup")):
             pass
@@ -415,6 +415,25 @@ def test_llamacpp_greedy_output_with_drafts_is_the_output_without() -> None:
             for prompt, a, b in zip(prompts, plain, drafted, strict=True):
                 same, how = _same_or_near_tie(engine, prompt, a, b)
                 assert same, f"{lanes} lanes, {prompt!r}: {how}"
+            assert gates is not None and gates.totals["accepted"] > 0.3 * gates.totals["proposed"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.real(MLX_DIR)
+def test_mlx_greedy_output_with_drafts_is_the_output_without() -> None:
+    """MLX runs a drafting round as one batched pass (rows of equal width, each query masked
+    causally over its own left-padded keys) and trims a rejected tail from the lane's caches."""
+    from superfluid.worker._mlx import MlxEngine
+
+    engine = MlxEngine(str(MLX_DIR), max_batch=3, max_context=512)
+    try:
+        assert engine.drafts is True
+        for lanes, prompts in ((1, REAL_PROMPTS[:6:2]), (3, REAL_PROMPTS[:6] + REAL_PROMPTS[6::2])):
+            plain, _ = _greedy_runs(engine, prompts, lanes=lanes, speculate=None, max_new=32)
+            drafted, gates = _greedy_runs(engine, prompts, lanes=lanes, speculate=ALWAYS, max_new=32)
+            verdicts = [_same_or_near_tie(engine, p, a, b) for p, a, b in zip(prompts, plain, drafted, strict=True)]
+            assert all(same for same, _how in verdicts), (lanes, verdicts)
             assert gates is not None and gates.totals["accepted"] > 0.3 * gates.totals["proposed"]
     finally:
         engine.close()

@@ -26,6 +26,13 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   deterministic worker (8 lanes on the CPU: 206 ms a round batched vs 732 ms
   per lane with f32 weights, 1.33 s vs 1.78 s with 4-bit ones;
   ``SUPERFLUID_MLX_BATCH_DECODE=0|1`` overrides).
+* Prompt-lookup speculation (``drafts``): a drafting round's rows all carry the
+  same number of tokens (the pending one and the drafts); they run as one batched
+  pass too, each row's queries masked causally over its own left-padded keys, and
+  an ``all_logits`` row's handle is a list of per-position logits. A rejected
+  tail is trimmed from the row's caches (``seq_rm``). Only plain ``KVCache``
+  layers can drop a suffix; a model with rotating (sliding-window) or recurrent
+  cache layers refuses drafts.
 * On a Linux CPU the worker binds OpenBLAS over the wheel's reference BLAS
   (:func:`preload_blas`) and dequantizes 4-bit weights to f32 where they fit
   (``SUPERFLUID_MLX_CPU_WEIGHTS=f32|native``): MLX's CPU quantized matmul runs
@@ -53,7 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..proto import Sampling
+from ..proto import MAX_DRAFT_DEPTH, Sampling
 from ._engine import BatchRow, ModelInfo, StepAborted, check_sampling_ranges, logprobs_from_logits
 from ._executor import counter_seed
 from ._guidance import Grammars, HostGrammar
@@ -67,6 +74,9 @@ PENALTY_LAST_N = 64
 # Smaller pieces cost throughput: a 2,048-token prompt ran at 76-83 tokens/s in pieces of 64, 78-82
 # in one pass, 70-73 in pieces of 48, 65-72 of 32, 58-61 in pieces sized to 0.25 s (16 at the end).
 ABORT_PIECE = 64
+# rows of equal width up to this run as one batched pass (decode rounds and drafting rounds: the
+# pending token and at most 15 drafts); wider rows are prompt pieces, run one sequence at a time
+MAX_ROUND_WIDTH = MAX_DRAFT_DEPTH + 1
 GIB = 1 << 30
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
@@ -308,6 +318,9 @@ class MlxEngine:
         # lane alone: its logits must not depend on which other lanes share the step.
         default = "0" if deterministic else "1"
         self.batch_decode = os.environ.get("SUPERFLUID_MLX_BATCH_DECODE", default) == "1"
+        kinds = sorted({type(c).__name__ for c in self._caches[0]} - {"KVCache"})
+        self.drafts: bool | str = True if not kinds else (
+            f"this model's {', '.join(kinds)} cache layers cannot drop a rejected draft")
 
     def _eog(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -353,7 +366,6 @@ class MlxEngine:
     # -- forward pass ----------------------------------------------------------------
 
     aborts = True   # a prompt pass runs in pieces, ``abort`` polled between them
-    drafts = "the mlx runtime does not verify drafts yet"
 
     def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         mx = self._mx
@@ -363,7 +375,9 @@ class MlxEngine:
             held = self._caches[row.seq][0].offset
             if held != row.pos0:
                 raise RuntimeError(f"sequence {row.seq} holds {held} positions; row starts at {row.pos0}")
-        if self.batch_decode and len(rows) > 1 and all(len(r.tokens) == 1 for r in rows):
+        width = len(rows[0].tokens)
+        if (self.batch_decode and len(rows) > 1 and width <= MAX_ROUND_WIDTH
+                and all(len(r.tokens) == width for r in rows)):
             return self._decode_round(rows)
         if abort is not None and any(len(r.tokens) > ABORT_PIECE for r in rows):
             return self._decode_pieces(rows, abort)
@@ -372,7 +386,9 @@ class MlxEngine:
         for i, row in enumerate(rows):
             cache = self._caches[row.seq]
             logits = self.model(mx.array([list(row.tokens)]), cache=cache)
-            if row.want_logits:
+            if row.all_logits:
+                pending.append((i, logits[0].astype(mx.float32)))
+            elif row.want_logits:
                 pending.append((i, logits[0, -1, :].astype(mx.float32)))
             else:
                 # the cache's arrays still need computing; evaluate them with the rest
@@ -380,7 +396,8 @@ class MlxEngine:
         mx.eval([arr for _, arr in pending])
         for i, arr in pending:
             if i >= 0:
-                outs[i] = np.array(arr, copy=True)
+                host = np.array(arr, copy=True)
+                outs[i] = list(host) if rows[i].all_logits else host
         return outs
 
     def _decode_pieces(self, rows: list[BatchRow], abort: Callable[[], bool]) -> list[Any]:
@@ -415,21 +432,31 @@ class MlxEngine:
         return outs
 
     def _decode_round(self, rows: list[BatchRow]) -> list[Any]:
-        """One token for each of several sequences in one batched forward pass: each
-        layer's per-sequence caches are appended to, then left-padded into one batch."""
+        """Rows of equal width (one token each, or a drafting round's pending token and drafts)
+        for several sequences in one batched forward pass: each layer's per-sequence caches are
+        appended to, then left-padded into one batch; a row's query ``i`` sees its own keys up to
+        its own position (padding and later drafts masked out)."""
         mx = self._mx
+        width = len(rows[0].tokens)
         per_layer = list(zip(*(self._caches[r.seq] for r in rows), strict=True))
-        lens = [self._caches[r.seq][0].offset + 1 for r in rows]
-        lmax = max(lens)
-        keep = mx.arange(lmax)[None, :] >= mx.array([lmax - n for n in lens])[:, None]
-        mask = keep.reshape(len(rows), 1, 1, lmax)
-        offset = mx.array([n - 1 for n in lens])
+        held = [self._caches[r.seq][0].offset for r in rows]
+        lmax = max(held) + width
+        key = mx.arange(lmax)[None, None, :]
+        first = mx.array([lmax - width - n for n in held])[:, None, None]   # each row's padding ends
+        last = (lmax - width + mx.arange(width))[None, :, None]              # query i's own position
+        mask = ((key >= first) & (key <= last)).reshape(len(rows), 1, width, lmax)
+        offset = mx.array(held)
         views = [_DecodeView(list(caches), offset, mask, lmax, mx) for caches in per_layer]
-        logits = self.model(mx.array([[r.tokens[0]] for r in rows]), cache=views)
-        out = logits[:, -1, :].astype(mx.float32)
+        logits = self.model(mx.array([list(r.tokens) for r in rows]), cache=views)
+        out = logits.astype(mx.float32)
         mx.eval(out)
         host = np.array(out, copy=True)
-        return [host[i] if r.want_logits else None for i, r in enumerate(rows)]
+        return [list(host[i]) if r.all_logits else host[i, -1] if r.want_logits else None
+                for i, r in enumerate(rows)]
+
+    def logits(self, out: Any) -> np.ndarray:
+        """A decode handle's logits (the handle is the logits)."""
+        return out
 
     # -- sampling ----------------------------------------------------------------------
 
