@@ -3,6 +3,7 @@
     python bench/speculation.py [--model PATH] [--llama-server PATH] [--rounds 3] [--tokens 256]
         [--concurrency 1,2,4,8] [--workloads code-edit,quote,free-chat] [--systems plain,lookup,...]
         [--llama-spec-args="--spec-type ngram-simple ..." | none] [--order-seed N] [--quick]
+        [--runtime mlx --model DIR]
 
 Five systems, each its own server process started once and kept up, same model, ``--threads 2``,
 8 lanes (ours ``--max-batch 8 --max-context 4096 --host-cache-mb 0``; llama-server ``-c`` = the KV
@@ -32,6 +33,10 @@ from ``timings.draft_n``/``draft_n_accepted``. Anything a system did not report,
 system that failed to start or failed a burst, is "n/a". A last table says how much of each reply
 is copied from its prompt (word 4-grams) and whether ours replied the same text as plain. A
 system whose warm-up fails is n/a throughout.
+
+``--runtime mlx`` serves an MLX directory (``--model``, default the SmolLM2 directory
+``python -m superfluid.models --mlx`` builds) with ours only: llama-server cannot load it and
+``mlx_lm.server`` has no prompt-lookup drafting, so those columns are n/a.
 
 ``--quick``: 1 round, concurrency 1 and 2, 64 tokens (explicit options still win): a smoke run.
 """
@@ -314,7 +319,7 @@ def report(args: argparse.Namespace, names: list[str], levels: list[tuple[str, i
            every: dict[Any, dict[str, list[Any]]], orders: dict[Any, list[list[str]]], order_seed: int) -> None:
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
     print()
-    print(f"commit {commit()}; model {Path(args.model).name}; greedy chat, streamed, max_tokens {args.tokens}; "
+    print(f"commit {commit()}; model {Path(args.model).name} ({args.runtime}); greedy chat, streamed, max_tokens {args.tokens}; "
           f"8 prompts per burst; median of {args.rounds} rounds; ratio: median of per-round ratios")
     print(f"memory: {kv_cells(LANES, CTX)} KV cells each (ours --max-batch {LANES} --max-context {CTX} "
           f"--host-cache-mb 0, llama-server -c {kv_cells(LANES, CTX)} -np {LANES} --cache-ram 0); --threads "
@@ -361,7 +366,8 @@ def report(args: argparse.Namespace, names: list[str], levels: list[tuple[str, i
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--model", default="", help="default: the SmolLM2 GGUF (llamacpp) or MLX directory (mlx)")
+    p.add_argument("--runtime", choices=("llamacpp", "mlx"), default="llamacpp")
     p.add_argument("--llama-server", default="", help="its binary (default: bench/build_llama_server.sh)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per level (default 3; --quick 1)")
     p.add_argument("--tokens", type=int, default=None, help="max_tokens of a reply (default 256; --quick 64)")
@@ -376,6 +382,9 @@ def main() -> None:
                    help="seed of the per-round random order of the systems (default: drawn, and printed)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, concurrency 1,2, 64 tokens")
     args = p.parse_args()
+    models = Path.home() / ".superfluid/models"
+    args.model = args.model or str(models / ("SmolLM2-135M-Instruct-mlx" if args.runtime == "mlx"
+                                             else "SmolLM2-135M-Instruct.Q4_1.gguf"))
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.tokens = args.tokens or (64 if args.quick else 256)
     concs = [int(c) for c in (args.concurrency or ("1,2" if args.quick else "1,2,4,8")).split(",")]
@@ -385,6 +394,9 @@ def main() -> None:
         p.error(f"unknown system or workload: {', '.join(bad)}")
     if args.llama_spec_args.strip().lower() == "none":
         names = [n for n in names if n != NGRAM]
+    if args.runtime == "mlx" and (gone := [n for n in names if n not in OURS]):
+        print(f"{', '.join(gone)}: n/a on an MLX directory", flush=True)
+        names = [n for n in names if n in OURS]
     levels = [(w, c) for w in workloads for c in concs]
     order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
     binary = args.llama_server
@@ -403,7 +415,7 @@ def main() -> None:
             try:
                 servers[name] = (Server(name, superfluid_argv(
                     args.model, port, "--max-batch", str(LANES), "--max-context", str(CTX), "--threads",
-                    str(args.threads), *OURS[name]), port) if name in OURS else Server(name, llama_server_argv(
+                    str(args.threads), "--runtime", args.runtime, *OURS[name]), port) if name in OURS else Server(name, llama_server_argv(
                         binary, args.model, port, lanes=LANES, ctx=CTX, threads=args.threads) + spec, port,
                         env={"LD_LIBRARY_PATH": str(Path(binary).parent)}))
             except OSError as exc:  # no binary: n/a, like a server that exits early
