@@ -112,7 +112,8 @@ class JournalConfig:
     compact_at_bytes: int = 64 * _MiB
     keep_finished: int = 1000
     # also compact when this many finished generation sessions are in memory (at least 1.5 x
-    # keep_finished): short requests fill memory long before 64 MiB of log (~3 KB a session)
+    # keep_finished): short requests fill memory long before 64 MiB of log (~1 KB of memory a short
+    # finished session, packed)
     compact_at_finished: int = 1500
     keep_interrupted: int = 1000
     keep_conversations: int = 10_000  # at most this many idle conversations, the most recently touched...
