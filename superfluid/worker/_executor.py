@@ -547,11 +547,9 @@ class Executor:
                 if ln.spec is not None and gates.wants(ln.spec):
                     got = ln.spec.lookup.draft(ln.tokens, depth)
                     if got:
+                        # (a round its drafter has nothing for costs nothing: the yield floor
+                        # judges drafting rounds only)
                         drafts[ln.lane] = got
-                    else:
-                        # a round its drafter had nothing for counts against its yield
-                        ln.spec.rounds += 1
-                        gates.judge(ln.spec)
             if not drafts:
                 depth = PLAIN
             else:
