@@ -103,6 +103,7 @@ class _MockSampler:
         self.sampling = sampling
         self.fault: tuple[str, int] | None = None
         self._scanned = False
+        self._eos_banned = any(tok == SPECIALS["</s>"] and bias == -math.inf for tok, bias in sampling.logit_bias)
 
     def _scan(self, ctx: tuple[int, ...]) -> None:
         if not self._scanned:
@@ -140,8 +141,8 @@ class _MockSampler:
                 raise InjectedBug(f"mock bug injected at token {k}")
             raise LaneError(f"mock fault injected at token {k}")
         every = max(2, int(self.engine.opts["eos_every"]))
-        banned = {tok for tok, bias in self.sampling.logit_bias if bias == -math.inf}
-        if k >= 4 and _h("eos", ctx[-4:], len(ctx)) % every == 0 and SPECIALS["</s>"] not in banned:
+        # a banned end (ignore_eos) first: the hash is most of the mock's cost per token
+        if k >= 4 and not self._eos_banned and _h("eos", ctx[-4:], len(ctx)) % every == 0:
             return SPECIALS["</s>"]
         cands = self._candidates(ctx, k)
         for tok, bias in self.sampling.logit_bias:
