@@ -207,6 +207,31 @@ def test_preemption_only_when_full_and_a_preemptor_waits(s: dict[str, Any]) -> N
 
 
 @PROPERTIES
+@given(scenarios(full=True), st.data())
+def test_with_every_lane_busy_and_no_preemptor_waiting_one_queued_job_plans_as_all(
+        s: dict[str, Any], data: st.DataObject) -> None:
+    """The loop passes one job's view instead of the whole queue when every lane is busy and
+    only agent and background jobs wait (Scheduler._plan_admits): then the plan admits
+    nothing and reads only that the queue is not empty. This holds that to the planner."""
+    waiting = [attrs.evolve(j, klass=data.draw(st.sampled_from([Q.AGENT, Q.BACKGROUND])),
+                            suspect=data.draw(st.booleans())) for j in s["queued"]]
+    if not waiting:
+        return
+    lanes = [attrs.evolve(ln, fresh=data.draw(st.booleans()), suspect=data.draw(st.booleans()))
+             for ln in s["lanes"]]
+    held = frozenset(data.draw(st.sets(st.sampled_from([j.job for j in waiting]))))
+    planner = Planner(s["cfg"])
+
+    def plan(queued: list[JobView]) -> Plan:
+        return planner.plan(tick=s["tick"], queued=queued, lanes=lanes, prefill_tok_s=s["prefill_tok_s"], held=held)
+
+    whole = plan(waiting)
+    assert not whole.admits and not whole.preempts
+    for one in waiting:
+        assert plan([one]) == whole
+
+
+@PROPERTIES
 @given(scenarios(full=True))
 def test_preemption_picks_the_right_victims(s: dict[str, Any]) -> None:
     assert list(plan_of(s).preempts) == reference_victims(s)
