@@ -90,6 +90,7 @@ class Job:
     started: bool = False           # a worker admitted it (its request was valid for the runtime)
     log_ended: bool = False         # the session log shows how it ended (SessionStore: no record after it)
     view: Any = None                # the planner's LaneView of it while running (Scheduler._lane_views)
+    queue_view: Any = None          # its JobView while queued (Scheduler._job_views)
     prefix_key: int | None = None
     scheduler: Any = None           # the Scheduler it was submitted to (for cancel by session id)
     held_since: int | None = None   # the tick a shared-prefix hold began (counted in ticks, not plans)

@@ -735,11 +735,17 @@ class Scheduler:
                 or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION]))
 
     def _job_views(self, *, full: bool = True) -> list[JobView]:
+        # a queued job's view is rebuilt only when it changed, as a lane's is
         views = []
         for q in self.queues.values():
             for j in q:
-                views.append(JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq,
-                                     prompt_tokens=len(j.prompt), suspect=j.suspect))
+                v = j.queue_view
+                suspect = j.suspect
+                if (v is None or v.queued_tick != j.queued_tick or v.klass is not j.klass or v.seq != j.seq
+                        or v.suspect != suspect or v.prompt_tokens != len(j.prompt)):
+                    v = j.queue_view = JobView(job=j.id, klass=j.klass, queued_tick=j.queued_tick, seq=j.seq,
+                                               prompt_tokens=len(j.prompt), suspect=suspect)
+                views.append(v)
                 if not full:
                     return views
         return views
