@@ -113,9 +113,11 @@ class JournalConfig:
     keep_finished: int = 1000
     # also compact when this many finished generation sessions are in memory (at least 1.5 x
     # keep_finished): short requests fill memory long before 64 MiB of log (~1 KB of memory a short
-    # finished session, packed). A compaction re-encodes every kept session: at 1,500 it ran every
-    # 500 short requests and took ~8% of the daemon's time at 256 streams; at 2,500, every 1,500.
-    compact_at_finished: int = 2500
+    # finished session, packed). A compaction re-encodes every kept session (every 500 short requests:
+    # ~5% of the daemon's time at 256 streams); at 2,500 it ran a third as often, but the daemon's
+    # RSS keeps its high-water mark, and 20,000 requests ended +10.4% over the level after 1,000
+    # (+6.6% at 1,500: the memory contract, bench/overhead.py --memory-requests).
+    compact_at_finished: int = 1500
     keep_interrupted: int = 1000
     keep_conversations: int = 10_000  # at most this many idle conversations, the most recently touched...
     conversation_ttl_s: float = 30 * 86400.0  # ...and only those touched within this
