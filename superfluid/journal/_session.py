@@ -144,6 +144,15 @@ def _trimmed(tokens: array) -> array:
     return tokens
 
 
+def _joined(parts: list[str] | str) -> tuple[str, list[str] | str]:
+    """Text kept as parts (or one str once packed): the whole text, and what to keep (one part)."""
+    if type(parts) is str:
+        return parts, parts
+    if len(parts) > 1:
+        parts = ["".join(parts)]
+    return (parts[0] if parts else ""), parts
+
+
 class SessionLog:
     """The replayable state of one session.
 
@@ -222,22 +231,14 @@ class SessionLog:
     @property
     def text(self) -> str:
         """Every generated span's text, concatenated."""
-        parts = self._text
-        if type(parts) is str:
-            return parts
-        if len(parts) > 1:
-            self._text = parts = ["".join(parts)]
-        return parts[0] if parts else ""
+        out, self._text = _joined(self._text)
+        return out
 
     @property
     def prompt_text(self) -> str:
         """Every prompt span's text (spans without text contribute nothing)."""
-        parts = self._prompt_text
-        if type(parts) is str:
-            return parts
-        if len(parts) > 1:
-            self._prompt_text = parts = ["".join(parts)]
-        return parts[0] if parts else ""
+        out, self._prompt_text = _joined(self._prompt_text)
+        return out
 
     @property
     def event_count(self) -> int:
