@@ -64,8 +64,9 @@ def plan_of(s: dict[str, Any]) -> Plan:
                                   prefill_tok_s=s["prefill_tok_s"])
 
 
-def effective(planner: Planner, job: JobView, tick: int) -> tuple[int, int]:
-    return (planner.effective_class(job, tick), job.seq)
+def effective(planner: Planner, job: JobView, tick: int) -> tuple[int, int, int]:
+    """Admission order: jobs that preempt first, then effective class, then FIFO."""
+    return (0 if job.klass.preempts else 1, planner.effective_class(job, tick), job.seq)
 
 
 def final_class_counts(s: dict[str, Any], plan: Plan) -> Counter[QosClass]:
@@ -147,6 +148,18 @@ def test_aging_property(starvation: int, waited: int, agents: list[int]) -> None
         assert plan.admits == (0,)
     elif waited < starvation:
         assert plan.admits != (0,)
+
+
+def test_aged_agents_never_hold_an_interactive_job_behind_them() -> None:
+    """Under a backlog every queued agent ages to effective class 0; the interactive job still
+    comes first: it preempts an agent lane at once, and takes a free lane before any of them."""
+    planner = Planner(PlannerConfig(max_batch=2, starvation_ticks=2))
+    agents = [JobView(job=i, klass=Q.AGENT, queued_tick=0, seq=i) for i in range(5)]
+    chat = JobView(job=99, klass=Q.INTERACTIVE, queued_tick=100, seq=99)
+    busy = [LaneView(lane=k, job=10 + k, klass=Q.AGENT, admitted_seq=k, prefill_left=0) for k in range(2)]
+    plan = planner.plan(tick=100, queued=[*agents, chat], lanes=busy)
+    assert plan.admits == (99,) and len(plan.preempts) == 1
+    assert planner.plan(tick=100, queued=[*agents, chat], lanes=busy[:1]).admits == (99,)
 
 
 def test_held_jobs_are_not_admitted() -> None:
