@@ -224,7 +224,7 @@ def test_preemption_only_when_full_and_a_preemptor_waits(s: dict[str, Any]) -> N
 def test_with_every_lane_busy_and_no_preemptor_waiting_one_queued_job_plans_as_all(
         s: dict[str, Any], data: st.DataObject) -> None:
     """The loop passes one job's view instead of the whole queue when every lane is busy and
-    only agent and background jobs wait (Scheduler._plan_admits): then the plan admits
+    only agent and background jobs wait (Scheduler._may_admit): then the plan admits
     nothing and reads only that the queue is not empty. This holds that to the planner."""
     waiting = [attrs.evolve(j, klass=data.draw(st.sampled_from([Q.AGENT, Q.BACKGROUND])),
                             suspect=data.draw(st.booleans())) for j in s["queued"]]

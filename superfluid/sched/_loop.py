@@ -576,10 +576,13 @@ class Scheduler:
     async def _plan_and_send(self, worker: LinkHandle, *, send_tick: bool) -> bool:
         """Plan, send the plan's preemptions and admissions, and (if
         ``send_tick``) its Tick. Returns True when a Tick was sent."""
-        if not send_tick and not (any(self.queues.values()) and self._may_admit()):
+        if not send_tick and not (any(self.queues.values()) and self._may_admit(len(self.running))):
             return False  # nothing to admit or preempt and no tick to send: the plan would be empty
         lanes = self._lane_views()
-        plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(full=self._plan_admits(lanes)),
+        # when nothing can be admitted, the planner reads of the queue only that it is not empty
+        # (a tick's budgets), so one job's view stands for all: a view of each of 960 queued agents
+        # at every tick was a sixth of the daemon's time at 1,024 streams on 64 lanes
+        plan = self.planner.plan(tick=self.tick_no, queued=self._job_views(full=self._may_admit(len(lanes))),
                                  lanes=lanes, prefill_tok_s=self._prefill_rate, held=self._held())
         # the plan is applied with no checkpoint in between and goes out in one write (one
         # wake-up of the worker: an admission and its tick used to cost two, ~1 ms apart)
@@ -609,13 +612,12 @@ class Scheduler:
             await worker.send(*frames)
         return ticked
 
-    def _may_admit(self) -> bool:
-        """Whether a plan could admit or preempt: a lane is free, or a job that preempts waits.
-        (Every lane busy and only agents waiting, as under a backlog, was a plan of 256
-        ``LaneView``s per worker event that came out empty.)"""
+    def _may_admit(self, busy: int) -> bool:
+        """Whether a plan could admit or preempt with ``busy`` lanes taken: a lane is free, or a
+        job that preempts waits. (Every lane busy and only agents waiting, as under a backlog,
+        was a plan of 256 ``LaneView``s per worker event that came out empty.)"""
         q = self.queues
-        return (len(self.running) < self.config.planner.max_batch
-                or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION]))
+        return busy < self.config.planner.max_batch or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION])
 
     async def _next_events(self, gen: int, *, timed: bool, worker: LinkHandle) -> list[Any]:
         """Wait for the next inbox item, then take whatever else is already
@@ -723,16 +725,6 @@ class Scheduler:
                     q.remove(job)
                     return job
         return None
-
-    def _plan_admits(self, lanes: list[LaneView]) -> bool:
-        """Whether a plan over ``lanes`` may admit or preempt: a lane is free, or an
-        interactive or completion job waits. When not, the planner admits nothing and
-        reads of the queue only that it is not empty (a tick's budgets), so one job's
-        view stands for all: a view of each of 960 queued agents at every tick was a
-        sixth of the daemon's time at 1,024 streams on 64 lanes."""
-        q = self.queues
-        return (len(lanes) < self.config.planner.max_batch
-                or bool(q[QosClass.INTERACTIVE] or q[QosClass.COMPLETION]))
 
     def _job_views(self, *, full: bool = True) -> list[JobView]:
         # a queued job's view is rebuilt only when it changed, as a lane's is
