@@ -212,6 +212,47 @@ async def test_a_tokenize_held_by_a_dying_worker_goes_to_the_next(autojump_clock
     assert result == [[ord("a"), ord("b")]]
 
 
+async def test_a_chats_tokenize_goes_before_agents_waiting_for_theirs(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """At most TOKENIZE_IN_FLIGHT tokenizes are at the worker; the rest wait in the daemon, the
+    most urgent class first. (1,024 agents starting together once put ~600 in the worker's pipe,
+    and a chat's tokenize waited 0.3-1 s behind them.)"""
+    from superfluid.sched._loop import TOKENIZE_IN_FLIGHT
+
+    sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics().for_model("m"))
+    link = FakeLink(sched, answer_tokenize=False)
+    n_agents = TOKENIZE_IN_FLIGHT + 8
+    done: list[str] = []
+
+    async def ask(name: str, klass: QosClass) -> None:
+        await sched.tokenize([(name, False)], klass=klass)
+        done.append(name)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(_run_generation, sched, link)
+        for i in range(n_agents):
+            n.start_soon(ask, f"agent{i:02d}", QosClass.AGENT)
+            await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(ask, "chat", QosClass.INTERACTIVE)
+        await trio.testing.wait_all_tasks_blocked()
+        sent = [e for e in link.sent if isinstance(e, Tokenize)]
+        assert len(sent) == TOKENIZE_IN_FLIGHT           # the rest wait in the daemon
+        first = sent[0]
+        link._event(Tokenized(req=first.req, tokens=[1]))  # one answer frees one place...
+        await trio.testing.wait_all_tasks_blocked()
+        sent = [e for e in link.sent if isinstance(e, Tokenize)]
+        assert "".join(t for t, _ in sent[-1].segments) == "chat"   # ...and the chat takes it
+        for e in sent[1:]:
+            link._event(Tokenized(req=e.req, tokens=[1]))
+        await trio.testing.wait_all_tasks_blocked()
+        for e in [e for e in link.sent if isinstance(e, Tokenize)][len(sent):]:
+            link._event(Tokenized(req=e.req, tokens=[1]))
+        await trio.testing.wait_all_tasks_blocked()
+        n.cancel_scope.cancel()
+    assert len(done) == n_agents + 1 and done.index("chat") < done.index(f"agent{TOKENIZE_IN_FLIGHT:02d}")
+    assert sched._tokenize_sent == 0 and not sched._tokenize
+
+
 async def test_commands_to_a_closed_model_fail_typed(autojump_clock: trio.testing.MockClock) -> None:
     sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
     queued = _job()

@@ -1,6 +1,7 @@
 """The worker's row hold (``--stream-interval-ms``): a lane's first and last
 tokens go at once with that lane's held rows only; frames about one request
-(``Admitted``, a tokenize answer) send no held rows; ``TickDone`` sends them all."""
+(``Admitted``, a tokenize answer) send no held rows; ``TickDone`` sends the watched
+lanes' rows and the agent lanes' whose own hold is up."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 from superfluid.proto import WORKER, Admitted, Emit, FrameDecoder, TickDone, WorkerLink, from_wire
 from superfluid.proto._state import READY
-from superfluid.worker._main import _Worker
+from superfluid.worker._main import AGENT_HOLD_MAX_S, DUE, _Worker
 
 
 def _frames(fd: int) -> list:
@@ -64,3 +65,53 @@ def test_an_interrupt_ends_the_tick_but_aborts_no_step() -> None:
     assert worker.interrupt and worker._arrived() == NOTHING_ARRIVED
     worker.take_command(Admit(lane=1, tokens=[5, 6], n_prompt=2, max_new=4, priority=0))
     assert worker._arrived() == 0 and worker.ops.qsize() == 1
+
+
+def _held_worker(w: int, *, agent_hold_s: float) -> _Worker:
+    link = WorkerLink(WORKER)
+    link.state = READY
+    link._lanes.update({lane: False for lane in range(1, 1100)})
+    link._ticks_in_flight = 1
+    return _Worker(None, None, w, link, "mock", max_ops=8, hold_s=60.0, agent_hold_s=agent_hold_s)  # type: ignore[arg-type]
+
+
+def test_agent_lanes_wait_longer_with_many_lanes_and_not_all_at_once() -> None:
+    """An agent lane's rows wait at least --agent-stream-interval-ms, longer with many agent
+    lanes (up to a second), each lane until its own phase of the hold: at 1,024 lanes a 100 ms
+    hold made ~1,600 chunks a second, and every frame woke every stream at once."""
+    worker = _held_worker(-1, agent_hold_s=0.1)
+    now = 1000.0
+    worker.agents.update(range(1, 9))
+    few = [worker._agent_due(lane, now) - now for lane in range(1, 9)]
+    assert all(0 < d <= 0.1 for d in few)                     # 8 lanes: the configured hold
+    worker.agents.update(range(1, 1025))
+    many = sorted(worker._agent_due(lane, now) - now for lane in range(1, 1025))
+    assert 0 < many[0] and many[-1] <= AGENT_HOLD_MAX_S and many[-1] > 0.9   # 1,024 lanes: up to a second
+    # spread over the hold: no tenth of it ends more than ~15% of the lanes' waits
+    for k in range(10):
+        assert sum(1 for d in many if k / 10 < d <= (k + 1) / 10) < 0.15 * len(many)
+
+
+def test_a_ticks_end_sends_watched_rows_and_only_the_agent_rows_that_are_due() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    worker = _held_worker(w, agent_hold_s=60.0)
+    try:
+        worker.agents.update({5, 6})
+        worker.emit([[1, 10, b" a", None, None], [5, 50, b" b", None, None], [6, 60, b" c", None, None]])
+        assert _frames(r) == []
+        worker.send(TickDone(seq=1), lanes=DUE)
+        emit, done = _frames(r)            # the watched lane's row goes with the tick's end...
+        assert [row[:2] for row in emit.items] == [(1, 10)] and isinstance(done, TickDone)
+        worker.emit([[5, 51, b" d", "length", None]])   # ...an agent's last token takes its held rows
+        [emit] = _frames(r)
+        assert [row[:2] for row in emit.items] == [(5, 50), (5, 51)]
+        worker.agent_due[6] = 0.0          # lane 6's hold is up
+        worker.agent_next = 0.0
+        worker.link._ticks_in_flight = 1
+        worker.send(TickDone(seq=2), lanes=DUE)
+        emit, done = _frames(r)
+        assert [row[:2] for row in emit.items] == [(6, 60)] and not worker.agent_rows
+    finally:
+        os.close(r)
+        os.close(w)

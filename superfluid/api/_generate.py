@@ -65,15 +65,16 @@ def _check_size(model: ServedModel, segments: list[tuple[str, bool]]) -> None:
                        code="prompt_too_large", param="messages")
 
 
-async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_special: bool) -> list[int]:
-    """The prompt's token ids.
+async def tokenize(model: ServedModel, segments: list[tuple[str, bool]], *, add_special: bool,
+                   klass: QosClass = QosClass.INTERACTIVE) -> list[int]:
+    """The prompt's token ids (a request of ``klass``: the worker tokenizes the most urgent first).
 
     Raises:
         ApiError: 413 ``prompt_too_large`` (see :func:`prompt_limit`); 503 if no worker can serve.
     """
     _check_size(model, segments)
     try:
-        return await model.scheduler.tokenize(segments, add_special=add_special)
+        return await model.scheduler.tokenize(segments, add_special=add_special, klass=klass)
     except Unavailable as exc:
         raise ApiError(503, str(exc), code=exc.code) from None
 
@@ -95,7 +96,7 @@ async def prepare(
     Raises:
         ApiError: 400 ``context_length_exceeded``; 503 if no worker can serve.
     """
-    prompt = await tokenize(model, segments, add_special=add_special)
+    prompt = await tokenize(model, segments, add_special=add_special, klass=klass)
     if not prompt:
         raise ApiError(400, "invalid request: the prompt is empty after tokenization")
     n_ctx = model.n_ctx

@@ -78,6 +78,9 @@ HOLD_MAX_TICKS = 400        # ticks a held job waits at most (~20 s of short tic
 RETRY_AFTER_S = 1           # a full queue's Retry-After: a lane frees every few hundred ms at full load
 FINISH_MAP = {"eos": "stop", "length": "length", "context": "length"}
 TOKENIZE_ATTEMPTS = 3       # workers a tokenize is sent to before it fails (each died holding it)
+# tokenizes and embeddings at the worker at once; the rest wait here, the most urgent class first
+# (1,024 agents starting together put ~600 in the worker's pipe, and a chat's waited 0.3-1 s)
+TOKENIZE_IN_FLIGHT = 32
 
 
 class LinkLost(Exception):
@@ -204,6 +207,7 @@ class _Tokenize:
     segments: list[tuple[str, bool]]
     add_special: bool
     reply: _Reply
+    klass: QosClass = QosClass.INTERACTIVE
 
 
 @attrs.frozen(eq=False)
@@ -211,6 +215,7 @@ class _Embed:
     inputs: list[list[int]]
     normalize: bool
     reply: _Reply
+    klass: QosClass = QosClass.COMPLETION
 
 
 @attrs.define(eq=False)
@@ -242,6 +247,9 @@ class Scheduler:
         self._seq = itertools.count(1)
         self._req_ids = itertools.count(1)
         self._tokenize: dict[int, _Pending] = {}
+        # tokenize ids not sent yet, by class (stale ids, answered or failed, are skipped when met)
+        self._tokenize_waiting: dict[QosClass, collections.deque[int]] = {k: collections.deque() for k in QosClass}
+        self._tokenize_sent = 0      # pendings with ``sent`` (at most TOKENIZE_IN_FLIGHT)
         self._places: dict[int, QosClass] = {}      # job id -> the class whose queue place it holds
         self._frames: list[Any] = []                # for the worker, sent with the loop's next write
         self._demand = False
@@ -294,8 +302,10 @@ class Scheduler:
         next engine step, a reserved place is given back. No reply."""
         await self._command(_Stop(job))
 
-    async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False) -> list[int]:
-        """Tokenize in the worker, retried on the next worker if one dies holding it.
+    async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False,
+                       klass: QosClass = QosClass.INTERACTIVE) -> list[int]:
+        """Tokenize in the worker, retried on the next worker if one dies holding it. At most
+        TOKENIZE_IN_FLIGHT go to the worker at once, the most urgent ``klass`` first.
 
         Raises:
             Unavailable: no worker could take the request.
@@ -303,7 +313,7 @@ class Scheduler:
         Cancellation: the worker still answers; the answer is dropped.
         """
         reply = _Reply()
-        await self._command(_Tokenize(list(segments), add_special, reply))
+        await self._command(_Tokenize(list(segments), add_special, reply, klass))
         result: list[int] = await reply.wait()
         return result
 
@@ -348,10 +358,10 @@ class Scheduler:
                 command.reply.fail(Unavailable(self.closed.message, code=self.closed.code or "model_unloaded"))
                 return
             req = next(self._req_ids)
-            self._tokenize[req] = pending = _Pending(command)
+            self._tokenize[req] = _Pending(command)
+            self._tokenize_waiting[command.klass].append(req)
             self._demand = True
-            if self.worker is not None and not self.worker.dead:
-                self._frames.append(self._tokenize_frame(req, pending))
+            self._send_tokenizes()
             self._note_cpu()
 
     def _reserve(self, job: Job) -> None:
@@ -377,9 +387,30 @@ class Scheduler:
         self._reserved[klass] -= 1
         return True
 
+    def _send_tokenizes(self) -> None:
+        """Queue frames for the waiting tokenizes and embeds the worker has room for,
+        the most urgent class first, in arrival order within a class."""
+        if self.worker is None or self.worker.dead:
+            return
+        for waiting in self._tokenize_waiting.values():
+            while waiting and self._tokenize_sent < TOKENIZE_IN_FLIGHT:
+                req = waiting.popleft()
+                pending = self._tokenize.get(req)
+                if pending is not None and not pending.sent:
+                    self._frames.append(self._tokenize_frame(req, pending))
+
+    def _tokenize_done(self, req: int) -> _Pending:
+        """``req`` is answered (or failed): it leaves, and the next waiting one may go."""
+        pending = self._tokenize.pop(req)
+        if pending.sent:
+            self._tokenize_sent -= 1
+            self._send_tokenizes()
+        return pending
+
     def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize | Embed:
         """The frame of a pending tokenize or embed request (they share ids and retries)."""
         pending.sent = True
+        self._tokenize_sent += 1
         pending.attempts += 1
         cmd = pending.command
         if isinstance(cmd, _Embed):
@@ -389,7 +420,7 @@ class Scheduler:
     def _fail_tokenizes(self, error: Unavailable, *, unsent_only: bool = False) -> None:
         for req, pending in list(self._tokenize.items()):
             if not (unsent_only and pending.sent):
-                del self._tokenize[req]
+                self._tokenize_done(req)
                 pending.command.reply.fail(error)
         self._note_cpu()
 
@@ -446,7 +477,7 @@ class Scheduler:
         self.unavailable = unavailable
         self.unavailable_code = code
         if worker is not None:  # tokenizes that waited for a worker go to this one
-            self._frames += [self._tokenize_frame(req, p) for req, p in self._tokenize.items() if not p.sent]
+            self._send_tokenizes()
 
     def _poke(self) -> None:
         """Wake the loop (the commit task failed a running job: its Cancel must go out)."""
@@ -468,6 +499,12 @@ class Scheduler:
                 del self._tokenize[req]
                 pending.command.reply.fail(Unavailable(f"model {self.name!r}: no worker could tokenize the "
                                                        f"request ({reason})"))
+        # every one left waits again, in its class's order
+        self._tokenize_sent = 0
+        for waiting in self._tokenize_waiting.values():
+            waiting.clear()
+        for req, pending in self._tokenize.items():
+            self._tokenize_waiting[pending.command.klass].append(req)
         self._frames.clear()
         for job in sorted(self.running.values(), key=lambda j: j.seq, reverse=True):
             job.lane = None
@@ -823,11 +860,11 @@ class Scheduler:
             if pending is not None:
                 pending.parts += event.vectors
                 if event.error:
-                    del self._tokenize[event.req]
+                    self._tokenize_done(event.req)
                     pending.command.reply.fail(EmbedRefused(event.error))
                     self._note_cpu()
                 elif not event.more:
-                    del self._tokenize[event.req]
+                    self._tokenize_done(event.req)
                     pending.command.reply.set((event.dim, pending.parts))
                     self._note_cpu()
         elif isinstance(event, Tokenized):
@@ -835,7 +872,7 @@ class Scheduler:
             if pending is not None:
                 pending.parts += event.tokens
                 if not event.more:
-                    del self._tokenize[event.req]
+                    self._tokenize_done(event.req)
                     pending.command.reply.set(pending.parts)
                     self._note_cpu()
 

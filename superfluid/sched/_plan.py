@@ -182,8 +182,10 @@ class Planner:
         still_live = [ln for ln in lanes if ln.lane not in preempts]
         any_prefill = any(ln.prefill_left > 0 for ln in still_live) or bool(admitted)
         any_decode = any(ln.prefill_left == 0 for ln in still_live) or bool(admitted)
-        # while a lane is free a newcomer may be admitted mid-tick: keep a prefill budget for it
-        budget = cfg.prefill_budget if any_prefill or (free > 0 and still_live) else 0
+        # while a lane runs, a newcomer may be admitted mid-tick (into a free lane, a lane its
+        # request left, or a preempted one): keep a prefill budget for it. (With every lane busy
+        # a tick had none: at 1,024 lanes a chat's prompt waited ~1 s for a tick planned after it.)
+        budget = cfg.prefill_budget if any_prefill or still_live else 0
         if budget and (remaining or any(ln.klass.preempts for ln in still_live)):
             if prefill_tok_s > 0:
                 by_time = int(prefill_tok_s * cfg.latency_prefill_s) // cfg.prefill_chunk * cfg.prefill_chunk

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import math
 import os
 import queue
 import signal
@@ -88,6 +89,18 @@ EXIT_ENGINE_STUCK = 4   # the exit status when the engine outlived the link's en
 # 1024: 141/88/59.
 BIG_STEP_MS = 4000
 BIG_STEP_MIN = 256
+# An agent lane's rows wait at least --agent-stream-interval-ms, and this much per open agent
+# lane, up to AGENT_HOLD_MAX_S (Worker._agent_due)
+AGENT_HOLD_PER_LANE_S = 0.001
+AGENT_HOLD_MAX_S = 1.0
+_GOLDEN = 0.6180339887498949
+
+
+class _Due:
+    """``send(..., lanes=DUE)``: the held rows whose wait is up go first (a tick's end)."""
+
+
+DUE = _Due()
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
@@ -133,11 +146,16 @@ class _Worker:
         # the most urgent Admit.priority that arrived since the engine last looked; a prefill
         # step of less urgent lanes is aborted when it drops below theirs
         self.arrived = NOTHING_ARRIVED
-        # token rows not sent yet (under write_lock), apart by how long they may wait:
-        # [0] lanes a person watches (interactive, completion), [1] agent and background lanes
-        self.holds = (hold_s, agent_hold_s)
-        self.held: list[list[list[Any]]] = [[], []]
-        self.held_since = [0.0, 0.0]
+        # token rows not sent yet (under write_lock), apart by how long they may wait: rows of
+        # lanes a person watches (interactive, completion) in one list, ``hold_s`` from the first;
+        # agent and background lanes' rows per lane, each lane until its own ``agent_due``
+        self.hold_s = hold_s
+        self.agent_hold_s = agent_hold_s
+        self.held: list[list[Any]] = []
+        self.held_since = 0.0
+        self.agent_rows: dict[int, list[list[Any]]] = {}
+        self.agent_due: dict[int, float] = {}
+        self.agent_next = math.inf   # the earliest agent_due
         self.agents: set[int] = set()     # open lanes of the agent and background classes
         self.fresh: set[int] = set()      # lanes admitted that have not emitted a token yet
         self.queued_ticks: collections.deque[Tick] = collections.deque()
@@ -145,12 +163,14 @@ class _Worker:
 
     # -- the link (either thread) --------------------------------------------------
 
-    def send(self, event: Any, *, lanes: tuple[int, ...] | None = None) -> None:
+    def send(self, event: Any, *, lanes: tuple[int, ...] | None | _Due = None) -> None:
         """Encode and write one frame, after held token rows (order is kept):
-        all of them, or (``lanes``) only those of the lanes the frame is
-        about; blocks while the pipe is full. ``Admitted`` and ``Tokenized``
-        take none: they arrive once per request, and at 256 lanes flushing on
-        each of them sent ~4 tokens a chunk instead of a hold's worth."""
+        all of them, only those of the lanes the frame is about (``lanes``),
+        or (``DUE``, a tick's end) those whose wait is up: every watched lane's
+        and the agent lanes' whose own hold is over. ``Admitted`` and
+        ``Tokenized`` take none: they arrive once per request, and at 256
+        lanes flushing on each of them sent ~4 tokens a chunk instead of a
+        hold's worth."""
         with self.write_lock:
             self._write([*self._take_held(lanes), event])
 
@@ -161,10 +181,11 @@ class _Worker:
         Every frame wakes the daemon, and every chunk wakes a client; on two
         cores their Python (~1 ms for a round of 8 one-token chunks, the
         client's as much again) lands on the engine's critical path. So rows
-        wait up to ``hold_s`` (``--stream-interval-ms``) to go out together,
-        and rows of agent and background lanes, read by programs rather
-        than people, up to ``agent_hold_s`` (``--agent-stream-interval-ms``);
-        each class goes out when its own wait is up, without the other's.
+        wait up to ``hold_s`` (``--stream-interval-ms``) to go out together.
+        Rows of agent and background lanes, read by programs rather than
+        people, wait per lane (see ``_agent_due``): at least ``agent_hold_s``
+        (``--agent-stream-interval-ms``), longer with many such lanes, and the
+        lanes' waits end spread over the hold, not all in one frame.
         A lane's first token after its admission and a lane's last token go
         at once, with that lane's held rows (time to first text and the end of
         a request never wait); the other lanes' rows keep waiting: flushing
@@ -175,12 +196,21 @@ class _Worker:
         now = time.monotonic()
         with self.write_lock:
             urgent: set[int] = set()
+            agents, agent_rows = self.agents, self.agent_rows
             for row in rows:
                 lane = row[0]
-                kind = int(lane in self.agents)
-                if not self.held[kind]:
-                    self.held_since[kind] = now
-                self.held[kind].append(row)
+                if lane in agents:
+                    mine = agent_rows.get(lane)
+                    if mine is None:
+                        agent_rows[lane] = [row]
+                        due = self.agent_due[lane] = self._agent_due(lane, now)
+                        self.agent_next = min(self.agent_next, due)
+                    else:
+                        mine.append(row)
+                else:
+                    if not self.held:
+                        self.held_since = now
+                    self.held.append(row)
                 if lane in self.fresh:
                     urgent.add(lane)
                     if row[2]:  # the first token with text: an end-of-generation piece shows nothing
@@ -188,36 +218,78 @@ class _Worker:
                 if row[3] is not None:
                     urgent.add(lane)
                     self.fresh.discard(lane)
-                    self.agents.discard(lane)
+                    agents.discard(lane)
             if hold:
                 return
             out: list[Any] = []
-            for k in (0, 1):
-                held = self.held[k]
-                if not held:
-                    continue
-                if now - self.held_since[k] >= self.holds[k]:
-                    out += held
-                    self.held[k] = []
+            if self.held:
+                if now - self.held_since >= self.hold_s:
+                    out, self.held = self.held, []
                 elif urgent:
                     keep = []
-                    for row in held:
+                    for row in self.held:
                         (out if row[0] in urgent else keep).append(row)
-                    self.held[k] = keep  # held_since stays: the rest may go a little early, never late
+                    self.held = keep  # held_since stays: the rest may go a little early, never late
+            if agent_rows:
+                for lane in urgent:
+                    if lane in agent_rows:
+                        out += self._pop_agent(lane)
+                out += self._agents_due(now)
             if out:
                 self._write([Emit(items=out)])
 
-    def _take_held(self, lanes: tuple[int, ...] | None = None) -> list[Any]:
-        if not (self.held[0] or self.held[1]):
+    def _agent_due(self, lane: int, now: float) -> float:
+        """When an agent lane's rows held from ``now`` go out. The hold is ``agent_hold_s``,
+        growing by AGENT_HOLD_PER_LANE_S a lane up to AGENT_HOLD_MAX_S: each chunk costs
+        the daemon a wake-up of the request's stream (~0.4 ms of its Python all told), and at
+        1,024 lanes a 100 ms hold made ~1,600 chunks a second, each of 5-6 tokens. Each lane
+        ends its wait at its own phase of the hold (lane ids spread by the golden ratio), so a
+        frame carries a slice of the lanes rather than all of them at once: a new request's
+        steps are not queued behind a thousand streams' wake-ups at the same moment."""
+        hold = self.agent_hold_s
+        if hold <= 0:
+            return now
+        hold = max(hold, min(AGENT_HOLD_MAX_S, len(self.agents) * AGENT_HOLD_PER_LANE_S))
+        phase = (now / hold + lane * _GOLDEN) % 1.0
+        return now + (1.0 - phase) * hold
+
+    def _pop_agent(self, lane: int) -> list[list[Any]]:
+        self.agent_due.pop(lane, None)
+        return self.agent_rows.pop(lane, [])
+
+    def _agents_due(self, now: float) -> list[list[Any]]:
+        if now < self.agent_next:
+            return []
+        out: list[list[Any]] = []
+        nxt = math.inf
+        for lane, due in list(self.agent_due.items()):
+            if due <= now:
+                out += self._pop_agent(lane)
+            elif due < nxt:
+                nxt = due
+        self.agent_next = nxt
+        return out
+
+    def _take_held(self, lanes: tuple[int, ...] | None | _Due = None) -> list[Any]:
+        if not (self.held or self.agent_rows):
             return []
         if lanes is None:
-            rows, self.held = [*self.held[0], *self.held[1]], [[], []]
+            rows = self.held
+            for mine in self.agent_rows.values():
+                rows += mine
+            self.held, self.agent_rows, self.agent_due, self.agent_next = [], {}, {}, math.inf
+        elif isinstance(lanes, _Due):
+            rows, self.held = self.held, []
+            if self.agent_rows:
+                rows += self._agents_due(time.monotonic())
         else:
-            rows = [row for k in (0, 1) for row in self.held[k] if row[0] in lanes]
-            if not rows:
-                return []
-            self.held = [[row for row in self.held[k] if row[0] not in lanes] for k in (0, 1)]
-        return [Emit(items=rows)]
+            rows = [row for row in self.held if row[0] in lanes]
+            if rows:
+                self.held = [row for row in self.held if row[0] not in lanes]
+            for lane in lanes:
+                if lane in self.agent_rows:
+                    rows += self._pop_agent(lane)
+        return [Emit(items=rows)] if rows else []
 
     def _write(self, events: list[Any]) -> None:
         with self.link_lock:
@@ -303,7 +375,8 @@ class _Worker:
                 # an Interrupt also voids ticks planned before the preemptor arrived
                 while self.queued_ticks:
                     stale = self.queued_ticks.popleft()
-                    self.send(TickDone(seq=stale.seq, interrupted=True, prefill_left=self.executor.prefill_left()))
+                    self.send(TickDone(seq=stale.seq, interrupted=True, prefill_left=self.executor.prefill_left()),
+                              lanes=DUE)
                 break
             lanes = self.executor.lanes.values()
             decoding = any(ln.decoding for ln in lanes)
@@ -354,7 +427,7 @@ class _Worker:
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
             kv_total=self.executor.pool_cells, aborted=aborted,
             spec=self.executor.gates.snapshot() if self.executor.gates is not None else {},
-        ))
+        ), lanes=DUE)
         return False
 
     def _step_cap(self, step_ms: int, *, floor: int = 64, ceiling: int = 2048) -> int:
@@ -383,6 +456,10 @@ class _Worker:
     def _answer_tokenize(self, event: Tokenize) -> None:
         for answer in self._tokenized(event):
             self.send(answer, lanes=())
+
+    def _write_answers(self, answers: list[Any]) -> None:
+        with self.write_lock:
+            self._write(answers)
 
     def _answer_embed(self, event: Embed) -> None:
         """Embed on this (a worker) thread: the engine's embedding context is its own, so
@@ -413,9 +490,13 @@ class _Worker:
         so Ticks and Cancels keep flowing to the engine meanwhile."""
         limiter = trio.CapacityLimiter(1)
         embed_limiter = trio.CapacityLimiter(1)  # one embedding batch at a time: it takes every core
+        answers: list[Any] = []   # short prompts' answers, written together once the frames read are done
         while True:
             with self.link_lock:
                 event = self.link.next_event()
+            if answers and not isinstance(event, Tokenize):
+                self._write_answers(answers)
+                answers = []
             if event is NEED_DATA:
                 data = await recv.receive_some(65536)
                 with self.link_lock:
@@ -427,9 +508,11 @@ class _Worker:
                 tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_tokenize, event,
                                                     limiter=limiter))
             elif isinstance(event, Tokenize):
-                # written from this thread: the daemon's reader always drains the pipe, so
-                # the write blocks at most briefly, and a hop to a thread costs more (~1 ms)
-                self._answer_tokenize(event)
+                # answered from this thread (a hop to a thread costs ~1 ms), and the answers to the
+                # tokenizes that arrived together in one write: the write waits for the lock while
+                # the engine thread writes its rows, and at 1,024 lanes one write per answer let
+                # ~500 tokenizes queue here (a chat's first token waited 0.5-1.4 s behind them)
+                answers += self._tokenized(event)
             elif isinstance(event, Embed):
                 tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_embed, event,
                                                     limiter=embed_limiter))
