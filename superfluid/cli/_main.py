@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {D.STREAM_INTERVAL_MS}; 0: every engine round)")
     s.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS,
                    help="the same for requests of the agent and background classes, which programs read "
-                        f"(default {D.AGENT_STREAM_INTERVAL_MS}): fewer chunks leave more CPU to the engine")
+                        f"(default {D.AGENT_STREAM_INTERVAL_MS}; 1 ms more per open agent lane, up to 1 s): "
+                        "fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
     s.add_argument("--drain-timeout", type=float, default=D.DRAIN_TIMEOUT_S,

@@ -252,6 +252,7 @@ class Scheduler:
         self._tokenize_sent = 0      # pendings with ``sent`` (at most TOKENIZE_IN_FLIGHT)
         self._places: dict[int, QosClass] = {}      # job id -> the class whose queue place it holds
         self._frames: list[Any] = []                # for the worker, sent with the loop's next write
+        self._stopping: list[Job] = []              # jobs stopped since the last write (their Cancels)
         self._demand = False
         self._prefill_rate = 0.0
         self.last_tick: dict[str, float] = {}
@@ -458,6 +459,7 @@ class Scheduler:
         if job.done or job.cancelled:
             return
         job.cancelled = True
+        self._stopping.append(job)
         if job.state is JobState.QUEUED:
             try:
                 self.queues[job.klass].remove(job)
@@ -730,8 +732,11 @@ class Scheduler:
     async def _send_cancels(self, worker: LinkHandle) -> None:
         """Send what commands left for the worker (tokenizes) and the Cancels of stopped jobs, in one write."""
         frames, self._frames = self._frames, []
-        for lane, job in list(self.running.items()):
-            if job.cancelled and not job.cancel_sent:
+        # the jobs stopped since (not every running job: 1,024 lanes twice a loop turn)
+        stopping, self._stopping = self._stopping, []
+        for job in stopping:
+            lane = job.lane
+            if lane is not None and self.running.get(lane) is job and not job.cancel_sent:
                 job.cancel_sent = True
                 frames.append(Cancel(lane=lane, publish=True))
         if frames:
@@ -1004,6 +1009,7 @@ class Scheduler:
             except ValueError:
                 pass
         job.cancelled = True
+        self._stopping.append(job)
         job.finish_with(error=error)
         self._poke()
 
