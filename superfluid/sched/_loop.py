@@ -423,6 +423,8 @@ class Scheduler:
             if not (unsent_only and pending.sent):
                 self._tokenize_done(req)
                 pending.command.reply.fail(error)
+        for klass, waiting in self._tokenize_waiting.items():   # no stale ids pile up meanwhile
+            self._tokenize_waiting[klass] = collections.deque(req for req in waiting if req in self._tokenize)
         self._note_cpu()
 
     async def idle(self, *, until_demand: bool = False) -> None:
