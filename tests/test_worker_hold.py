@@ -84,7 +84,8 @@ def test_agent_lanes_wait_longer_with_many_lanes_and_not_all_at_once() -> None:
     now = 1000.0
     worker.agents.update(range(1, 9))
     few = [worker._agent_due(lane, now) - now for lane in range(1, 9)]
-    assert all(0 < d <= 0.1 + 1e-9 for d in few)              # 8 lanes: the configured hold
+    assert all(0 < d <= 0.1 + 1e-9 for d in few)              # 8 lanes: the configured hold...
+    assert len({round(d, 6) for d in few}) == 1              # ...ending for all of them in one frame
     worker.agents.update(range(1, 1025))
     many = sorted(worker._agent_due(lane, now) - now for lane in range(1, 1025))
     assert 0 < many[0] and 0.9 < many[-1] <= AGENT_HOLD_MAX_S + 1e-9   # 1,024 lanes: up to a second

@@ -93,10 +93,12 @@ BIG_STEP_MIN = 256
 # lane, up to AGENT_HOLD_MAX_S (Worker._agent_due)
 AGENT_HOLD_PER_LANE_S = 0.001
 AGENT_HOLD_MAX_S = 1.0
-# the lanes' waits end at AGENT_HOLD_SLOTS phases of a hold rounded up to AGENT_HOLD_GRAIN_S, so
-# lanes share frames: a phase of its own per lane sent a frame a round, and at 64 lanes the daemon
-# paid more per frame (its commits) than the hold saved (32 -> 40 µs a token)
+# the lanes' waits end at one phase of a hold rounded up to AGENT_HOLD_GRAIN_S per
+# AGENT_HOLD_SLOT_LANES open agent lanes (at most AGENT_HOLD_SLOTS), so lanes share frames: a phase
+# of its own per lane sent a frame a round, and at 64 lanes the daemon paid more per frame (its
+# commits) than the hold saved (32 -> 40 µs a token)
 AGENT_HOLD_SLOTS = 4
+AGENT_HOLD_SLOT_LANES = 256
 AGENT_HOLD_GRAIN_S = 0.05
 _GOLDEN = 0.6180339887498949
 
@@ -248,15 +250,18 @@ class _Worker:
         growing by AGENT_HOLD_PER_LANE_S a lane up to AGENT_HOLD_MAX_S: each chunk costs
         the daemon a wake-up of the request's stream (~0.4 ms of its Python all told), and at
         1,024 lanes a 100 ms hold made ~1,600 chunks a second, each of 5-6 tokens. A lane ends
-        its wait at one of AGENT_HOLD_SLOTS phases of the hold (lane ids spread by the golden
-        ratio), so a frame carries a slice of the lanes rather than all of them at once: a new
-        request's steps are not queued behind a thousand streams' wake-ups at the same moment."""
+        its wait at one of up to AGENT_HOLD_SLOTS phases of the hold, one per 256 lanes (lane ids
+        spread by the golden ratio), so a frame carries at most a few hundred lanes' rows rather
+        than a thousand: a new request's steps are not queued behind a thousand streams'
+        wake-ups at the same moment."""
         hold = self.agent_hold_s
         if hold <= 0:
             return now
-        hold = max(hold, min(AGENT_HOLD_MAX_S, len(self.agents) * AGENT_HOLD_PER_LANE_S))
+        n = len(self.agents)
+        hold = max(hold, min(AGENT_HOLD_MAX_S, n * AGENT_HOLD_PER_LANE_S))
         hold = math.ceil(hold / AGENT_HOLD_GRAIN_S - 1e-9) * AGENT_HOLD_GRAIN_S
-        phase = int(lane * _GOLDEN % 1.0 * AGENT_HOLD_SLOTS) / AGENT_HOLD_SLOTS
+        slots = min(AGENT_HOLD_SLOTS, -(-n // AGENT_HOLD_SLOT_LANES)) or 1
+        phase = int(lane * _GOLDEN % 1.0 * slots) / slots
         return (math.floor(now / hold + phase) + 1 - phase) * hold
 
     def _pop_agent(self, lane: int) -> list[list[Any]]:
