@@ -461,7 +461,6 @@ class Scheduler:
         if job.done or job.cancelled:
             return
         job.cancelled = True
-        self._stopping.append(job)
         if job.state is JobState.QUEUED:
             try:
                 self.queues[job.klass].remove(job)
@@ -469,6 +468,8 @@ class Scheduler:
                 pass
             job.finish_with("cancelled")
             self._gauges()
+        elif job.lane is not None:
+            self._stopping.append(job)   # only jobs holding a lane: the list stays within the lanes
 
     unavailable: str | None = None
     unavailable_code = "worker_unavailable"
@@ -1011,7 +1012,8 @@ class Scheduler:
             except ValueError:
                 pass
         job.cancelled = True
-        self._stopping.append(job)
+        if job.lane is not None:
+            self._stopping.append(job)
         job.finish_with(error=error)
         self._poke()
 
