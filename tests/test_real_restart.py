@@ -1,6 +1,6 @@
 """A real-model daemon (SmolLM2-135M on llama.cpp) SIGKILLed mid-streams and
-restarted on the same sessions dir: each session resumes by id to the text an
-uninterrupted run gives, and resending the conversation gets the same reply."""
+restarted on the same sessions dir (``--deterministic``): each session resumes by id
+to the text an uninterrupted run gives, and resending the conversation gets the same reply."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
              "--sessions", str(sessions), "--max-batch", "4", "--max-context", "1024", "--log-level", "INFO",
              # one engine thread: llama.cpp's spinning thread barrier slows ~40x when its threads
              # share the cores with other busy processes (a parallel test, a CI neighbour)
-             "--threads", "1", "--agent-stream-interval-ms", "40"],
+             "--threads", "1", "--agent-stream-interval-ms", "40",
+             # identity across a restart is promised only in deterministic mode (SPEC §5
+             # "Determinism"): without it a row's logits depend on its batch neighbours, and the
+             # head (4 lanes) and the reference (8 requests) ran in different batches
+             "--deterministic"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
