@@ -22,6 +22,7 @@ from superfluid.proto import Admit, Sampling
 from superfluid.worker._executor import PREFILL_CHUNK, Executor, counter_seed
 from superfluid.worker._hostcache import HOST_MIN_TOKENS
 from superfluid.worker._mock import N_VOCAB, WORD0, MockEngine
+from superfluid.worker._prefix import BLOCK, chain
 
 N_CTX = 800
 SPEC = f"mock?step_ms=0&prefill_us=0&n_ctx={N_CTX}&eos_every=24"
@@ -91,8 +92,27 @@ def check_invariants(ex: Executor) -> None:
         assert len(ln.tokens) < ex.info.n_ctx_seq
     for i, slot in enumerate(ex.slots):
         assert engine.kv[i] == slot.tokens, f"seq {i}: the engine's KV and the executor's record differ"
+    check_index(ex)
     assert ex.kv_used() == sum(ln.n_past for ln in ex.lanes.values())
     assert ex.prefill_left() == {t: ln.pending if ln.pending > 1 else 0 for t, ln in ex.lanes.items()}
+
+
+def check_index(ex: Executor) -> None:
+    """The admission's bookkeeping says what the slots say: free and live sequences, and
+    each sequence's block chain in the prefix index (and nothing else in it)."""
+    assert ex._free == [i for i, slot in enumerate(ex.slots) if slot.owner is None]
+    assert ex._free_set == set(ex._free) and ex._live == {i for i, s in enumerate(ex.slots) if s.owner is not None}
+    if ex.index is None:
+        return
+    members: dict[int, set[int]] = {}
+    for i, slot in enumerate(ex.slots):
+        want = chain(slot.tokens, slot.size // BLOCK, slot.salt)
+        assert ex.index.chain_of(i) == want, f"seq {i}: its index chain is stale"
+        assert i in ex.index.salted(slot.salt)
+        for h in want:
+            members.setdefault(h, set()).add(i)
+    assert {h: ex.index.members(h) for h in members} == members
+    assert ex.index.sizes() == (len(members), sum(map(len, members.values()))), "the index holds stale nodes"
 
 
 # ---- deterministic properties -------------------------------------------------------------
@@ -282,8 +302,14 @@ class ExecutorMachine(RuleBasedStateMachine):
     def _open(self, track: Track) -> None:
         tag = self.next_tag
         self.next_tag += 1
-        lane = self.ex.admit(make_admit(tag, track.prompt, generated_tokens(track.rows),
-                                        max_new=track.max_new, sampling=track.sampling))
+        msg = make_admit(tag, track.prompt, generated_tokens(track.rows), max_new=track.max_new,
+                         sampling=track.sampling)
+        tokens = list(msg.tokens)
+        for recent in (0, len(self.ex._live), 2 * MAX_LANES):
+            # the prefix index chooses what asking every sequence chooses
+            assert self.ex._pick_indexed(tokens, len(tokens) - 1, "", recent) == self.ex._pick_scan(
+                tokens, len(tokens) - 1, "", recent)
+        lane = self.ex.admit(msg)
         assert lane.cached <= len(track.prompt)
         self.tracks[tag] = track
 
@@ -425,7 +451,7 @@ def test_a_short_prefix_is_copied_by_state_and_a_long_one_by_seq_cp() -> None:
         ex = Executor(MockEngine(SPEC, n_seq=4), max_lanes=2)
         ex.admit(make_admit(0, words(*range(30, 45)), max_new=40))   # lives on sequence 0 throughout
         ex.step(prefill_budget=4096)
-        ex.slots[3].tokens = prompt[:-1]                             # a cached copy, out of the span
+        ex._set_held(3, prompt[:-1])                                 # a cached copy, out of the span
         ex.engine.kv[3] = prompt[:-1]
         lane = ex.admit(make_admit(1, prompt, max_new=3))
         assert lane.seq == 1 and lane.cached == len(prompt) - 1
@@ -474,11 +500,12 @@ def test_a_new_lane_keeps_the_live_sequences_compact() -> None:
     ex = Executor(MockEngine(SPEC, n_seq=8), max_lanes=4)
     prompt = words(*range(30))
     for seq, owner in ((0, 100), (3, 101)):
-        ex.slots[seq].owner = owner
-    ex.slots[5].tokens = prompt[:20]          # a cached prefix outside the live lanes
-    ex.slots[2].tokens = prompt[:2]
+        ex._own(seq, owner, None)
+    ex._set_held(5, prompt[:20])              # a cached prefix outside the live lanes
+    ex._set_held(2, prompt[:2])
     assert ex._pick_slot(prompt) == (2, 20, 5)
-    ex.slots[0].owner = ex.slots[3].owner = None
+    ex._disown(0)
+    ex._disown(3)
     assert ex._pick_slot(prompt) == (5, 20, None)  # nothing live: the best match, in place
 
 

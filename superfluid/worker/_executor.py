@@ -37,8 +37,10 @@ not depend on the other rows of a batch; see ``LlamaEngine``):
 
 from __future__ import annotations
 
+import bisect
 import collections
 import hashlib
+import heapq
 import math
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +50,7 @@ import attrs
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
+from ._prefix import BLOCK, BlockIndex, chain
 from ..proto import SpecConfig
 from ._spec import PLAIN, Gates, LaneSpec
 
@@ -112,11 +115,44 @@ class StepResult:
 
 @attrs.define(eq=False)
 class _Slot:
-    tokens: list[int] = attrs.field(factory=list)   # what the sequence's KV holds
+    held: list[int] = attrs.field(factory=list)     # what the sequence's KV holds while no lane owns it
     owner: int | None = None                         # lane tag, or None if cached/free
+    lane: Lane | None = None                         # the owner: its KV holds lane.tokens[:lane.n_past]
     last_use: int = 0
     salt: str = ""                                   # the cache partition its KV was computed under
     exact: int = 1 << 62                             # deterministic: leading tokens in whole grid cells
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the sequence's KV holds (a copy while a lane owns it: read it rarely)."""
+        return self.lane.tokens[: self.lane.n_past] if self.lane is not None else self.held
+
+    @property
+    def size(self) -> int:
+        return self.lane.n_past if self.lane is not None else len(self.held)
+
+    def view(self) -> tuple[list[int], int]:
+        """(a list whose first ``n`` tokens are what the KV holds, ``n``), without a copy."""
+        return (self.lane.tokens, self.lane.n_past) if self.lane is not None else (self.held, len(self.held))
+
+
+class _WindowMax:
+    """The largest of the last ``size`` values pushed, in O(1) amortized a push."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._n = 0
+        self._q: collections.deque[tuple[int, int]] = collections.deque()   # (push number, value), values falling
+
+    def push(self, value: int) -> int:
+        q = self._q
+        while q and q[-1][1] <= value:
+            q.pop()
+        q.append((self._n, value))
+        if q[0][0] <= self._n - self.size:
+            q.popleft()
+        self._n += 1
+        return q[0][1]
 
 
 def counter_seed(seed: int, k: int) -> int:
@@ -144,7 +180,16 @@ class Executor:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "aborted": 0, "demoted": 0,
                       "state_copies": 0}
         self.host = HostCache(host_cache_bytes)
-        self._recent_live: collections.deque[int] = collections.deque(maxlen=2 * self.max_lanes)
+        self._recent_live = _WindowMax(2 * self.max_lanes)
+        # per-sequence KV: free sequences in order, and the prefix index admissions search
+        # (deterministic mode's whole-cell matches keep the plain scan)
+        self._free: list[int] = list(range(len(self.slots)))
+        self._free_set: set[int] = set(self._free)
+        self._live: set[int] = set()
+        self.index = None if self.shared or deterministic else BlockIndex(len(self.slots))
+        # free sequences by (holds tokens, last use): the demotion's spare is the smallest; entries
+        # go stale when the sequence changes and are dropped when met (a rebuild bounds the heap)
+        self._spare_heap: list[tuple[bool, int, int]] = [(False, 0, i) for i in range(len(self.slots))]
         # prompt-lookup speculation (worker/_spec.py); the caller has checked the engine drafts
         if speculate is not None and (deterministic or engine.drafts is not True):
             raise ValueError("prompt-lookup needs a non-deterministic executor over an engine that drafts")
@@ -175,13 +220,14 @@ class Executor:
             matched = imported
         elif src is not None and src != seq:
             self._copy(src, seq, matched)
-        elif matched < len(slot.tokens):
+        elif matched < slot.size:
             if not self.engine.seq_rm(seq, matched, -1):
                 self.engine.seq_rm(seq, 0, -1)
                 matched = 0
-        slot.tokens = tokens[:matched]
+        slot.held = []
         slot.salt = msg.cache_salt
-        slot.owner = msg.lane
+        if self.index is not None:
+            self.index.set(seq, tokens, matched, msg.cache_salt)
         slot.exact = self._cells(msg.n_prompt) if self.deterministic else _Slot.exact
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
@@ -191,6 +237,7 @@ class Executor:
         )
         if self.gates is not None:
             self.gates.admitted()
+        self._own(seq, msg.lane, lane)
         self.lanes[msg.lane] = lane
         self.stats["cached_tokens"] += lane.cached
         return lane
@@ -221,25 +268,14 @@ class Executor:
         """
         limit = len(tokens) - 1  # always decode at least one token for logits
         if self.info.kv_layout == "per_seq":
-            free = [i for i, slot in enumerate(self.slots) if slot.owner is None]
-            if not free:
+            if not self._free:
                 raise ValueError("no free KV sequence")
-            live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
-            self._recent_live.append(len(live))
-            matches = [self._reusable(slot, tokens, limit, salt) for slot in self.slots]
-            # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
-            # copy of a better match once (0.4-10 ms, by its length and the machine's load)
-            # the span with i added, from the live span's ends (a span per free sequence over
-            # every live one was a quarter of the worker's time admitting at 256 lanes)
-            lo, hi = (min(live), max(live)) if live else (None, None)
-            spans = {i: 1 if lo is None else max(hi, i) - min(lo, i) + 1 for i in free}
-            bound = max(min(spans.values()), 1 + max(self._recent_live))
-            allowed = [i for i in free if spans[i] <= bound]
-            target = max(allowed, key=lambda i: (matches[i], -spans[i], -i))
-            best = max(range(len(self.slots)), key=lambda i: (matches[i], i == target))
-            if best != target and matches[best] - matches[target] >= MIN_COPY:
-                return target, matches[best], best
-            return target, matches[target], None
+            recent = self._recent_live.push(len(self._live))
+            if self.index is not None:
+                picked = self._pick_indexed(tokens, limit, salt, recent)
+                if picked is not None:
+                    return picked
+            return self._pick_scan(tokens, limit, salt, recent)
         best_free: tuple[int, int] | None = None   # (tokens reusable, -last_use)
         free_seq = -1
         for i, slot in enumerate(self.slots):
@@ -254,6 +290,119 @@ class Executor:
             raise ValueError("no free KV sequence")
         return free_seq, best_free[0], None
 
+    def _pick_scan(self, tokens: list[int], limit: int, salt: str, recent: int) -> tuple[int, int, int | None]:
+        """``_pick_slot`` by asking every sequence (the rule's plain statement;
+        deterministic mode, and the index's fallback when hashes collided)."""
+        free = [i for i, slot in enumerate(self.slots) if slot.owner is None]
+        live = [i for i, slot in enumerate(self.slots) if slot.owner is not None]
+        matches = [self._reusable(slot, tokens, limit, salt) for slot in self.slots]
+        # A wider span costs every decode round (~2 ms per extra sequence at 4 lanes), a
+        # copy of a better match once (0.4-10 ms, by its length and the machine's load)
+        # the span with i added, from the live span's ends (a span per free sequence over
+        # every live one was a quarter of the worker's time admitting at 256 lanes)
+        lo, hi = (min(live), max(live)) if live else (None, None)
+        spans = {i: 1 if lo is None else max(hi, i) - min(lo, i) + 1 for i in free}
+        bound = max(min(spans.values()), 1 + recent)
+        allowed = [i for i in free if spans[i] <= bound]
+        target = max(allowed, key=lambda i: (matches[i], -spans[i], -i))
+        best = max(range(len(self.slots)), key=lambda i: (matches[i], i == target))
+        if best != target and matches[best] - matches[target] >= MIN_COPY:
+            return target, matches[best], best
+        return target, matches[target], None
+
+    def _pick_indexed(self, tokens: list[int], limit: int, salt: str,
+                      recent: int) -> tuple[int, int, int | None] | None:
+        """``_pick_scan``'s choice from the prefix index (``_prefix.py``): only the
+        sequences at the deepest block level a free one reaches are compared, so an
+        admission costs about its prompt's length, not the number of sequences.
+        None if a hash collision made the index's answer wrong (the caller scans)."""
+        fs, index = self._free, self.index
+        assert index is not None
+        if self._live:
+            lo, hi = min(self._live), max(self._live)
+            j = bisect.bisect_left(fs, lo)
+            if j < len(fs) and fs[j] <= hi:
+                min_span = hi - lo + 1
+            else:
+                min_span = min(hi - fs[j - 1] + 1 if j else 1 << 62, fs[j] - lo + 1 if j < len(fs) else 1 << 62)
+            bound = max(min_span, 1 + recent)
+            # span(i) <= bound exactly for i in [hi - bound + 1, lo + bound - 1]
+            allowed = fs[bisect.bisect_left(fs, hi - bound + 1):bisect.bisect_right(fs, lo + bound - 1)]
+
+            def span(i: int) -> int:
+                return hi - lo + 1 if lo <= i <= hi else (hi - i + 1 if i < lo else i - lo + 1)
+        else:
+            lo = hi = -1
+            allowed = fs
+
+            def span(i: int) -> int:
+                return 1
+        within = self._free_set if len(allowed) == len(fs) else set(allowed)
+
+        def first(cands: set[int] | list[int]) -> int:
+            """The candidate the rule prefers at equal matches: smallest span, then number
+            (inside the live span every span is the same; outside it grows with the distance)."""
+            order = allowed if len(cands) == len(allowed) else sorted(cands)
+            if lo < 0:
+                return order[0]
+            j = bisect.bisect_left(order, lo)
+            if j < len(order) and order[j] <= hi:
+                return order[j]
+            below = order[j - 1] if j else None
+            above = order[j] if j < len(order) else None
+            if below is None or (above is not None and span(above) < span(below)):
+                assert above is not None
+                return above
+            return below
+
+        def match(i: int, start: int) -> int:
+            a, n = self.slots[i].view()
+            return common_prefix(a, tokens, min(limit, n), start)
+
+        def verified(i: int, start: int) -> bool:
+            a, _n = self.slots[i].view()
+            return self.slots[i].salt == salt and a[:start] == tokens[:start]
+
+        q = chain(tokens, limit // BLOCK, salt)
+        salted = index.salted(salt)
+        level = 0
+        if salted.isdisjoint(within):
+            target, m_target = first(allowed), 0   # no allowed sequence shares the salt
+        else:
+            level = index.deepest(q, 0, within)
+            start = level * BLOCK
+            cands = (index.members(q[level - 1]) if level else salted) & within
+            cap = limit if level == len(q) else min(limit, start + BLOCK - 1)
+            target = first(cands)
+            m_target = match(target, start)
+            if m_target < cap:
+                m_target, _s, neg = max((match(i, start), -span(i), -i) for i in cands)
+                target = -neg
+            if not verified(target, start):
+                return None
+            if m_target == 0:
+                target = first(allowed)   # nothing of the prompt is held where allowed: the tie-break decides
+        if not salted:
+            return target, m_target, None
+        # a copy source: a sequence (free or a live lane's) holding MIN_COPY more tokens; (a
+        # collision at the top level can hide one, which costs a copy's saving, never a wrong reuse)
+        top = index.deepest(q, level)
+        top_start = top * BLOCK
+        top_cap = limit if top == len(q) else min(limit, top_start + BLOCK - 1)
+        if top_cap - m_target < MIN_COPY:
+            return target, m_target, None
+        members = index.members(q[top - 1]) if top else salted
+        best, m_best = target, m_target
+        for i in sorted(members):
+            m = match(i, top_start)
+            if m > m_best:
+                best, m_best = i, m
+        if best == target or m_best - m_target < MIN_COPY:
+            return target, m_target, None
+        if not verified(best, top_start):
+            return None
+        return target, m_best, best
+
     def _cells(self, n: int) -> int:
         """``n`` rounded down to whole grid cells."""
         return n // GRID * GRID
@@ -264,7 +413,8 @@ class Executor:
         its own prompt filled."""
         if slot.salt != salt:
             return 0
-        n = common_prefix(slot.tokens, tokens, limit)
+        held, size = slot.view()
+        n = common_prefix(held, tokens, min(limit, size))
         return self._cells(min(n, slot.exact)) if self.deterministic else n
 
     # -- keeping what a new lane overwrites ------------------------------------------
@@ -283,24 +433,56 @@ class Executor:
         if len(slot.tokens) - keep <= 0 or self._held_elsewhere(seq):
             return
         if not self.shared and len(slot.tokens) - keep >= DEMOTE_MIN:
-            spares = [i for i, other in enumerate(self.slots) if other.owner is None and i not in (seq, src)
-                      and (not other.tokens or other.last_use < slot.last_use)]
-            if spares:
-                spare = min(spares, key=lambda i: (bool(self.slots[i].tokens), self.slots[i].last_use))
+            slots = self.slots
+            spare = self._spare(seq, src)
+            if spare is not None and (not slots[spare].held or slots[spare].last_use < slot.last_use):
                 self._spill(spare, keep=0)
                 self.engine.seq_rm(spare, 0, -1)
                 self.engine.seq_cp(seq, spare, 0, -1)
-                self.slots[spare].tokens, self.slots[spare].last_use = list(slot.tokens), slot.last_use
-                self.slots[spare].salt = slot.salt
-                self.slots[spare].exact = slot.exact
+                slots[spare].held, slots[spare].last_use = list(slot.held), slot.last_use
+                slots[spare].salt = slot.salt
+                slots[spare].exact = slot.exact
+                if self.index is not None:
+                    self.index.copy(seq, spare)
+                self._note_free(spare)
                 self.stats["demoted"] += 1
                 return
         self._spill(seq, keep=keep)
 
+    def _spare(self, seq: int, src: int | None) -> int | None:
+        """The free sequence other than ``seq`` and ``src`` that is empty, else least
+        recently used (ties: the lowest number); None if there is none."""
+        heap, slots = self._spare_heap, self.slots
+        skipped = []
+        found = None
+        while heap:
+            held, last_use, i = heap[0]
+            s = slots[i]
+            if s.owner is not None or bool(s.held) != held or s.last_use != last_use:
+                heapq.heappop(heap)   # stale: the sequence changed since
+            elif i == seq or i == src:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = i
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _note_free(self, seq: int) -> None:
+        """Free ``seq``'s (holds tokens, last use) changed: a new heap entry."""
+        if self.shared:
+            return
+        s = self.slots[seq]
+        heapq.heappush(self._spare_heap, (bool(s.held), s.last_use, seq))
+        if len(self._spare_heap) > 4 * len(self.slots) + 64:
+            self._spare_heap = [(bool(self.slots[i].held), self.slots[i].last_use, i) for i in self._free]
+            heapq.heapify(self._spare_heap)
+
     def _copy(self, src: int, dst: int, n: int) -> None:
         """Make ``dst`` hold ``src``'s first ``n`` tokens (per-sequence KV)."""
         self.engine.seq_rm(dst, 0, -1)
-        held = len(self.slots[src].tokens)
+        held = self.slots[src].size
         if held <= STATE_COPY_MAX:
             data = self.engine.seq_export(src)
             if data and self.engine.seq_import(dst, data):
@@ -312,14 +494,26 @@ class Executor:
         self.engine.seq_cp(src, dst, 0, n)
 
     def _held_elsewhere(self, seq: int) -> bool:
-        tokens, salt = self.slots[seq].tokens, self.slots[seq].salt
+        """Another sequence of the same salt holds all of ``seq``'s (free) tokens."""
+        tokens, salt = self.slots[seq].held, self.slots[seq].salt
         n = len(tokens)
         if not n:
             return any(i != seq and other.salt == salt for i, other in enumerate(self.slots))
         last = tokens[-1]
+        if self.index is not None:
+            # only the sequences sharing seq's whole blocks can hold it all
+            k = n // BLOCK
+            others = sorted(self.index.members(self.index.chain_of(seq)[k - 1]) if k else self.index.salted(salt))
+        else:
+            others = range(len(self.slots))
         # the length and the last token first: most sequences differ there, at no slice's cost
-        return any(i != seq and len(other.tokens) >= n and other.tokens[n - 1] == last and other.salt == salt
-                   and common_prefix(other.tokens, tokens, n) == n for i, other in enumerate(self.slots))
+        for i in others:
+            if i == seq:
+                continue
+            other, size = self.slots[i].view()
+            if size >= n and other[n - 1] == last and self.slots[i].salt == salt and common_prefix(other, tokens, n) == n:
+                return True
+        return False
 
     def _spill(self, seq: int, *, keep: int) -> None:
         """``seq``'s cached tokens past ``keep`` are about to be overwritten:
@@ -345,7 +539,7 @@ class Executor:
         key, n = found
         entry = self.host.take(key)
         self.engine.seq_rm(seq, 0, -1)
-        self.slots[seq].tokens = []
+        self._set_held(seq, [])
         self._make_room(len(entry.tokens))
         if not self.engine.seq_import(seq, entry.data):
             self.engine.seq_rm(seq, 0, -1)
@@ -365,7 +559,7 @@ class Executor:
     def _release(self, lane: Lane, *, publish: bool) -> None:
         lane.sampler.close()
         slot = self.slots[lane.seq]
-        slot.owner = None
+        self._disown(lane.seq)
         self._clock += 1
         slot.last_use = self._clock
         keep = lane.n_past
@@ -375,11 +569,42 @@ class Executor:
             if keep < lane.n_past and (self.shared or not self.engine.seq_rm(lane.seq, keep, -1)):
                 publish = False  # a shared pool cannot drop a suffix
         if publish:
-            slot.tokens = lane.tokens[:keep]
-            slot.exact = len(slot.tokens) if self.deterministic else _Slot.exact
+            slot.held = lane.tokens[:keep]
+            slot.exact = len(slot.held) if self.deterministic else _Slot.exact
         else:
             self.engine.seq_rm(lane.seq, 0, -1)
-            slot.tokens = []
+            slot.held = []
+        if self.index is not None:
+            self.index.truncate(lane.seq, len(slot.held))
+        self._note_free(lane.seq)
+
+    def _own(self, seq: int, tag: int, lane: Lane | None) -> None:
+        """Lane ``tag`` owns free ``seq`` (``lane`` None: a test's stand-in holding ``held``)."""
+        slot = self.slots[seq]
+        slot.owner, slot.lane = tag, lane
+        self._free.pop(bisect.bisect_left(self._free, seq))
+        self._free_set.discard(seq)
+        self._live.add(seq)
+
+    def _disown(self, seq: int) -> None:
+        slot = self.slots[seq]
+        slot.owner = slot.lane = None
+        bisect.insort(self._free, seq)
+        self._free_set.add(seq)
+        self._live.discard(seq)
+
+    def _set_held(self, seq: int, tokens: list[int]) -> None:
+        """Free ``seq`` now holds ``tokens``."""
+        self.slots[seq].held = tokens
+        if self.index is not None:
+            self.index.set(seq, tokens, len(tokens), self.slots[seq].salt)
+        if self.slots[seq].owner is None:
+            self._note_free(seq)
+
+    def _grew(self, ln: Lane) -> None:
+        """``ln``'s KV grew to ``ln.n_past`` tokens: its new whole blocks join the index."""
+        if self.index is not None:
+            self.index.grow(ln.seq, ln.tokens, ln.n_past)
 
     def prefill_left(self) -> dict[int, int]:
         """Prompt tokens left per open lane (0 once decoding). A lane missing
@@ -387,7 +612,7 @@ class Executor:
         return {t: ln.prefill_end - ln.n_past if ln.prefilling else 0 for t, ln in self.lanes.items()}
 
     def kv_used(self) -> int:
-        return sum(len(s.tokens) for s in self.slots if s.owner is not None)
+        return sum(ln.n_past for ln in self.lanes.values())
 
     def _cell(self, ln: Lane) -> int:
         """Deterministic mode: the prompt tokens of ``ln``'s next grid cell."""
@@ -406,16 +631,16 @@ class Executor:
         the pool holds max_batch windows)."""
         if not self.shared:
             return
-        used = sum(len(s.tokens) for s in self.slots)
-        cached = sorted((s for s in self.slots if s.owner is None and s.tokens), key=lambda s: s.last_use)
+        used = sum(s.size for s in self.slots)
+        cached = sorted((s for s in self.slots if s.owner is None and s.held), key=lambda s: s.last_use)
         for slot in cached:
             if used + cells <= self.pool_cells:
                 return
-            used -= len(slot.tokens)
+            used -= len(slot.held)
             seq = self.slots.index(slot)
             self._spill(seq, keep=0)
             self.engine.seq_rm(seq, 0, -1)
-            slot.tokens = []
+            self._set_held(seq, [])
 
     # -- one engine step -------------------------------------------------------
 
@@ -512,7 +737,7 @@ class Executor:
         self.stats["steps"] += 1
         for row, ln, out, decoding in zip(rows, owners, outs, is_decode, strict=True):
             ln.n_past += len(row.tokens)
-            self.slots[ln.seq].tokens = ln.tokens[: ln.n_past]
+            self._grew(ln)
             if decoding:
                 res.decode_tokens += 1
             else:
@@ -579,7 +804,7 @@ class Executor:
         for row, ln, out in zip(rows, owners, outs, strict=True):
             if not depth:
                 ln.n_past += 1
-                self.slots[ln.seq].tokens = ln.tokens[: ln.n_past]
+                self._grew(ln)
                 res.decode_tokens += 1
                 emitted += self._sample_into(res, ln, out)
                 continue
@@ -600,7 +825,7 @@ class Executor:
             ln.n_past = valid
             if valid < start + len(row.tokens):
                 self.engine.seq_rm(ln.seq, valid, -1)
-            self.slots[ln.seq].tokens = ln.tokens[:valid]
+            self._grew(ln)
             res.decode_tokens += 1 + accepted
             if drafted and ln.spec is not None:
                 real = len(drafts[ln.lane])

@@ -99,13 +99,14 @@ def _covers(longer: list[int], shorter: list[int]) -> bool:
     return len(longer) >= len(shorter) and longer[: len(shorter)] == shorter
 
 
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens ``a`` and ``b`` share (at most ``limit``).
-    Slices compare in C: bisect over them, then finish the last few by hand."""
+def common_prefix(a: list[int], b: list[int], limit: int, start: int = 0) -> int:
+    """How many leading tokens ``a`` and ``b`` share (at most ``limit``), given
+    that they share the first ``start`` (not checked). Slices compare in C:
+    bisect over them, then finish the last few by hand."""
     n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:
+    if n <= start or a[start:n] == b[start:n]:
         return n
-    i, hi = 0, n   # a[:i] == b[:i]; a[:hi] != b[:hi]
+    i, hi = start, n   # a[:i] == b[:i]; a[:hi] != b[:hi]
     while hi - i > 32:
         mid = (i + hi) // 2
         if a[i:mid] == b[i:mid]:
