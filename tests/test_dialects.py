@@ -339,6 +339,8 @@ def _real_clients(url: str) -> None:
 async def test_every_client_on_the_real_model(nursery: trio.Nursery) -> None:
     from .test_real_daemon import real_config
 
-    d = await start_daemon(nursery, real_config(REAL_GGUF, "smol"))
+    # deterministic: each buffered reply is compared with the same request streamed, which finds the
+    # prompt warm in the prefix cache; only with --deterministic is that identical (SPEC.md §5)
+    d = await start_daemon(nursery, real_config(REAL_GGUF, "smol", deterministic=True))
     await trio.to_thread.run_sync(_real_clients, d.url)
     d.scope.cancel()

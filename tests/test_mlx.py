@@ -192,10 +192,10 @@ def test_mlx_greedy_agrees_with_llamacpp() -> None:
         llm.close()
 
 
-def mlx_config(*, max_batch: int = 2) -> ServeConfig:
+def mlx_config(*, max_batch: int = 2, deterministic: bool = False) -> ServeConfig:
     return ServeConfig(models=(ModelSource(spec=str(MLX_DIR), runtime="mlx", name="smol-mlx"),), port=0,
                        max_batch=max_batch, max_context=1024, planner=PlannerConfig(max_batch=max_batch),
-                       hang_timeout_s=300.0)
+                       hang_timeout_s=300.0, deterministic=deterministic)
 
 
 @pytest.mark.real(MLX_DIR)
@@ -243,7 +243,10 @@ async def test_mlx_serves_every_dialect() -> None:
 async def test_mlx_worker_kill_mid_stream_continues() -> None:
     body = {"model": "smol-mlx", "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
             "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with open_daemon(mlx_config(max_batch=1)) as d:
+    # deterministic: the respawned worker replays the committed tokens one per decode round, as they
+    # were first computed; without it they are re-prefilled in one pass, which rounds differently, and
+    # the rest is only a valid continuation (SPEC.md §5 "Determinism"), not the reference's text
+    async with open_daemon(mlx_config(max_batch=1, deterministic=True)) as d:
         async with d.client.stream("POST", "/v1/chat/completions", json=body, timeout=600) as r:
             ref = stream_text(await sse_events(r))
         killed = False
