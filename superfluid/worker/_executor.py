@@ -173,6 +173,8 @@ class Executor:
         self.lanes: dict[int, Lane] = {}
         self.shared = engine.info.kv_layout != "per_seq"
         self.aborts = bool(getattr(engine, "aborts", False))   # the engine can stop a pass midway
+        # an aborting engine's prefill step: its batch, which it runs as micro-batches (llama.cpp)
+        self.abortable_step = max(PREFILL_CHUNK, int(engine.info.extra.get("n_batch", 0)))
         # cells in the KV pool: one buffer per sequence, or one shared pool
         self.pool_cells = int(engine.info.extra.get("n_ctx", 0)) or engine.info.n_seq * engine.info.n_ctx_seq
         self._last_step_decoded = True
@@ -696,7 +698,7 @@ class Executor:
         elif prefill_lanes and budget > 0 and (not decoders or self._last_step_decoded):
             decode_rows = 0
             first = self._cell(prefill_lanes[0]) if self.deterministic else min(
-                prefill_lanes[0].pending, budget, PREFILL_CHUNK)
+                prefill_lanes[0].pending, budget)
             for ln in prefill_lanes:
                 if rows and len(rows) * first + first > budget:
                     break

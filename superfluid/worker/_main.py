@@ -82,9 +82,11 @@ AGENT_PRIORITY = 2      # Admit.priority of the agent class (QosClass.AGENT); ba
 NOTHING_ARRIVED = 1 << 30   # ``_Worker.arrived`` when no Admit came in
 EXIT_GRACE_ENV = "SUPERFLUID_WORKER_EXIT_GRACE_S"
 EXIT_ENGINE_STUCK = 4   # the exit status when the engine outlived the link's end by the grace
-# A prefill step's size when no more urgent lane is decoding: one 512-token micro-batch on an engine
-# that can abort a pass (a more urgent arrival stops it: Executor.step's ``arrived``), else about
-# BIG_STEP_MS of measured work, 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s
+# A prefill step's size when no more urgent lane is decoding: on an engine that can abort a pass (a
+# more urgent arrival stops it: Executor.step's ``arrived``) its batch (``Executor.abortable_step``:
+# llama.cpp's n_batch, 2,048 tokens in 512-token micro-batches, so a decode round comes between
+# 2,048 prompt tokens as in llama-server; others 512), else about BIG_STEP_MS of measured work,
+# 256-512 tokens. On SmolLM2, 2 cores (bench/chunk_shape.py), tokens/s
 # over positions 0-2k / 2k-4k / 4k-6k by chunk: 64: 142/81/46, 256: 163/93/62, 512: 169/92/64,
 # 1024: 141/88/59.
 BIG_STEP_MS = 4000
@@ -396,7 +398,7 @@ class _Worker:
                 break
             t_step = time.monotonic()
             # an engine that can abort a pass takes whole micro-batches: a more urgent arrival stops it
-            big_step = PREFILL_CHUNK if self.executor.aborts else self._step_cap(
+            big_step = self.executor.abortable_step if self.executor.aborts else self._step_cap(
                 BIG_STEP_MS, floor=BIG_STEP_MIN, ceiling=PREFILL_CHUNK)
             try:
                 res = self.executor.step(prefill_budget=budget if prefilling else 0, order=tick.prefill_lanes,
