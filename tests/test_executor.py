@@ -601,6 +601,20 @@ def test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes(decoding: in
     assert max(s.prefill_tokens for s in steps) == expected
 
 
+def test_an_aborting_engines_prefill_step_takes_its_whole_batch() -> None:
+    """On an engine that can abort a pass, a prefill step takes the engine's batch (llama.cpp's
+    n_batch, which it runs as 512-token micro-batches), not one micro-batch: a long prompt is cut
+    by a decode round every 2,048 tokens, as in llama-server, not every 512 (issue #18); an urgent
+    arrival still stops the step."""
+    engine = MockEngine(SPEC, n_seq=N_SEQ)
+    engine.info.extra["n_batch"] = 2048
+    ex = Executor(engine, max_lanes=MAX_LANES)
+    assert ex.aborts and ex.abortable_step == 2048 and make().abortable_step == PREFILL_CHUNK
+    ex.admit(make_admit(0, PROMPTS[2]))                       # 650 prompt tokens: one step
+    assert ex.step(prefill_budget=4096, max_step_tokens=ex.abortable_step).prefill_tokens == 650
+    check_invariants(ex)
+
+
 def test_a_chats_prompt_step_carries_no_agents_chunks() -> None:
     """A prefill step holds prompts of one class, the most urgent waiting: a chat's short
     prompt is not padded out with agents' equal-length chunks (each costs prefill time before
