@@ -42,7 +42,7 @@ import collections
 import hashlib
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -502,12 +502,11 @@ class Executor:
         if not n:
             return any(i != seq and other.salt == salt for i, other in enumerate(self.slots))
         last = tokens[-1]
+        others: Iterable[int] = range(len(self.slots))
         if self.index is not None:
             # only the sequences sharing seq's whole blocks can hold it all
             k = n // BLOCK
-            others = sorted(self.index.members(self.index.chain_of(seq)[k - 1]) if k else self.index.salted(salt))
-        else:
-            others = range(len(self.slots))
+            others = self.index.members(self.index.chain_of(seq)[k - 1]) if k else self.index.salted(salt)
         # the length and the last token first: most sequences differ there, at no slice's cost
         for i in others:
             if i == seq:

@@ -22,7 +22,7 @@ nodes past a shared system prompt belong to one conversation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 __all__ = ["BLOCK", "BlockIndex"]
 
@@ -57,11 +57,7 @@ class BlockIndex:
         old = self._chains[seq]
         if salt != self._salt[seq]:
             self._drop(seq, old, 0)
-            self._by_salt[self._salt[seq]].discard(seq)
-            if not self._by_salt[self._salt[seq]]:
-                del self._by_salt[self._salt[seq]]
-            self._salt[seq] = salt
-            self._by_salt.setdefault(salt, set()).add(seq)
+            self._move_salt(seq, salt)
             old = []
         # keep the old chain as far as its blocks are still the new tokens' (hash equal is
         # enough here: a collision only makes this sequence a candidate the caller checks)
@@ -97,14 +93,18 @@ class BlockIndex:
         self._drop(dst, self._chains[dst], 0)
         self._chains[dst] = []
         if self._salt[dst] != self._salt[src]:
-            self._by_salt[self._salt[dst]].discard(dst)
-            if not self._by_salt[self._salt[dst]]:
-                del self._by_salt[self._salt[dst]]
-            self._salt[dst] = self._salt[src]
-            self._by_salt.setdefault(self._salt[dst], set()).add(dst)
+            self._move_salt(dst, self._salt[src])
         for h in self._chains[src]:
             self._add(h, dst)
         self._chains[dst] = list(self._chains[src])
+
+    def _move_salt(self, seq: int, salt: str) -> None:
+        old = self._by_salt[self._salt[seq]]
+        old.discard(seq)
+        if not old:
+            del self._by_salt[self._salt[seq]]
+        self._salt[seq] = salt
+        self._by_salt.setdefault(salt, set()).add(seq)
 
     def _add(self, h: int, seq: int) -> None:
         cur = self._nodes.get(h)
@@ -171,7 +171,3 @@ class BlockIndex:
         """(nodes, memberships): for a memory check."""
         return len(self._nodes), sum(1 if isinstance(v, int) else len(v) for v in self._nodes.values())
 
-
-def level_members(index: BlockIndex, q: list[int], k: int, salt: str) -> Iterable[int]:
-    """Members of level ``k`` of chain ``q`` (level 0: every sequence of ``salt``)."""
-    return index.members(q[k - 1]) if k else index.salted(salt)
