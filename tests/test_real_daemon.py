@@ -112,6 +112,21 @@ async def test_stop_max_tokens_logprobs_and_prefix_cache(smol: Daemon) -> None:
     assert all(c["top_logprobs"][0]["token"] == c["token"] for c in content)
 
 
+async def test_completions_take_token_ids_as_the_prompt(smol_det: Daemon) -> None:
+    # OpenAI's and llama-server's /v1/completions take the prompt as token ids: used as given (no
+    # BOS added), they must generate what the same tokens as text generate
+    text = "The three primary colours are"
+    ids = (await smol_det.client.post("/v1/tokenize", json={"model": "smol", "text": text})).json()["tokens"]
+    body = {"model": "smol", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    by_text = (await smol_det.client.post("/v1/completions", json={**body, "prompt": text})).json()
+    for prompt in (ids, [ids]):
+        by_ids = (await smol_det.client.post("/v1/completions", json={**body, "prompt": prompt})).json()
+        assert by_ids["usage"]["prompt_tokens"] == len(ids) == by_text["usage"]["prompt_tokens"], (by_ids, ids)
+        assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"], (by_ids, by_text)
+    r = await smol_det.client.post("/v1/completions", json={**body, "prompt": [*ids, 49152]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 async def test_json_schema_output_parses_and_validates(smol: Daemon) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
               "required": ["city", "population"], "additionalProperties": False}

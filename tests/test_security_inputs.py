@@ -98,6 +98,21 @@ async def test_websocket_deep_nesting_and_huge_numbers_are_typed_errors(daemon: 
 
 # --- fields --------------------------------------------------------------------------------------------------
 
+async def test_completions_prompt_is_text_or_token_ids_and_anything_else_is_a_400(daemon: Daemon) -> None:
+    route, base = "/v1/completions", ROUTES["/v1/completions"]
+    for ok_prompt in ("hi", ["hi"], [5, 6, 7], [[5, 6, 7]]):
+        r = await daemon.client.post(route, json={**base, "prompt": ok_prompt})
+        assert r.status_code == 200, (ok_prompt, r.text)
+        assert r.json()["usage"]["prompt_tokens"] == 3 or isinstance(ok_prompt[0], str), (ok_prompt, r.json())
+    for bad in ("", [], [[]], [1, "a"], [1.5], [True], {"a": 1}, 7, None):
+        await refused(daemon, route, {**base, "prompt": bad}, "prompt")
+    obj = await refused(daemon, route, {**base, "prompt": [1, 1 << 40]}, "prompt")
+    assert "outside the vocabulary" in obj["error"]["message"], obj
+    await refused(daemon, route, {**base, "prompt": [1, -1]}, "prompt")
+    obj = await refused(daemon, route, {**base, "prompt": ["one", "two"]}, "prompt")
+    assert obj["error"]["code"] == "unsupported_parameter", obj
+
+
 async def test_tool_choice_of_a_wrong_type_or_value_is_a_400(daemon: Daemon) -> None:
     tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}]
     for value in (5, "sometimes", ["auto"], {"type": "function"}, {"type": "function", "function": {"name": 3}}):

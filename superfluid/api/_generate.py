@@ -89,14 +89,18 @@ async def prepare(
     owner: Owner,
     ignore_eos: bool = False,
     add_special: bool = False,
+    tokens: list[int] | None = None,
 ) -> Job:
     """Tokenize, check the window, and build (not yet submit) the job, owned
-    by ``owner`` (its tenant and prefix-cache partition).
+    by ``owner`` (its tenant and prefix-cache partition). ``tokens`` (the
+    caller checked each is in the vocabulary) is the prompt as given, with
+    ``segments`` empty: nothing is tokenized and nothing is added.
 
     Raises:
         ApiError: 400 ``context_length_exceeded``; 503 if no worker can serve.
     """
-    prompt = await tokenize(model, segments, add_special=add_special, klass=klass)
+    prompt = list(tokens) if tokens is not None else await tokenize(model, segments, add_special=add_special,
+                                                                     klass=klass)
     if not prompt:
         raise ApiError(400, "invalid request: the prompt is empty after tokenization")
     n_ctx = model.n_ctx

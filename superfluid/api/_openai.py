@@ -107,15 +107,14 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
                                             effort=body.get("reasoning_effort")),
             stops=stops_from(body), ignore_eos=bool(body.get("ignore_eos", False)))
     else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "invalid request: prompt must be a non-empty string", param="prompt")
+        prompt = _completion_prompt(body.get("prompt"), n_vocab=int(model.info.get("n_vocab", 1 << 30)))
         grammar = grammar_from_response_format(body.get("response_format"))
         if grammar:
             require_grammar(model, "response_format")
             sampling = attrs.evolve(sampling, grammar=grammar)
-        job = await prepare(model, [(prompt, True)], sampling=sampling, max_tokens=max_tokens_from(body), klass=klass,
-                            owner=owner, ignore_eos=bool(body.get("ignore_eos", False)),
+        segments, ids = ([(prompt, True)], None) if isinstance(prompt, str) else ([], prompt)
+        job = await prepare(model, segments, tokens=ids, sampling=sampling, max_tokens=max_tokens_from(body),
+                            klass=klass, owner=owner, ignore_eos=bool(body.get("ignore_eos", False)),
                             add_special=bool(model.info.get("add_bos", False)))
         if stream and resumable_requested(scope):
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
@@ -145,6 +144,26 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
+
+
+def _completion_prompt(prompt: Any, *, n_vocab: int) -> str | list[int]:
+    """``prompt`` of ``/v1/completions``: a string or an array of token ids, either alone or as the
+    only member of an array (OpenAI's batch form, which takes several prompts in one request)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"invalid request: prompt token {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                           param="prompt")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "several prompts in one request are not supported yet: send one per request",
+                       code="unsupported_parameter", param="prompt")
+    raise ApiError(400, "invalid request: prompt must be a non-empty string or a non-empty array of token ids",
+                   param="prompt")
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
