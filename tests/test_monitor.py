@@ -27,11 +27,13 @@ from .test_sessions import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 _names = itertools.count()
-SOCKET = f"sf-test-{os.getpid()}"  # a tmux server of our own: other tmux sessions on the machine are never touched
 
 
-def _tmux(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["tmux", "-L", SOCKET, *args], text=True, **kw)  # type: ignore[call-overload]
+def _tmux(name: str, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    """tmux on a server of the session's own (socket ``name``): other tmux sessions on the
+    machine are never touched, and a session never meets the previous one's server while
+    that server exits (killing its last session ends a server)."""
+    return subprocess.run(["tmux", "-L", name, *args], text=True, **kw)  # type: ignore[call-overload]
 
 
 def test_sparkline_and_quantile() -> None:
@@ -54,23 +56,23 @@ def tmux(command: str, tmp_path: Path) -> Iterator[str]:
     shell = (f"cd {ROOT} && PYTHONPATH={ROOT} {command}; echo EXIT=$?; "
              f"stty -a | grep -o -- '-\\?icanon' | sed 's/^/TTY=/'; sleep 600")
     env = {**os.environ, "SUPERFLUID_HOME": str(tmp_path / "home")}
-    _tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", shell, check=True, env=env)
+    _tmux(name, "new-session", "-d", "-s", name, "-x", "160", "-y", "50", shell, check=True, env=env)
     try:
         yield name
     finally:
-        _tmux("kill-session", "-t", name, check=False)
+        _tmux(name, "kill-server", check=False)
 
 
 def screen(name: str) -> str:
-    return _tmux("capture-pane", "-p", "-t", name, capture_output=True, check=True).stdout
+    return _tmux(name, "capture-pane", "-p", "-t", name, capture_output=True, check=True).stdout
 
 
 def press(name: str, key: str) -> None:
-    _tmux("send-keys", "-t", name, key, check=True)
+    _tmux(name, "send-keys", "-t", name, key, check=True)
 
 
 def alternate_on(name: str) -> bool:
-    out = _tmux("display-message", "-p", "-t", name, "#{alternate_on}", capture_output=True, check=True).stdout
+    out = _tmux(name, "display-message", "-p", "-t", name, "#{alternate_on}", capture_output=True, check=True).stdout
     return out.strip() == "1"
 
 
