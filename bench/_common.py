@@ -56,6 +56,16 @@ def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: in
             "--cache-ram", "0", "--metrics", "--host", "127.0.0.1", "--port", str(port)]
 
 
+def model_file(arg: str) -> str:
+    """A GGUF given as a path, or by its name under ``~/.superfluid/models`` (with or without
+    ``.gguf``); anything else ends the script with one line, not a traceback."""
+    home = Path.home() / ".superfluid" / "models"
+    for cand in (Path(arg).expanduser(), home / arg, home / f"{arg}.gguf"):
+        if cand.is_file():
+            return str(cand)
+    raise SystemExit(f"no model file {arg!r} (a path, or a name under {home})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

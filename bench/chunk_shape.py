@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit  # noqa: E402
+from _common import model_file, commit  # noqa: E402
 
 from superfluid.worker._engine import BatchRow  # noqa: E402
 from superfluid.worker._llamacpp import LlamaEngine  # noqa: E402
@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--lanes", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    args.model = model_file(args.model)
     ctx = -(-(args.length + 1024) // 1024) * 1024
     engine = LlamaEngine(args.model, max_batch=args.lanes, max_context=ctx, threads=args.threads)
     rng = random.Random(1)

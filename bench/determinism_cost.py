@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from in_process import run_level  # bench/ is on sys.path when this file runs
+from _common import model_file  # bench/ is on sys.path when this file runs
+from in_process import run_level
 
 from superfluid.worker._llamacpp import LlamaEngine
 
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    args.model = model_file(args.model)
     engines = {det: LlamaEngine(args.model, max_batch=8, max_context=2048, threads=args.threads,
                                 deterministic=det) for det in (False, True)}
     eng = engines[False]

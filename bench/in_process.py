@@ -27,7 +27,7 @@ from superfluid.worker._executor import Executor
 from superfluid.worker._llamacpp import LlamaEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit  # noqa: E402
+from _common import model_file, commit  # noqa: E402
 
 N_PROMPTS = 8
 PREFILL_BUDGET = 512
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--min-p", type=float, default=0.05)
     args = parser.parse_args()
+    args.model = model_file(args.model)
     fields = {"temperature": args.temperature, "seed": args.seed, "top_k": args.top_k, "top_p": args.top_p,
               "min_p": args.min_p}
     levels = [int(x) for x in args.lanes.split(",") if x]

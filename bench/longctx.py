@@ -37,7 +37,7 @@ import llama_cpp
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
+from _common import (model_file, ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
                      llama_server_argv, median, stream_request, superfluid_argv)
 
 from superfluid.suite._corpus import document  # noqa: E402
@@ -102,6 +102,7 @@ def main() -> None:
                                                      "many seconds into each case and report its first-token time")
     p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
     args = p.parse_args()
+    args.model = model_file(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     lanes = max(streams)

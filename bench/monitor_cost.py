@@ -31,7 +31,7 @@ import psutil
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, commit, free_port, median, round_orders  # noqa: E402
+from _common import model_file, ROOT, commit, free_port, median, round_orders  # noqa: E402
 from throughput import model_id, one_round  # noqa: E402
 
 
@@ -103,6 +103,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--order-seed", type=int)
     args = p.parse_args()
+    args.model = model_file(args.model)
     if shutil.which("tmux") is None:
         sys.exit("monitor_cost: needs tmux (the monitor draws only on a terminal)")
     servers = {"monitor": TmuxServer("monitor", args.model, free_port(), threads=args.threads),

@@ -21,7 +21,7 @@ from superfluid.worker._engine import BatchRow
 from superfluid.worker._llamacpp import LlamaEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import commit  # noqa: E402
+from _common import model_file, commit  # noqa: E402
 
 CASES = {
     "greedy (numpy argmax)": Sampling(),
@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--lanes", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    args.model = model_file(args.model)
     eng = LlamaEngine(args.model, max_batch=args.lanes, max_context=512, threads=args.threads)
     try:
         toks = eng.tokenize("Question 1: explain topic number 1 in detail, please. Answer:", add_special=True,

@@ -46,7 +46,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
+from _common import (model_file, ROOT, Server, commit, completions_burst, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
                      round_orders, superfluid_argv)
 
 Rounds = dict[int, dict[str, list[tuple[float, float]]]]
@@ -183,6 +183,7 @@ def main() -> None:
                    help="price the session log: N alternating 8-concurrent rounds each on two daemons, "
                         "sessions on disk (a temp dir) and on tmpfs (/dev/shm)")
     args = p.parse_args()
+    args.model = model_file(args.model)
     if args.log_cost:
         log_cost(args)
         return
