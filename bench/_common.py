@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from superfluid.suite._systems import kv_cells  # noqa: E402  (one sizing rule, shared with the suite)
 from superfluid.client import aiter_sse  # noqa: E402  (the one SSE reader)
+from superfluid.models import cache_dir  # noqa: E402  (where pulled and embedded models live)
 
 
 def commit(tree: Path = ROOT) -> str:
@@ -57,9 +58,10 @@ def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: in
 
 
 def model_file(arg: str) -> str:
-    """A GGUF given as a path, or by its name under ``~/.superfluid/models`` (with or without
-    ``.gguf``); anything else ends the script with one line, not a traceback."""
-    home = Path.home() / ".superfluid" / "models"
+    """A GGUF given as a path, or by its name in the models cache (``~/.superfluid/models``, or
+    ``$SUPERFLUID_HOME/models``; with or without ``.gguf``); anything else ends the script with one
+    line, not a traceback."""
+    home = cache_dir()
     for cand in (Path(arg).expanduser(), home / arg, home / f"{arg}.gguf"):
         if cand.is_file():
             return str(cand)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import model_file, commit  # noqa: E402
+from _common import commit, model_file  # noqa: E402
 
 from superfluid.worker._engine import BatchRow  # noqa: E402
 from superfluid.worker._llamacpp import LlamaEngine  # noqa: E402

@@ -27,7 +27,7 @@ from superfluid.worker._executor import Executor
 from superfluid.worker._llamacpp import LlamaEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import model_file, commit  # noqa: E402
+from _common import commit, model_file  # noqa: E402
 
 N_PROMPTS = 8
 PREFILL_BUDGET = 512

@@ -37,8 +37,8 @@ import llama_cpp
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (model_file, ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
-                     llama_server_argv, median, stream_request, superfluid_argv)
+from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
+                     llama_server_argv, median, model_file, stream_request, superfluid_argv)
 
 from superfluid.suite._corpus import document  # noqa: E402
 

@@ -31,7 +31,7 @@ import psutil
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import model_file, ROOT, commit, free_port, median, round_orders  # noqa: E402
+from _common import ROOT, commit, free_port, median, model_file, round_orders  # noqa: E402
 from throughput import model_id, one_round  # noqa: E402
 
 

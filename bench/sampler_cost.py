@@ -21,7 +21,7 @@ from superfluid.worker._engine import BatchRow
 from superfluid.worker._llamacpp import LlamaEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import model_file, commit  # noqa: E402
+from _common import commit, model_file  # noqa: E402
 
 CASES = {
     "greedy (numpy argmax)": Sampling(),

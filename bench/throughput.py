@@ -46,8 +46,8 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (model_file, ROOT, Server, commit, completions_burst, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
-                     round_orders, superfluid_argv)
+from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells, llama_server_argv, median,  # noqa: E402
+                     model_file, round_orders, superfluid_argv)
 
 Rounds = dict[int, dict[str, list[tuple[float, float]]]]
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
