@@ -188,3 +188,20 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10000, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval for the median of ``xs`` (seeded, so a report reproduces)."""
+    rng = random.Random(seed)
+    meds = sorted(median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """The median of per-round ratios; from five rounds on, with its 95% interval and how many rounds were >= 1."""
+    cell = f"{median(ratios):.2f}"
+    if len(ratios) >= 5:
+        lo, hi = median_ci(ratios)
+        cell += f" (95% CI {lo:.2f}-{hi:.2f}; >= 1 in {sum(r >= 1 for r in ratios)}/{len(ratios)})"
+    return cell

@@ -38,7 +38,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
-                     llama_server_argv, median, model_file, stream_request, superfluid_argv)
+                     llama_server_argv, median, model_file, ratio_cell, stream_request,
+                     superfluid_argv)
 
 from superfluid.suite._corpus import document  # noqa: E402
 
@@ -160,7 +161,8 @@ def main() -> None:
           f"context ({kv_cells(lanes, ctx)} KV cells each, no host cache); {args.tokens}-token replies, {mode}; "
           f"order seed {seed}; root {ROOT}")
     chat_col = f" chat TTFT (sent at {args.chat_after:g} s) |" if args.chat_after is not None else ""
-    print(f"Medians over {args.rounds} round(s); ratios are medians of the per-round ratios.")
+    print(f"Medians over {args.rounds} round(s); ratios are medians of the per-round ratios (from 5 rounds on with a "
+          "bootstrap 95% interval of that median and the count of rounds at or above parity).")
     print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
           "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) "
           "| decode ratio (ours/theirs) | agents' walls, 1st..last to finish | agent wall ratios (ours/theirs, "
@@ -176,9 +178,9 @@ def main() -> None:
             agent_ratios = ""
             if name == "superfluid" and ours and theirs:
                 pairs = list(zip(ours, theirs, strict=True))
-                ratios = [f"{median([t['wall'] / o['wall'] for o, t in pairs]):.2f}",
-                          f"{median([o['prefill_tok_s'] / t['prefill_tok_s'] for o, t in pairs]):.2f}",
-                          f"{median([o['decode_stream'] / t['decode_stream'] for o, t in pairs]):.2f}"]
+                ratios = [ratio_cell([t['wall'] / o['wall'] for o, t in pairs]),
+                          ratio_cell([o['prefill_tok_s'] / t['prefill_tok_s'] for o, t in pairs]),
+                          ratio_cell([o['decode_stream'] / t['decode_stream'] for o, t in pairs])]
                 # the k-th agent to finish here against the k-th there: "every agent within 10%"
                 agent_ratios = ", ".join(
                     f"{median([o['agent_walls'][k] / t['agent_walls'][k] for o, t in pairs]):.2f}" for k in range(n))
