@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from superfluid.nursery import RestartKind, RestartPolicy, RestartTracker, scrub_env
+from superfluid.nursery import RestartKind, RestartPolicy, RestartTracker, scrub_env, worker_env
 from superfluid.nursery._kill import graceful_kill, kill_now
 
 # ---- restart intensity ------------------------------------------------------------
@@ -108,6 +108,46 @@ def test_scrub_env_keeps_values_and_copies() -> None:
     environ = {"PATH": "/usr/bin:/bin", "EMPTY": ""}
     out = scrub_env(environ)
     assert out == environ and out is not environ
+
+
+def test_worker_env_scrubs_and_asks_malloc_for_huge_pages() -> None:
+    env = worker_env({"PATH": "/bin", "HF_TOKEN": "s3cret"})
+    assert env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def test_worker_env_keeps_the_operators_tunables() -> None:
+    # other tunables stay and the huge-page one joins them
+    env = worker_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PYTHONUNBUFFERED": "0"})
+    assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "PYTHONUNBUFFERED": "0"}
+    # an operator's own hugetlb setting wins, =0 included (the way to turn it off)
+    for own in ("glibc.malloc.hugetlb=0", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2"):
+        assert worker_env({"GLIBC_TUNABLES": own})["GLIBC_TUNABLES"] == own
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()  # noqa: SIM115 - one short read
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
+
+
+@pytest.mark.real
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+async def test_a_llamacpp_worker_holds_its_buffers_in_huge_pages() -> None:
+    """The worker's KV cache and compute buffers sit in 2 MiB pages (SPEC.md section 1: the
+    worker's environment). Under THP's "madvise" mode llama.cpp's own allocations get none."""
+    from superfluid.nursery import WorkerSpec, open_worker
+
+    from .conftest import REAL_GGUF
+
+    inbox, _events = trio.open_memory_channel[object](100)
+    spec = WorkerSpec(runtime="llamacpp", model=str(REAL_GGUF), max_batch=1, max_context=4096, threads=1)
+    with trio.fail_after(120):
+        async with open_worker(spec, inbox, generation=1) as handle:
+            with open(f"/proc/{handle.pid}/smaps_rollup") as f:  # noqa: ASYNC230 - procfs, no disk
+                huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    assert huge_kb >= 2048, f"AnonHugePages {huge_kb} kB"
 
 
 # ---- the kill ladder -----------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._kill import scrub_env as scrub_env
+from ._kill import worker_env as worker_env
 from ._owner import ModelFailed as ModelFailed
 from ._owner import ModelOwner as ModelOwner
 from ._policy import RestartKind as RestartKind

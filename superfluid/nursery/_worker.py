@@ -40,7 +40,7 @@ from ..proto import (
     WorkerLink,
 )
 from ..sched import LinkLost
-from ._kill import graceful_kill, kill_now, scrub_env
+from ._kill import graceful_kill, kill_now, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,7 @@ async def open_worker(
     """
     link = WorkerLink(DAEMON)
     argv = worker_argv(spec)
-    child_env = scrub_env(dict(os.environ if env is None else env))
-    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    child_env = worker_env(os.environ if env is None else env)
     try:
         async with _open_worker_nursery(spec, argv, child_env, link, inbox, generation) as handle:
             yield handle
