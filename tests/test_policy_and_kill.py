@@ -11,13 +11,17 @@ import signal
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from superfluid.nursery import RestartKind, RestartPolicy, RestartTracker, scrub_env, worker_env
+from superfluid.nursery import (RestartKind, RestartPolicy, RestartTracker, WorkerSpec, open_worker, scrub_env,
+                                worker_env)
 from superfluid.nursery._kill import graceful_kill, kill_now
+
+from .conftest import REAL_GGUF
 
 # ---- restart intensity ------------------------------------------------------------
 
@@ -125,8 +129,9 @@ def test_worker_env_keeps_the_operators_tunables() -> None:
 
 
 def _thp_mode() -> str:
+    """The kernel's THP mode ("always", "madvise", "never"), or "absent"."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()  # noqa: SIM115 - one short read
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return "absent"
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
@@ -137,10 +142,6 @@ def _thp_mode() -> str:
 async def test_a_llamacpp_worker_holds_its_buffers_in_huge_pages() -> None:
     """The worker's KV cache and compute buffers sit in 2 MiB pages (SPEC.md section 1: the
     worker's environment). Under THP's "madvise" mode llama.cpp's own allocations get none."""
-    from superfluid.nursery import WorkerSpec, open_worker
-
-    from .conftest import REAL_GGUF
-
     inbox, _events = trio.open_memory_channel[object](100)
     spec = WorkerSpec(runtime="llamacpp", model=str(REAL_GGUF), max_batch=1, max_context=4096, threads=1)
     with trio.fail_after(120):
