@@ -21,8 +21,8 @@ import trio.lowlevel
 import trio.testing
 
 from superfluid.client import aiter_sse
-from superfluid.daemon._config import ModelSource
-from superfluid.daemon._metrics import Metrics
+from superfluid.serving import ModelSource
+from superfluid.serving import Metrics
 from superfluid.suite._client import metric_sum
 from superfluid.proto import (
     Admit,
@@ -65,10 +65,10 @@ class FakeLink:
         self.sent: list[Any] = []
         self.lanes: dict[int, list[int]] = {}   # lane -> [generated, max_new]
         self.answer_tokenize = answer_tokenize
-        self._inbox = sched.inbox_send
+        self._sched = sched
 
     def _event(self, event: Any) -> None:
-        self._inbox.send_nowait((self.generation, event))
+        self._sched.deliver_nowait(self.generation, event)
 
     async def send(self, *events: Any) -> None:
         if self.dead:
@@ -153,7 +153,7 @@ async def test_queue_full_is_the_reply_to_reserve(autojump_clock: trio.testing.M
         await sched.reserve(first)
         with pytest.raises(QueueFull):
             await sched.reserve(second)
-        await sched.stop(first)            # the place goes back ...
+        sched.stop(first)                  # the place goes back ...
         await sched.reserve(second)        # ... so the next request gets it
         n.cancel_scope.cancel()
     assert first.done and first.finish == "cancelled"
@@ -168,7 +168,7 @@ async def test_a_handler_cancelled_while_waiting_leaves_nothing_behind(
     job = _job(max_new=50)
     with trio.move_on_after(1):
         await sched.reserve(job)   # nobody applies commands yet: the reply never comes
-    await sched.stop(job)          # what leaving the lane's scope sends
+    sched.stop(job)                # what leaving the lane's scope sends
     async with trio.open_nursery() as n:
         n.start_soon(sched.run_commits)
         n.start_soon(_run_generation, sched, link)
@@ -217,7 +217,7 @@ async def test_a_chats_tokenize_goes_before_agents_waiting_for_theirs(
     """At most TOKENIZE_IN_FLIGHT tokenizes are at the worker; the rest wait in the daemon, the
     most urgent class first. (1,024 agents starting together once put ~600 in the worker's pipe,
     and a chat's tokenize waited 0.3-1 s behind them.)"""
-    from superfluid.sched._loop import TOKENIZE_IN_FLIGHT
+    from superfluid.sched._core import TOKENIZE_IN_FLIGHT
 
     sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics().for_model("m"))
     link = FakeLink(sched, answer_tokenize=False)
@@ -250,7 +250,7 @@ async def test_a_chats_tokenize_goes_before_agents_waiting_for_theirs(
         await trio.testing.wait_all_tasks_blocked()
         n.cancel_scope.cancel()
     assert len(done) == n_agents + 1 and done.index("chat") < done.index(f"agent{TOKENIZE_IN_FLIGHT:02d}")
-    assert sched._tokenize_sent == 0 and not sched._tokenize
+    assert sched.core._tokenize_sent == 0 and not sched.core._tokenize
 
 
 async def test_commands_to_a_closed_model_fail_typed(autojump_clock: trio.testing.MockClock) -> None:
@@ -426,3 +426,84 @@ async def test_unload_ends_the_models_sessions_turns_and_watchers_and_releases_t
             assert not holders, holders
         # the other model did not notice
         assert results["other"] == (200, ref, None)
+
+
+# --- cancellation never waits behind back-pressure (code review D2) -----------------------------------
+
+
+class _SlowDisk:
+    """A session log whose fsync stalls until ``back`` is set."""
+
+    def __init__(self) -> None:
+        self.back = trio.Event()
+
+    async def commit(self, spans: object, ended: object) -> None:
+        await self.back.wait()
+
+
+class _FreezableLink(FakeLink):
+    """A FakeLink whose pipe can freeze: a write waits until ``thaw`` is set."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        super().__init__(sched)
+        self.frozen = False
+        self.thaw = trio.Event()
+
+    async def send(self, *events: Any) -> None:
+        if self.frozen:
+            await self.thaw.wait()
+        await super().send(*events)
+
+
+async def test_a_stop_reaches_a_stalled_actor_behind_a_full_inbox(autojump_clock: trio.testing.MockClock) -> None:
+    """A slow disk holds the commit queue, the actor is blocked writing to a worker whose pipe is
+    full, and other requests' commands fill the inbox; a client leaves. Its stop is a plain call
+    that cannot wait or be dropped: once the write returns the actor applies it before any
+    command, the lane's Cancel goes out while the disk still stalls, and the job ends
+    ``cancelled`` (it generated 500 of 500 tokens for no reader when the stop shared the inbox)."""
+    from superfluid.sched._loop import INBOX_SIZE
+
+    disk = _SlowDisk()
+    sched = Scheduler("m", SchedulerConfig(planner=ONE_LANE, max_queue=10_000), Metrics().for_model("m"), disk)
+    link = _FreezableLink(sched)
+    job = _job(max_new=500, klass=QosClass.INTERACTIVE)
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run_commits)
+        n.start_soon(_run_generation, sched, link)
+        await sched.reserve(job)
+        await sched.queue(job)
+        await trio.sleep(1)          # it generates; its commits stall: the actor takes no more rounds
+        assert 0 < job.n_generated < 100 and not job.tokens
+        link.frozen = True
+        n.start_soon(sched.tokenize, [("x", False)])   # the actor's write of it blocks on the full pipe
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(INBOX_SIZE + 8):  # other requests' reservations fill the inbox meanwhile
+            n.start_soon(sched.reserve, _job())
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.inbox_send.statistics().current_buffer_used == INBOX_SIZE
+        sched.stop(job)              # the client left: what the lane's retirement does
+        link.thaw.set()
+        await trio.testing.wait_all_tasks_blocked()
+        cancels = [e for e in link.sent if isinstance(e, Cancel)]
+        assert cancels and not disk.back.is_set()   # out while the disk still stalls
+        disk.back.set()
+        with trio.fail_after(600):
+            await job.ended.wait()
+        n.cancel_scope.cancel()
+    assert job.cancelled and job.finish == "cancelled" and len(job.tokens) < 100
+
+
+async def test_handlers_cannot_write_the_schedulers_state_while_its_actor_runs(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """One writer, checked: a change of the core from a task other than the actor's is an
+    AssertionError while the actor runs (the pre-actor design had handlers apply commands)."""
+    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.idle)
+        await trio.testing.wait_all_tasks_blocked()
+        for write in (lambda: sched.submit(_job()), lambda: sched.cancel(_job()),
+                      lambda: sched.fail_queued("x"), lambda: sched.worker_lost("x")):
+            with pytest.raises(AssertionError, match="the actor's alone"):
+                write()
+        n.cancel_scope.cancel()
+    sched.submit(_job())   # with no actor running (startup, tests), the caller is the only task

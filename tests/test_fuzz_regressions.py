@@ -15,8 +15,8 @@ import psutil
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource
-from superfluid.daemon._metrics import Metrics, ModelMetrics
+from superfluid.serving import ModelSource
+from superfluid.serving import Metrics, ModelMetrics
 from superfluid.proto import Admit, Cancel, Sampling, Tick
 from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig, Unavailable
 from superfluid.sched._plan import PlannerConfig
@@ -191,90 +191,64 @@ async def test_unload_while_the_models_worker_respawns_ends_requests_typed(nurse
 # since session 4 it applies the whole plan with no checkpoint and sends it in one write, so a
 # handler can only act after the plan went out (a cancelled job then gets its Cancel).
 
-class _SlowWorker:
-    """A worker whose every send is a checkpoint; ``on_send`` runs during it."""
+# Since the scheduler core is sans-I/O (sched/_core.py), a plan is applied and handed out whole with no
+# checkpoint, and a handler's stop reaches the core only through the actor's next turn: the window is gone
+# by construction. The tests keep the two orders that mattered.
 
-    dead = False
-    generation = 1
-
-    def __init__(self, on_send) -> None:  # noqa: ANN001
-        self.sent: list[object] = []
-        self.on_send = on_send
-
-    async def send(self, *events: object) -> None:
-        for event in events:
-            self.sent.append(event)
-            self.on_send(event)
-        await trio.lowlevel.checkpoint()
+def _core(max_batch: int = 4, committer: object = None) -> Scheduler:
+    return Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=max_batch)), Metrics().for_model("m"),
+                     committer)  # type: ignore[arg-type]
 
 
-async def test_a_job_cancelled_while_the_plan_is_sent_is_cancelled_after() -> None:
-    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=4)), Metrics().for_model("m"))
+def test_a_job_stopped_after_its_plan_went_out_gets_its_cancel() -> None:
+    core = _core().core
     jobs = [Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.AGENT) for _ in range(3)]
     for job in jobs:
-        sched.submit(job)
-
-    def cancel_the_last(event: object) -> None:
-        if isinstance(event, Admit) and not jobs[2].done:
-            sched.cancel(jobs[2])   # what a request handler does when its client leaves
-
-    worker = _SlowWorker(cancel_the_last)
-    assert await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
-    admitted = [e for e in worker.sent if isinstance(e, Admit)]
-    assert len(admitted) == 3 and isinstance(worker.sent[-1], Tick)
+        core.submit(job, 0.0)
+    frames, ticked = core.plan(0.0, send_tick=True)
+    assert ticked and len([e for e in frames if isinstance(e, Admit)]) == 3 and isinstance(frames[-1], Tick)
+    core.stop(jobs[2])      # what the actor applies when a handler's client left during the write
     assert jobs[2].cancelled and {j.state.value for j in jobs} == {"running"}
-    await sched._send_cancels(worker)  # type: ignore[arg-type]
-    assert worker.sent[-1] == Cancel(lane=jobs[2].lane, publish=True)
+    assert core.take_frames() == [Cancel(lane=jobs[2].lane, publish=True)]
+    assert core.take_frames() == []      # once
 
 
-async def test_a_victim_gone_while_the_plan_is_sent_is_skipped() -> None:
-    sched = Scheduler("m", SchedulerConfig(planner=PlannerConfig(max_batch=2)), Metrics().for_model("m"))
+def test_a_victim_gone_before_the_next_plan_is_skipped() -> None:
+    core = _core(max_batch=2).core
     background = [Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.BACKGROUND) for _ in range(2)]
     for job in background:
-        sched.submit(job)
-    await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
+        core.submit(job, 0.0)
+    core.plan(0.0, send_tick=False)
     for job in background:
         job.prefill_left = 0
     urgent = [Job(prompt=[4, 5], sampling=Sampling(), max_new=4, klass=QosClass.INTERACTIVE) for _ in range(2)]
     for job in urgent:
-        sched.submit(job)
-
-    def unload_midway(event: object) -> None:
-        if isinstance(event, Cancel) and sched.running:
-            sched.running.clear()   # what fail_all (an unload) does from a request handler
-
-    await sched._plan_and_send(_SlowWorker(unload_midway), send_tick=False)  # type: ignore[arg-type]
+        core.submit(job, 0.0)
+    core.fail_all("model 'm' was unloaded", code="model_unloaded")
+    core.plan(0.0, send_tick=False)
+    assert all(job.done for job in background + urgent)
 
 
 # --- 4b. the same with the round's commit: an unload during the fsync crashed the daemon --------------
 # fuzz: an Unload(m2) while m2 streamed -> the daemon exited with KeyError: None in Scheduler._settle.
-# fail_all (from the unload's request handler) cleared `running` and finished the jobs while the loop
-# awaited the session log's commit of a round; _settle then deleted a lane that was gone.
-# Fix: the loop frees a lane when its round arrives; the commit task (which now owns the await) shows
+# fail_all cleared `running` and finished the jobs while a round's commit was in flight; settling it
+# then deleted a lane that was gone. Now the commit's outcome comes back to the actor, which shows
 # tokens and finishes only to jobs that are still going.
 
-async def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
+def test_a_job_failed_during_the_commit_is_not_settled_again() -> None:
     from superfluid.proto import Emit
 
-    sched: Scheduler
-
-    class UnloadDuringCommit:
-        async def commit(self, spans: object, ended: object) -> None:
-            await trio.lowlevel.checkpoint()
-            sched.fail_all("model 'm' was unloaded", code="model_unloaded")
-
-    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), UnloadDuringCommit())
+    core = _core().core
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4)
-    sched.submit(job)
-    await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
-    [lane] = sched.running
-    async with trio.open_nursery() as n:
-        n.start_soon(sched.run_commits)
-        await sched._emit([Emit(items=[[lane, 7, b"x", None, None]])])
-        await trio.testing.wait_all_tasks_blocked()
-        n.cancel_scope.cancel()
+    core.submit(job, 0.0)
+    core.plan(0.0, send_tick=False)
+    [lane] = core.running
+    rnd = core.emit([Emit(items=[[lane, 7, b"x", None, None]])], 0.0)
+    assert rnd is not None
+    core.fail_all("model 'm' was unloaded", code="model_unloaded")   # while the round's commit runs
+    core.committed([rnd], None, 0.0)
     assert job.done and job.error is not None and job.error.code == "model_unloaded"
-    assert not sched.running and not job.tokens and not job.staged
+    assert not core.running and not job.tokens and not job.staged
 
 
 async def test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends_typed() -> None:
@@ -293,26 +267,32 @@ async def test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends
             committed.extend(tokens for _job, tokens, _pieces in spans)
 
     slow = SlowLog()
-    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), slow)
+    sched = _core(committer=slow)
+    core = sched.core
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=8)
-    sched.submit(job)
-    await sched._plan_and_send(_SlowWorker(lambda e: None), send_tick=False)  # type: ignore[arg-type]
-    [lane] = sched.running
+    core.submit(job, 0.0)
+    core.plan(0.0, send_tick=False)
+    [lane] = core.running
     async with trio.open_nursery() as n:
         n.start_soon(sched.run_commits)
-        await sched._emit([Emit(items=[[lane, 7, b"a", None, None]]), Emit(items=[[lane, 8, b"b", None, None]])])
+        sched._to_commit(core.emit([Emit(items=[[lane, 7, b"a", None, None]])], 0.0))
+        sched._to_commit(core.emit([Emit(items=[[lane, 8, b"b", None, None]])], 0.0))
         await trio.testing.wait_all_tasks_blocked()
         # staged for the scheduler (a re-admission would continue from them), invisible to readers
         assert job.n_generated == 2 and job.tokens == [] and job.generated() == [7, 8]
         gate.set()
         await trio.testing.wait_all_tasks_blocked()
-        assert job.tokens == [7, 8] and job.pieces == [b"a", b"b"] and committed == [[7, 8]]
+        assert job.tokens == [] and committed == [[7, 8]]     # durable; shown when the actor takes the result
+        sched._take_results()
+        assert job.tokens == [7, 8] and job.pieces == [b"a", b"b"]
         slow.fail = True
-        await sched._emit([Emit(items=[[lane, 9, b"c", None, None]])])
+        sched._to_commit(core.emit([Emit(items=[[lane, 9, b"c", None, None]])], 0.0))
         await trio.testing.wait_all_tasks_blocked()
+        sched._take_results()
         n.cancel_scope.cancel()
     assert job.done and job.error is not None and job.error.code == "session_log_failed"
     assert job.tokens == [7, 8] and "disk full" in job.error.message
+    assert core.take_frames() == [Cancel(lane=lane, publish=True)]   # its lane is stopped too
 
 
 # --- 5. request bodies the JSON parser accepts but nothing downstream can handle --------------------------
@@ -388,31 +368,32 @@ async def test_reload_whose_worker_dies_in_the_handshake_is_503(nursery: trio.Nu
 # --- 8. an unload while a request was sending to the worker crashed the daemon ---------------------------
 # fuzz: Start(m2 ...); Unload(mock); Start(mock ...) -> the daemon exited with BusyResourceError: the
 # worker generation's exit wrote Shutdown straight onto the worker's stdin while a request handler's
-# Tokenize was mid-write on it. Fix: nursery/_worker.py sends Shutdown through the handle's send lock.
+# Tokenize was mid-write on it. Now the link has one writer, the model's actor (handlers never write
+# to it), and a second writer is an AssertionError, not a lock that hides it.
 
-async def test_worker_shutdown_waits_for_a_send_in_progress() -> None:
-    from superfluid.nursery import WorkerDied, WorkerSpec, open_worker
+async def _nowhere(generation: int, event: object) -> None:
+    await trio.lowlevel.checkpoint()
+
+
+async def test_a_worker_link_has_one_writer() -> None:
+    from superfluid.nursery import WorkerSpec, open_worker
     from superfluid.proto import Tokenize
 
-    inbox, _events = trio.open_memory_channel[object](1000)
     spec = WorkerSpec(runtime="mock", model="mock", max_batch=2, shutdown_grace_s=0.3, term_grace_s=0.3)
-    outcome: list[str] = []
+    refused: list[BaseException] = []
 
-    async def big_send(handle) -> None:  # noqa: ANN001
+    async def second_writer(handle) -> None:  # noqa: ANN001
         try:
-            await handle.send(Tokenize(req=1, segments=[("x" * 2_000_000, False)], add_special=False))
-            outcome.append("sent")
-        except WorkerDied:
-            outcome.append("worker died")
+            await handle.send(Tokenize(req=2, segments=[("y", False)], add_special=False))
+        except AssertionError as exc:
+            refused.append(exc)
 
     with trio.fail_after(20):
-        async with trio.open_nursery() as n:
-            async with open_worker(spec, inbox, generation=1) as handle:
-                os.kill(handle.pid, signal.SIGSTOP)  # it stops reading its stdin: the send blocks mid-frame
-                n.start_soon(big_send, handle)  # noqa: ASYNC111 - the point: the worker closes under a live send
-                await trio.testing.wait_all_tasks_blocked()
-            # leaving the block shut the worker down without a second writer on its pipe
-    assert outcome == ["worker died"]
+        async with open_worker(spec, _nowhere, generation=1) as handle:
+            await handle.send(Tokenize(req=1, segments=[("x", False)], add_special=False))   # the writer
+            async with trio.open_nursery() as n:
+                n.start_soon(second_writer, handle)
+    assert len(refused) == 1 and "one writer" in str(refused[0])
 
 
 # --- 9. a frozen worker (not reading its stdin) hung the model for good -------------------------------
@@ -420,32 +401,24 @@ async def test_worker_shutdown_waits_for_a_send_in_progress() -> None:
 # (> 45 s). Tokenize messages filled the worker's stdin pipe; the scheduler, woken by the cancel, blocked
 # in worker.send behind them, so its tick timer (--hang-timeout) never ran and the worker was never killed.
 # Fix: WorkerHandle.send gives up after send_timeout_s (the scheduler sets --hang-timeout), kills the
-# worker and raises WorkerDied. Then the next send queued on the lock found the link in ERROR (a frame cut
-# mid-write) and raised LocalProtocolError, which crashed the daemon; fix: _send re-checks `dead` under
-# the lock.
+# worker and raises WorkerDied; a send after one cut mid-frame fails typed (the link is in ERROR).
 
 async def test_a_send_to_a_frozen_worker_gives_up_and_kills_it() -> None:
     from superfluid.nursery import WorkerDied, WorkerSpec, open_worker
     from superfluid.proto import Tokenize
 
-    inbox, _events = trio.open_memory_channel[object](1000)
     spec = WorkerSpec(runtime="mock", model="mock", max_batch=2, shutdown_grace_s=0.3, term_grace_s=0.3)
     outcome: list[str] = []
-
-    async def send(handle, i: int) -> None:  # noqa: ANN001
-        try:
-            await handle.send(Tokenize(req=i, segments=[("x" * 1_000_000, False)], add_special=False))
-            outcome.append("sent")
-        except WorkerDied:
-            outcome.append("worker died")
-
     with trio.fail_after(20):
-        async with open_worker(spec, inbox, generation=1) as handle:
+        async with open_worker(spec, _nowhere, generation=1) as handle:
             handle.send_timeout_s = 0.5
             os.kill(handle.pid, signal.SIGSTOP)
-            async with trio.open_nursery() as n:
-                for i in range(3):   # the first blocks mid-frame, the others wait for the lock
-                    n.start_soon(send, handle, i)
+            for i in range(3):   # the first blocks mid-frame and gives up; the others find the link dead
+                try:
+                    await handle.send(Tokenize(req=i, segments=[("x" * 1_000_000, False)], add_special=False))
+                    outcome.append("sent")
+                except WorkerDied:
+                    outcome.append("worker died")
             assert handle.dead
             assert await handle.process.wait() == -signal.SIGKILL
     assert outcome == ["worker died"] * 3
@@ -455,25 +428,15 @@ async def test_a_send_cut_mid_frame_fails_the_next_send_typed() -> None:
     from superfluid.nursery import WorkerDied, WorkerSpec, open_worker
     from superfluid.proto import Tokenize
 
-    inbox, _events = trio.open_memory_channel[object](1000)
     spec = WorkerSpec(runtime="mock", model="mock", max_batch=2, shutdown_grace_s=0.3, term_grace_s=0.3)
-    errors: list[BaseException] = []
-
-    async def second(handle) -> None:  # noqa: ANN001
-        try:
-            await handle.send(Tokenize(req=2, segments=[("y", False)], add_special=False))
-        except Exception as exc:  # noqa: BLE001 - the type is the point
-            errors.append(exc)
-
     with trio.fail_after(20):
-        async with open_worker(spec, inbox, generation=1) as handle:
+        async with open_worker(spec, _nowhere, generation=1) as handle:
             os.kill(handle.pid, signal.SIGSTOP)
-            async with trio.open_nursery() as n:
-                with trio.move_on_after(0.3):   # a client leaving while its Tokenize is mid-write
-                    n.start_soon(second, handle)
-                    await handle.send(Tokenize(req=1, segments=[("x" * 1_000_000, False)], add_special=False))
+            with trio.move_on_after(0.3):   # the actor cancelled while its Tokenize is mid-write
+                await handle.send(Tokenize(req=1, segments=[("x" * 1_000_000, False)], add_special=False))
+            with pytest.raises(WorkerDied):
+                await handle.send(Tokenize(req=2, segments=[("y", False)], add_special=False))
             handle.kill()
-    assert len(errors) == 1 and isinstance(errors[0], WorkerDied), errors
 
 
 async def test_a_frozen_worker_is_replaced_and_requests_end(nursery: trio.Nursery) -> None:
@@ -573,7 +536,8 @@ async def test_commands_drained_behind_a_dead_workers_report_are_applied(
 
     The report wakes the loop waiting on its inbox; the handlers' commands land behind it before
     the loop runs (here: put there at once, as handler tasks scheduled in the same batch do)."""
-    from superfluid.sched._loop import _Reply, _Reserve, _Tokenize
+    from superfluid.sched._core import Reserve, TokenizeRequest
+    from superfluid.sched._loop import _Reply
 
     from .test_actor import FakeLink, _run_generation
 
@@ -586,8 +550,8 @@ async def test_commands_drained_behind_a_dead_workers_report_are_applied(
         n.start_soon(_run_generation, sched, first)
         await trio.testing.wait_all_tasks_blocked()          # the loop waits on its inbox
         first.die()                                           # the death report wakes it ...
-        sched.inbox_send.send_nowait((None, _Tokenize([("ab", False)], False, tokenized)))
-        sched.inbox_send.send_nowait((None, _Reserve(late, reserved)))   # ... these wait behind
+        sched.inbox_send.send_nowait(TokenizeRequest([("ab", False)], False, tokenized))
+        sched.inbox_send.send_nowait(Reserve(late, reserved))   # ... these wait behind
         await trio.testing.wait_all_tasks_blocked()
         n.start_soon(_run_generation, sched, FakeLink(sched, 2))
         with trio.fail_after(30):
@@ -606,11 +570,10 @@ async def test_a_worker_failure_while_the_model_is_unloaded_is_the_unload() -> N
     of stopping. A worker failure under an outer cancel is that cancel."""
     from superfluid.nursery import WorkerDied, WorkerSpec, open_worker
 
-    inbox, _events = trio.open_memory_channel[object](1000)
     spec = WorkerSpec(runtime="mock", model="mock", max_batch=2, shutdown_grace_s=0.3, term_grace_s=0.3)
     with trio.fail_after(20):
         with trio.CancelScope() as unload:
-            async with open_worker(spec, inbox, generation=1):
+            async with open_worker(spec, _nowhere, generation=1):
                 unload.cancel()                 # the unload, while ...
                 raise WorkerDied("write to worker failed: BrokenResourceError()")   # ... a write fails
     assert unload.cancelled_caught

@@ -144,8 +144,12 @@ async def test_a_llamacpp_worker_holds_its_buffers_in_huge_pages() -> None:
     worker's environment). Under THP's "madvise" mode llama.cpp's own allocations get none."""
     inbox, _events = trio.open_memory_channel[object](100)
     spec = WorkerSpec(runtime="llamacpp", model=str(REAL_GGUF), max_batch=1, max_context=4096, threads=1)
+
+    async def deliver(generation: int, event: object) -> None:
+        await inbox.send((generation, event))
+
     with trio.fail_after(120):
-        async with open_worker(spec, inbox, generation=1) as handle:
+        async with open_worker(spec, deliver, generation=1) as handle:
             with open(f"/proc/{handle.pid}/smaps_rollup") as f:  # noqa: ASYNC230 - procfs, no disk
                 huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
     assert huge_kb >= 2048, f"AnonHugePages {huge_kb} kB"

@@ -1,26 +1,23 @@
-"""The scheduler loop's own decisions, driven without a worker process."""
+"""The scheduler core's own decisions, driven directly: no trio, no worker, no clock."""
 
 from __future__ import annotations
 
-import trio
-
-from superfluid.daemon._metrics import Metrics
-from superfluid.proto import Admit, Sampling, TickDone
-from superfluid.sched import Job, QosClass, Scheduler, SchedulerConfig
+from superfluid.serving import Metrics
+from superfluid.proto import Admit, Emit, Sampling, TickDone
+from superfluid.sched import Job, QosClass, SchedulerConfig
+from superfluid.sched._core import SchedulerCore
 
 
 class _Worker:
-    """Records what the scheduler sends; every send is a checkpoint."""
+    """Records the frames the core hands out for the worker."""
 
-    dead = False
-    generation = 1
-
-    def __init__(self) -> None:
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
         self.sent: list[object] = []
 
-    async def send(self, *events: object) -> None:
-        self.sent += events
-        await trio.lowlevel.checkpoint()
+    def plan(self, *, send_tick: bool) -> None:
+        frames, _ticked = self.core.plan(0.0, send_tick=send_tick)
+        self.sent += frames
 
     def admitted(self) -> list[int]:
         return [e.lane for e in self.sent if isinstance(e, Admit)]
@@ -32,61 +29,65 @@ def _burst(shared: int, n: int) -> list[Job]:
             for i in range(n)]
 
 
-async def _submitted_burst(n: int) -> tuple[Scheduler, _Worker, list[Job]]:
-    """A scheduler that took a burst of ``n`` jobs on one 1,500-token prefix and planned once."""
-    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
-    worker = _Worker()
+def _core(cpu: object = None) -> SchedulerCore:
+    return SchedulerCore("m", SchedulerConfig(), Metrics().for_model("m"), cpu)  # type: ignore[arg-type]
+
+
+def _submitted_burst(n: int) -> tuple[SchedulerCore, _Worker, list[Job]]:
+    """A core that took a burst of ``n`` jobs on one 1,500-token prefix and planned once."""
+    core = _core()
+    worker = _Worker(core)
     jobs = _burst(1500, n)
     for job in jobs:
-        sched.submit(job)
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
-    return sched, worker, jobs
+        core.submit(job, 0.0)
+    worker.plan(send_tick=True)
+    return core, worker, jobs
 
 
-async def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> None:
-    sched, worker, jobs = await _submitted_burst(4)
+def test_a_burst_on_one_long_prefix_waits_for_the_leaders_prefill() -> None:
+    core, worker, jobs = _submitted_burst(4)
     [leader_lane] = worker.admitted()
-    assert sched.running[leader_lane] is jobs[0]
+    assert core.running[leader_lane] is jobs[0]
 
     # a tick that ended before the worker opened the leader's lane says nothing about it:
     # the followers keep waiting (they were released at once, and prefilled the prefix again)
-    sched._tick_done(TickDone(seq=1, prefill_left={}))
-    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    core.tick_done(TickDone(seq=1, prefill_left={}))
+    worker.plan(send_tick=False)
     assert worker.admitted() == [leader_lane]
 
-    sched._tick_done(TickDone(seq=2, prefill_left={leader_lane: 700}))   # 802 of 1,502 done
-    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    core.tick_done(TickDone(seq=2, prefill_left={leader_lane: 700}))   # 802 of 1,502 done
+    worker.plan(send_tick=False)
     assert worker.admitted() == [leader_lane]
 
-    sched._tick_done(TickDone(seq=3, prefill_left={leader_lane: 2}))     # the shared 1,500 are in
-    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    core.tick_done(TickDone(seq=3, prefill_left={leader_lane: 2}))     # the shared 1,500 are in
+    worker.plan(send_tick=False)
     assert len(worker.admitted()) == 4
-    assert {id(j) for j in sched.running.values()} == {id(j) for j in jobs}
+    assert {id(j) for j in core.running.values()} == {id(j) for j in jobs}
 
 
-async def test_urgent_classes_never_wait_for_a_shared_prefix() -> None:
-    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
-    worker = _Worker()
+def test_urgent_classes_never_wait_for_a_shared_prefix() -> None:
+    core = _core()
+    worker = _Worker(core)
     leader, follower = _burst(1500, 2)
     follower.klass = QosClass.INTERACTIVE
-    sched.submit(leader)
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
-    sched.submit(follower)
-    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    core.submit(leader, 0.0)
+    worker.plan(send_tick=True)
+    core.submit(follower, 0.0)
+    worker.plan(send_tick=False)
     assert len(worker.admitted()) == 2
 
 
-async def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
+def test_a_hold_is_bounded_in_ticks_not_in_plans() -> None:
     """Plans happen on every event (a burst of arrivals makes hundreds); the
     bound must not run out before the leader's prefill could finish."""
-    from superfluid.sched._loop import HOLD_MAX_TICKS
+    from superfluid.sched._core import HOLD_MAX_TICKS
 
-    sched, worker, jobs = await _submitted_burst(3)
+    core, worker, jobs = _submitted_burst(3)
     for _ in range(3 * HOLD_MAX_TICKS):
-        await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+        worker.plan(send_tick=False)
     assert len(worker.admitted()) == 1
-    sched.tick_no += HOLD_MAX_TICKS
-    await sched._plan_and_send(worker, send_tick=False)  # type: ignore[arg-type]
+    core.tick_no += HOLD_MAX_TICKS
+    worker.plan(send_tick=False)
     assert len(worker.admitted()) == 3
 
 
@@ -105,34 +106,33 @@ class _Cpu:
         self.urgent.append(bool(self._owners))
 
 
-async def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -> None:
+def test_the_cpu_policy_hears_when_a_request_waits_for_its_first_token() -> None:
     """Queued, then admitted without a token: urgent (the daemon must answer at
     once); once the first token is committed: not (it only relays tokens)."""
-    from superfluid.proto import Emit
-
     cpu = _Cpu()
-    sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), cpu=cpu)  # type: ignore[arg-type]
-    worker = _Worker()
+    core = _core(cpu)
+    worker = _Worker(core)
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=4, klass=QosClass.INTERACTIVE)
-    sched.submit(job)
+    core.submit(job, 0.0)
     assert cpu.urgent[-1] is True
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    worker.plan(send_tick=True)
     [lane] = worker.admitted()
     assert cpu.urgent[-1] is True
-    await sched._emit([Emit(items=[[lane, 7, b"x", None, None]])])
-    await sched._commit([sched._commit_recv.receive_nowait()])
+    rnd = core.emit([Emit(items=[[lane, 7, b"x", None, None]])], 0.0)
+    assert rnd is not None
+    core.committed([rnd], None, 0.0)
     assert job.tokens == [7] and cpu.urgent[-1] is False
     second = Job(prompt=[4, 5], sampling=Sampling(), max_new=4, klass=QosClass.AGENT)
-    sched.submit(second)
+    core.submit(second, 0.0)
     assert cpu.urgent[-1] is True
-    sched.cancel(second)   # it leaves the queue: nothing waits any more
+    core.cancel(second)   # it leaves the queue: nothing waits any more
     assert cpu.urgent[-1] is False
 
 
 async def test_a_requests_last_commit_runs_with_the_daemon_responsive() -> None:
     """The commit that ends a request is waited for (its client, and at low
     concurrency the next request): the policy is urgent during it, and only then."""
-    from superfluid.proto import Emit
+    from superfluid.sched import Scheduler
 
     cpu = _Cpu()
     during: list[bool] = []
@@ -142,14 +142,16 @@ async def test_a_requests_last_commit_runs_with_the_daemon_responsive() -> None:
             during.append(cpu.urgent[-1])
 
     sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"), _Committer(), cpu=cpu)  # type: ignore[arg-type]
-    worker = _Worker()
+    core = sched.core
+    worker = _Worker(core)
     job = Job(prompt=[1, 2, 3], sampling=Sampling(), max_new=3, klass=QosClass.AGENT)
-    sched.submit(job)
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+    core.submit(job, 0.0)
+    worker.plan(send_tick=True)
     [lane] = worker.admitted()
     for row in ([lane, 7, b"a", None, None], [lane, 8, b"b", None, None], [lane, 9, b"c", "length", None]):
-        await sched._emit([Emit(items=[row])])
-        await sched._commit([sched._commit_recv.receive_nowait()])
+        rnd = core.emit([Emit(items=[row])], 0.0)
+        assert rnd is not None
+        core.committed([rnd], await sched._commit([rnd]), 0.0)
     # the first token's commit: a request waits for its first token; the middle one relays
     # only; the last one ends the request
     assert during == [True, False, True]

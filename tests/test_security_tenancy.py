@@ -18,8 +18,8 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid.daemon._config import ApiKey, ModelSource, ServeConfig
-from superfluid.daemon._metrics import Metrics
+from superfluid.serving import ApiKey, ModelSource, ServeConfig
+from superfluid.serving import Metrics
 from superfluid.journal import SessionLog, open_journal
 from superfluid.proto import Admit, from_wire, to_wire
 from superfluid.proto._wal import (
@@ -380,15 +380,15 @@ async def test_real_model_another_key_sees_no_cached_tokens(nursery: trio.Nurser
     d.scope.cancel()
 
 
-async def test_the_shared_prefix_hold_is_per_partition() -> None:
+def test_the_shared_prefix_hold_is_per_partition() -> None:
     """A job waits for a lane prefilling its long prefix only within its own
     partition: another tenant's job is neither held (a timing probe) nor seeded."""
     sched = Scheduler("m", SchedulerConfig(), Metrics().for_model("m"))
-    worker = _Worker()
+    worker = _Worker(sched.core)
     jobs = _burst(1500, 3)
     jobs[1].tenant = "b"
     for job in jobs:
-        sched.submit(job)
-    await sched._plan_and_send(worker, send_tick=True)  # type: ignore[arg-type]
+        sched.core.submit(job, 0.0)
+    worker.plan(send_tick=True)
     admits = [e for e in worker.sent if isinstance(e, Admit)]
     assert [a.cache_salt for a in admits] == ["", jobs[1].partition] and jobs[1].partition  # a's twin waits

@@ -8,7 +8,7 @@ Nursery tree inside ``open_worker``::
 
     worker nursery
     ├── run_process(worker argv)      owns the OS process; deliver_cancel = graceful_kill
-    └── reader                        stdout -> WorkerLink -> owner's inbox (bounded)
+    └── reader                        stdout -> WorkerLink -> the actor's worker-event channel (bounded)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -27,6 +27,7 @@ import attrs
 import trio
 
 from .. import _defaults as D
+from .._errors import first_leaf
 from ..proto import SpecConfig
 from ..proto import (
     DAEMON,
@@ -41,6 +42,8 @@ from ..proto import (
 )
 from ..sched import LinkLost
 from ._kill import graceful_kill, kill_now, worker_env
+
+Deliver = Callable[[int, Any], Awaitable[None]]   # (generation, event) to the model's actor
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +111,19 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
 
 
 class WorkerHandle:
-    """A live worker (a :class:`~superfluid.sched.LinkHandle`; the model's loop is
-    its only writer after the handshake). ``send`` writes one event; events arrive on the inbox the
-    caller passed to :func:`open_worker`, tagged ``(generation, event)``; a
-    lost worker is announced as ``(generation, WorkerDied)``."""
+    """A live worker (a :class:`~superfluid.sched.LinkHandle`). One writer: after the
+    handshake only the task that first sends (the model's actor) writes to it; another
+    task's send is an ``AssertionError``, two overlapping sends ``trio.BusyResourceError``.
+    Events go to the ``deliver`` the caller passed to :func:`open_worker`, as
+    ``(generation, event)``; a lost worker is announced as ``(generation, WorkerDied)``."""
 
     def __init__(self, *, process: trio.Process, link: WorkerLink, ack: HelloAck, generation: int) -> None:
         self.process = process
         self.link = link
         self.ack = ack
         self.generation = generation
-        self._lock = trio.StrictFIFOLock()
+        self._writer: trio.lowlevel.Task | None = None
+        self._sending = False
         self.dead = False
         # a worker that takes no message for this long (it stopped reading its stdin and the
         # pipe is full) is hung: the scheduler sets --hang-timeout here, because while it is
@@ -136,7 +141,14 @@ class WorkerHandle:
             WorkerDied: the pipe is gone (the reader will also report it), or the message
                 waited ``send_timeout_s`` for the pipe (the worker is then killed).
         """
+        task = trio.lowlevel.current_task()
+        if self._writer is None:
+            self._writer = task
+        assert task is self._writer, f"worker pid {self.pid}: the link has one writer, the model's actor"
+        if self._sending:
+            raise trio.BusyResourceError("another send to this worker is in progress")
         if self.dead:
+            await trio.lowlevel.checkpoint()
             raise WorkerDied("worker is gone")
         with trio.move_on_after(self.send_timeout_s):
             await self._send(events)
@@ -145,21 +157,21 @@ class WorkerHandle:
         raise WorkerDied(f"worker hung: it took no message for {self.send_timeout_s:g}s")
 
     async def _send(self, events: tuple[Event, ...]) -> None:
-        async with self._lock:
-            if self.dead:  # a send ahead of this one failed or was cancelled mid-frame: the link is in ERROR
-                raise WorkerDied("worker is gone")
+        self._sending = True
+        try:
             data = b"".join(self.link.send(event) for event in events)
             assert self.process.stdin is not None
-            try:
-                await self.process.stdin.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.link.send_failed()
-                self.dead = True
-                raise WorkerDied(f"write to worker failed: {exc!r}") from None
-            except BaseException:
-                self.link.send_failed()
-                self.dead = True
-                raise
+            await self.process.stdin.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.link.send_failed()
+            self.dead = True
+            raise WorkerDied(f"write to worker failed: {exc!r}") from None
+        except BaseException:   # cancelled mid-frame: the link is in ERROR, the worker is let go
+            self.link.send_failed()
+            self.dead = True
+            raise
+        finally:
+            self._sending = False
 
     def kill(self) -> None:
         """SIGKILL at once (a hung worker)."""
@@ -169,36 +181,37 @@ class WorkerHandle:
 
 async def _read_event(process: trio.Process, link: WorkerLink) -> Event:
     assert process.stdout is not None
-    while True:
-        event = link.next_event()
-        if event is not NEED_DATA:
-            assert isinstance(event, Event)
-            return event
+    while (event := link.next_event()) is NEED_DATA:
         link.receive_data(await process.stdout.receive_some(READ_SIZE))
+    await trio.lowlevel.checkpoint_if_cancelled()   # (events already read come without a wait)
+    assert isinstance(event, Event)
+    return event
 
 
-async def _serve_reader(handle: WorkerHandle, inbox: trio.MemorySendChannel[Any]) -> None:
+async def _serve_reader(handle: WorkerHandle, deliver: Deliver) -> None:
+    """The worker's stdout, event by event, to the model's actor (its own channel:
+    this task never waits behind request handlers' commands)."""
     gen = handle.generation
     try:
         while True:
             event = await _read_event(handle.process, handle.link)
             try:
-                await inbox.send((gen, event))
+                await deliver(gen, event)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the model's actor closed its inbox (an unload): the owner shuts this worker down
+                return  # the model's actor closed (an unload): the owner shuts this worker down
     except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         handle.dead = True
         kill_now(handle.process)  # a protocol error ends the worker; it is respawned
         rc = await handle.process.wait()
         try:
-            await inbox.send((gen, WorkerDied(f"{exc} (exit status {rc})")))
+            await deliver(gen, WorkerDied(f"{exc} (exit status {rc})"))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
 
 
 @asynccontextmanager
 async def open_worker(
-    spec: WorkerSpec, inbox: trio.MemorySendChannel[Any], *, generation: int, env: dict[str, str] | None = None
+    spec: WorkerSpec, deliver: Deliver, *, generation: int, env: dict[str, str] | None = None
 ) -> AsyncIterator[WorkerHandle]:
     """Start a worker, handshake, and yield its handle.
 
@@ -214,7 +227,7 @@ async def open_worker(
     argv = worker_argv(spec)
     child_env = worker_env(os.environ if env is None else env)
     try:
-        async with _open_worker_nursery(spec, argv, child_env, link, inbox, generation) as handle:
+        async with _open_worker_nursery(spec, argv, child_env, link, deliver, generation) as handle:
             yield handle
     except BaseExceptionGroup as group:
         # hide the nursery: a worker failure surfaces as one LinkLost (WorkerDied)/WorkerLoadFailed
@@ -230,17 +243,10 @@ async def open_worker(
         raise first_leaf(failures) from group
 
 
-def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]  # a non-empty group by construction (split returned it)
-    return exc
-
-
 @asynccontextmanager
 async def _open_worker_nursery(
     spec: WorkerSpec, argv: list[str], child_env: dict[str, str], link: WorkerLink,
-    inbox: trio.MemorySendChannel[Any], generation: int,
+    deliver: Deliver, generation: int,
 ) -> AsyncIterator[WorkerHandle]:
     process: trio.Process | None = None
     try:
@@ -280,14 +286,14 @@ async def _open_worker_nursery(
                 if not isinstance(ack, HelloAck):
                     raise WorkerDied(f"worker answered the handshake with {type(ack).__name__}")
                 handle = WorkerHandle(process=process, link=link, ack=ack, generation=generation)
-                nursery.start_soon(_serve_reader, handle, inbox.clone())
+                nursery.start_soon(_serve_reader, handle, deliver)
                 yield handle
             finally:
                 with trio.move_on_after(spec.shutdown_grace_s, shield=True):
                     if process.returncode is None:
                         try:
                             if handle is not None:
-                                # through the send lock: the loop may have been cancelled mid-send
+                                # the actor's own task (one writer); cancelled mid-send, the handle is dead
                                 await handle.send(Shutdown())
                             else:
                                 assert process.stdin is not None

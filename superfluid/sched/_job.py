@@ -11,57 +11,19 @@ cursor, never stall a lane.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-from enum import Enum
 from typing import Any
 
 import attrs
 import trio
 
 from ..proto import Sampling
+from ._jobtypes import JobError, JobState, cache_partition
 from ._qos import QosClass
 
 __all__ = ["Job", "JobError", "JobState", "cache_partition"]
 
 _ids = itertools.count(1)
-
-
-class JobState(Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
-def cache_partition(tenant: str, cache_salt: str) -> str:
-    """The prefix-cache partition of a job: KV computed under one partition is
-    never reused under another. "" (no keys, no ``cache_salt``) is the one
-    partition of a keyless daemon; otherwise a digest, so the worker never
-    sees tenant names or salts."""
-    if not tenant and not cache_salt:
-        return ""
-    return hashlib.sha256(json.dumps([tenant, cache_salt]).encode()).hexdigest()[:32]
-
-
-@attrs.frozen(kw_only=True)
-class JobError:
-    """A typed failure, ready to become an HTTP error or an SSE error frame."""
-
-    status: int
-    message: str
-    type: str = "server_error"
-    code: str | None = None
-
-    @classmethod
-    def log_failed(cls, exc: BaseException) -> JobError:
-        """The session log could not take a request's records: 507 ``insufficient_storage``
-        when the disk is full (``exc.out_of_space``), else 503 ``session_log_failed``."""
-        if getattr(exc, "out_of_space", False):
-            return cls(status=507, code="insufficient_storage",
-                       message=f"the disk holding the session log is full; nothing is generated until it has "
-                               f"room again: {exc}")
-        return cls(status=503, code="session_log_failed", message=f"the session log could not be written: {exc}")
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -145,10 +107,12 @@ class Job:
     async def wait_beyond(self, cursor: int) -> None:
         """Wait until more than ``cursor`` tokens are committed or the job is done.
 
-        Cancellation: a plain checkpointed wait; cancelling it touches nothing.
+        Cancellation: always a cancel point (a schedule point when it waits: a reader
+        that finds tokens ready takes them at once); cancelling it touches nothing.
         """
         while len(self.tokens) <= cursor and not self.done:
             await self._changed.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     async def wait_change(self) -> None:
         """Wait for the next :meth:`publish` (progress, the end, or a reader
@@ -159,6 +123,7 @@ class Job:
         """Wait until a worker admitted the job, or it ended (possibly refused)."""
         while not (self.started or self.done or self.tokens):
             await self._changed.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     def finish_with(self, finish: str | None = None, error: JobError | None = None) -> None:
         self.state = JobState.DONE
