@@ -1,6 +1,6 @@
 """The one place for the defaults of knobs that more than one layer declares.
 
-The command line (``cli/_main.py``), the daemon's config (``daemon/_config.py``),
+The command line (``cli/_main.py``), the daemon's config (``serving/_config.py``),
 the scheduler's config (``sched/``), the worker spec (``nursery/_worker.py``) and
 the worker process's own arguments (``worker/_main.py``) all take their defaults
 from here, so a default changes in one line and the help texts follow. Plain

@@ -1,5 +1,6 @@
-"""Files only the daemon's user may read: the sessions directory (every prompt and
-completion) and the models cache directory.
+"""What stays private: files only the daemon's user may read (the sessions directory, with
+every prompt and completion, and the models cache directory), and the credentials a child
+process (a worker, a runtime's check) never inherits.
 
 Modes are passed to ``os.open``/``os.mkdir`` so a file or directory never exists with
 looser ones (the umask can only take bits away)."""
@@ -7,9 +8,11 @@ looser ones (the umask can only take bits away)."""
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["DIR_MODE", "FILE_MODE", "make_private_dir"]
+__all__ = ["CREDENTIAL_RE", "DIR_MODE", "FILE_MODE", "make_private_dir", "scrub_env"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -28,3 +31,13 @@ def make_private_dir(directory: Path) -> None:
             os.mkdir(path, DIR_MODE)
         except FileExistsError:
             pass  # made meanwhile by someone else: theirs, as it is
+
+
+# *_TOKEN, *_KEY (API, access, private, signing... keys), *_CREDENTIALS, and anything naming a
+# password or a secret (SUPERFLUID_API_KEY included)
+CREDENTIAL_RE = re.compile(r"((^|_)(TOKEN|API_?KEY|KEY|CREDENTIALS?)$)|PASSWORD|PASSWD|SECRET", re.I)
+
+
+def scrub_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Everything but credential-named variables."""
+    return {k: v for k, v in environ.items() if not CREDENTIAL_RE.search(k)}

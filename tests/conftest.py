@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from superfluid.models._files import cache_dir
-from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.serving import ModelSource, ServeConfig
 from superfluid.daemon._server import serve
 from superfluid.client import aiter_sse
 from superfluid.sched import PlannerConfig

@@ -435,7 +435,7 @@ def _unused(_: httpx.Response) -> None:  # keep httpx import for type hints
 
 
 async def test_unload_under_traffic_and_reload_on_demand(nursery: trio.Nursery) -> None:
-    from superfluid.daemon._config import ModelSource
+    from superfluid.serving import ModelSource
 
     cfg = mock_config()
     import attrs

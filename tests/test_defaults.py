@@ -9,7 +9,7 @@ import pytest
 
 from superfluid import _defaults as D
 from superfluid.cli._main import build_parser
-from superfluid.daemon._config import ServeConfig
+from superfluid.serving import ServeConfig
 from superfluid.nursery import RestartPolicy
 from superfluid.nursery._worker import WorkerSpec
 from superfluid.sched import PlannerConfig, SchedulerConfig

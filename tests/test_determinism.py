@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.serving import ModelSource, ServeConfig
 from superfluid.proto import Admit, Sampling
 from superfluid.sched import PlannerConfig
 from superfluid.worker._engine import BatchRow

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.serving import ModelSource, ServeConfig
 from superfluid.sched import PlannerConfig
 
 from .conftest import REAL_GGUF, Daemon, mock_config, start_daemon

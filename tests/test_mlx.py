@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.serving import ModelSource, ServeConfig
 from superfluid.models._files import is_basert_bundle, is_mlx_dir, model_name, resolve_runtime
 from superfluid.proto import Admit, Sampling
 from superfluid.sched import PlannerConfig

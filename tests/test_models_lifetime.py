@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource
+from superfluid.serving import ModelSource
 from superfluid.daemon._lifetime import FOREVER, Lifetimes, parse_keep_alive
 from superfluid.models._gguf import memory_need, read_metadata
 

@@ -22,7 +22,7 @@ from trio_websocket import open_websocket_url
 import superfluid
 from superfluid.cli._main import build_parser
 from superfluid.daemon import _logs
-from superfluid.daemon._config import ApiKey
+from superfluid.serving import ApiKey
 
 from .conftest import mock_config, sse_events, start_daemon
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import trio
 
-from superfluid.daemon._config import ModelSource, ServeConfig
+from superfluid.serving import ModelSource, ServeConfig
 from superfluid.sched import PlannerConfig
 from superfluid.suite._client import metric_sum
 

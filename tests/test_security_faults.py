@@ -20,7 +20,7 @@ import pytest
 import trio
 from trio_websocket import open_websocket_url
 
-from superfluid.daemon._config import ModelSource
+from superfluid.serving import ModelSource
 from superfluid._private import make_private_dir
 from superfluid.journal import Journal, JournalConfig, open_journal
 from superfluid.journal._files import FaultInjector
@@ -159,7 +159,7 @@ async def test_loads_only_from_allowed_places_and_no_oracle(nursery: trio.Nurser
 
 async def test_models_cache_and_startup_models_are_allowed(nursery: trio.Nursery, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from superfluid.daemon._metrics import Metrics
+    from superfluid.serving import Metrics
     from superfluid.daemon._registry import ModelRegistry
 
     monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
@@ -177,7 +177,7 @@ async def test_models_cache_and_startup_models_are_allowed(nursery: trio.Nursery
     d.scope.cancel()
     # a model given at startup may be loaded again through its path; its neighbours may not
     cfg = attrs.evolve(mock_config(), models=(ModelSource(spec=str(startup), runtime="llamacpp", name="start"),))
-    registry = ModelRegistry(cfg, Metrics(), nursery)
+    registry = ModelRegistry(cfg, Metrics())
     for ident in ("start", str(startup), str(startup.parent / "." / "start.gguf")):
         source = registry.lookup(ident)
         assert source is not None and (source.name, source.spec) == ("start", str(startup)), ident

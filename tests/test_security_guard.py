@@ -18,7 +18,7 @@ import trio.testing
 from trio_websocket import ConnectionRejected, open_websocket_url
 
 from superfluid.cli._main import main
-from superfluid.daemon._config import ApiKey
+from superfluid.serving import ApiKey
 from superfluid.daemon._keypolicy import load_keys
 from superfluid.api._guard import Guard, exposure_refusal
 from superfluid.api._principal import ANONYMOUS, PRINCIPAL, Principal

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from trio_websocket import open_websocket_url
 
-from superfluid.daemon._model import ServedModel
+from superfluid.serving import ServedModel
 from superfluid.api._http import ApiError
 from superfluid.api._chat import ChatRequest, parse_messages, render_chat
 from superfluid.api._params import template_kwargs_from

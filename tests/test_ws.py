@@ -11,7 +11,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, open_websocket_url
 
-from superfluid.daemon._config import ApiKey
+from superfluid.serving import ApiKey
 from superfluid.api import _ws
 
 from .conftest import Daemon, mock_config, sse_events, start_daemon, stream_text

@@ -24,7 +24,7 @@ from ._tenancy import owner_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ._host import App
 
 __all__ = ["count_tokens", "messages"]
@@ -159,7 +159,7 @@ async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send
             raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
         req = _request(model, body)
         mid = f"msg_superfluid_{next(_ids)}"
-        async with open_reply(app, model, req, receive, klass=qos_of(app, scope), owner=owner) as reply:
+        async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
             await (_stream if stream else _whole)(send, reply, mid)
 
     await answer_errors(send, run, error_body)

@@ -11,7 +11,7 @@ import trio
 
 from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
 from ._generate import log_refusal
-from ._lifecycle import Exchange, Stopping, access_line, set_exchange, shutting_down
+from ._lifecycle import Exchange, Stopping, access_line, open_request, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
 from ._openai import chat_completions, completions
@@ -26,15 +26,12 @@ from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
 
 from ..sessions._conversations import ConversationStore
-from ..daemon._registry import InsufficientMemory, TooManyModels
+from ..serving import InsufficientMemory, TooManyModels
 from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
 
 if TYPE_CHECKING:
-    from ..daemon._config import ServeConfig
-    from ..daemon._metrics import Metrics
-    from ..daemon._model import ServedModel
-    from ..daemon._registry import ModelRegistry
+    from ..serving import Metrics, Registry, ServedModel, ServeConfig
     from ..sessions._resumable import SessionStore
 
 __all__ = ["App"]
@@ -109,7 +106,7 @@ def _logged_at_info(exchange: Exchange) -> bool:
 
 
 class App:
-    def __init__(self, config: ServeConfig, registry: ModelRegistry, metrics: Metrics,
+    def __init__(self, config: ServeConfig, registry: Registry, metrics: Metrics,
                  sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
         """``session_nursery`` runs the short tasks that restore open conversation turns after
         a restart (each hands its turn to its model's sessions sub-nursery)."""
@@ -226,7 +223,10 @@ class App:
 
         try:
             with self.guard.hold(scope):  # a key's max_concurrent generating requests
-                await self._route(scope, receive, tracked_send)
+                # one scope for the whole request, cancelled when the client leaves (watched once the
+                # body is read): a load, a tokenize or a wait for a gone client stops there
+                async with open_request(receive) as request:
+                    await self._route(scope, request.receive, tracked_send)
         except ClientGone:
             return
         except ApiError as exc:

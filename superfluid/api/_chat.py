@@ -30,14 +30,14 @@ from ..chat import (
 )
 from ..proto import Sampling
 from ..sched import QosClass, parse_qos
-from ._generate import Follower, open_lane, prepare, usage_of, wait_admitted, watch_disconnect
-from ._http import ApiError, Receive, header
+from ._generate import Follower, open_lane, prepare, usage_of, wait_admitted
+from ._http import ApiError, header
 from ._params import integer
 from ._principal import principal_of
 from ._tenancy import Owner
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ..sched import Job
     from ._host import App
 
@@ -227,7 +227,7 @@ class Reply:
 
 
 @asynccontextmanager
-async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Receive, *,
+async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
                      klass: QosClass, owner: Owner) -> AsyncIterator[Reply]:
     """Render, submit and follow one chat turn.
 
@@ -235,8 +235,9 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
         ApiError: before the block, a refusal (template, window, grammar on a
             runtime without one); inside it, whatever the block raises.
 
-    Cancellation: a client disconnect cancels the block; leaving the block
-    (normally, by error or cancellation) retires the job's lane (stops it).
+    Cancellation: a client disconnect cancels the request (``open_request``,
+    api/_lifecycle.py), this block with it; leaving the block (normally, by
+    error or cancellation) retires the job's lane (stops it).
     """
     rendered = render_chat(model, req)
     sampling = req.sampling
@@ -247,7 +248,7 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, receive: Re
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
                         owner=owner, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
-    async with open_lane(app, model, job, kind="chat", stops=stops), watch_disconnect(receive):
+    async with open_lane(app, model, job, kind="chat", stops=stops):
         yield Reply(model, job, Follower(job, stops), rendered.parser)
 
 

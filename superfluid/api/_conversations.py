@@ -35,6 +35,8 @@ import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+import trio
+
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation
 from ._generate import check_log
@@ -218,6 +220,12 @@ async def _optional_json(scope: dict[str, Any], receive: Receive) -> dict[str, A
     return decode_json(raw) if raw.strip() else {}
 
 
+def _whole() -> trio.CancelScope:
+    """A write to the log (and its index) that a client leaving does not cut in two:
+    the request's scope (api/_lifecycle.py) is cancelled only after it."""
+    return trio.CancelScope(shield=True)
+
+
 async def route_conversations(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> bool:
     """Serve a conversation route; False if the request is not one (the session routes take it)."""
     m = _ROUTE.fullmatch(scope["path"])
@@ -229,7 +237,10 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     if cid is None:
         if method != "POST":
             raise ApiError(405, f"method {method} not allowed on /v1/sessions")
-        await send_json(send, 201, await create_conversation(app, scope, decode_json(await read_body(scope, receive))))
+        body = decode_json(await read_body(scope, receive))
+        with _whole():
+            info = await create_conversation(app, scope, body)
+        await send_json(send, 201, info)
         return True
     wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET"}.get(tail or "")
     if wanted is not None and method != wanted:
@@ -242,16 +253,23 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
             return False  # a generation session (or none the caller owns): GET /v1/sessions/{id}, …/stream, …
         cid = own
     if tail == "/messages":
-        await send_json(send, 200, await append_messages(app, cid, decode_json(await read_body(scope, receive))))
+        body = decode_json(await read_body(scope, receive))
+        with _whole():
+            done = await append_messages(app, cid, body)
+        await send_json(send, 200, done)
     elif tail == "/generate":
         body = await _optional_json(scope, receive)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
-        turn = await start_turn(app, scope, cid, body)
+        with _whole():
+            turn = await start_turn(app, scope, cid, body)
         await (stream_turn(send, receive, turn, 0) if stream else send_turn(send, receive, turn))
     elif tail == "/fork":
-        await send_json(send, 201, await fork_conversation(app, scope, cid, await _optional_json(scope, receive)))
+        body = await _optional_json(scope, receive)
+        with _whole():
+            info = await fork_conversation(app, scope, cid, body)
+        await send_json(send, 201, info)
     elif tail == "/events":
         page = events_page(app, cid, after=_query_int(scope, "after", -1, -1, 2**62),
                            limit=_query_int(scope, "limit", 1000, 1, MAX_EVENTS_PAGE))

@@ -22,7 +22,7 @@ from ._generate import tokenize
 from ._http import ApiError, Receive, Send, answer_errors, send_json
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ._host import App
 
 __all__ = ["ollama_embed", "ollama_embeddings", "openai_embeddings"]
@@ -147,7 +147,7 @@ async def openai_embeddings(app: App, scope: dict[str, Any], receive: Receive, s
 
 
 def _keep_alive(app: App, model: ServedModel, body: dict[str, Any]) -> None:
-    from ..daemon._lifetime import parse_keep_alive
+    from ..serving import parse_keep_alive
 
     try:
         app.registry.keep_alive(model, parse_keep_alive(body.get("keep_alive")))

@@ -3,8 +3,9 @@
 ``prepare`` turns rendered segments into a :class:`Job`; :func:`open_lane`
 is the scope a job runs in (reserved, logged, queued on entry; retired on
 exit, whatever the reason); :class:`Follower` turns the job's committed
-tokens into client text deltas (stop strings held back);
-``watch_disconnect`` cancels the request's scope when the client goes away.
+tokens into client text deltas (stop strings held back). A client that goes
+away cancels its request's scope (``api/_lifecycle.open_request``), which
+leaves the lane.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from ..chat import TextStream
 from ..journal import JournalWriteError
 from ..proto import Sampling
 from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
-from ._http import ApiError, Receive
+from ._http import ApiError
 from ._lifecycle import note_job, wait_beyond, wait_started
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
     from ._host import App
     from ._tenancy import Owner
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane",
-           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted", "watch_disconnect"]
+           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted"]
 
 # The prompt-size limit checked before tokenizing (--max-prompt-bytes 0): no tokenizer we serve
 # makes a token of more than a few dozen bytes of text, so a prompt over this many bytes per token
@@ -41,7 +42,7 @@ PROMPT_BYTES_PER_TOKEN = 64
 PROMPT_BYTES_FLOOR = 1 << 20
 # The most any setting allows: a Tokenize frame carries the prompt (16 MiB link frames).
 MAX_PROMPT_BYTES = 12 << 20
-RETIRE_S = 5.0   # bound on a lane's shielded retirement (the stop command, logging the session's end)
+RETIRE_S = 5.0   # bound on the shielded logging of a retired lane's session end (the stop itself never waits)
 
 
 def prompt_limit(model: ServedModel) -> int:
@@ -133,12 +134,13 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
     the job is stopped unless the handler set ``lane.keep``.
 
     A resumable session's generation may outlive the block: a watcher in the
-    model's sessions sub-nursery stops it after ``--resume-ttl`` with no
-    follower (and ends with the job).
+    model's sessions sub-nursery, started before the job is queued, stops it
+    after ``--resume-ttl`` with no follower (and ends with the job).
 
     Raises:
         ApiError: 429 ``queue_full`` (nothing logged) when the job's class has
-            ``--max-queue`` waiting; 503 when the model is gone; 507 when the log takes no writes.
+            ``--max-queue`` waiting; 503 when the model is gone (or, for a resumable
+            job, its actor is not running to watch it); 507 when the log takes no writes.
     """
     sched = model.scheduler
     lane: Lane | None = None
@@ -151,18 +153,22 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
             refused = True  # no place was taken: nothing to give back
             raise
         session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
-        await sched.queue(job)
-        lane = Lane(job=job, session=session)
         if resumable:
             try:
-                model.owner.start_session(serve_resume_ttl, app.sessions, session)
-            except RuntimeError:
-                pass  # the model is going away: its close ends the job typed
+                model.owner.start_session(serve_resume_ttl, app.sessions, session, job=job)
+            except Unavailable as exc:  # unloaded, or between restarts: nothing would watch it
+                with trio.move_on_after(RETIRE_S, shield=True):
+                    try:
+                        await app.sessions.end(job)  # logged cancelled: no restart resumes it
+                    except JournalWriteError:
+                        pass  # the log takes no writes: the next start logs it cancelled
+                raise ApiError(503, str(exc), code=exc.code) from None
+        await sched.queue(job)
+        lane = Lane(job=job, session=session)
         yield lane
     finally:
-        if not refused:
-            with trio.move_on_after(RETIRE_S, shield=True):
-                await retire(app, sched, job, keep=lane is not None and lane.keep)
+        if not refused:  # (retire's stop never waits; its logging is shielded and bounded itself)
+            await retire(app, sched, job, keep=lane is not None and lane.keep)  # noqa: ASYNC102
 
 
 async def reserve(sched: Scheduler, job: Job) -> None:
@@ -183,14 +189,12 @@ async def reserve(sched: Scheduler, job: Job) -> None:
 async def retire(app: App, sched: Scheduler, job: Job, *, keep: bool = False) -> None:
     """The request is over: stop its job unless ``keep`` (its reserved place
     goes back too), and log how the session ended if the scheduler did not.
-    Shielded and bounded (``RETIRE_S``) itself, and called under such a shield
-    (it runs on every way out of a lane, cancelled ones too)."""
+    It runs on every way out of a lane, cancelled ones too: the stop is a
+    request that never waits and is never dropped (``Scheduler.stop``), and
+    logging the end is shielded and bounded (``RETIRE_S``)."""
+    if not keep and not job.done:  # (a done job holds no lane and no place)
+        sched.stop(job)
     with trio.move_on_after(RETIRE_S, shield=True):
-        if not keep and not job.done:  # (a done job holds no lane and no place)
-            try:
-                await sched.stop(job)
-            except Unavailable:
-                pass  # the model is gone: its close ended the job
         if job.done:
             try:
                 await app.sessions.end(job)
@@ -295,45 +299,3 @@ class Follower:
             self.finish = job.finish or "stop"
             return "".join(out), lps, True
         return "".join(out), lps, False
-
-
-@asynccontextmanager
-async def watch_disconnect(receive: Receive) -> AsyncIterator[trio.CancelScope]:
-    """Cancel the block when the client disconnects.
-
-    Raises:
-        ApiError: whatever the block raised, unwrapped from the nursery's group.
-
-    Cancellation: the watcher task is cancelled when the block exits.
-    """
-    try:
-        async with _watching(receive) as scope:
-            yield scope
-    except BaseExceptionGroup as group:
-        typed, rest = group.split(ApiError)
-        if rest is not None or typed is None:
-            raise
-        leaf: BaseException = typed
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]  # split() never returns an empty group
-        raise leaf from None  # noqa: ASYNC123 - the ApiError is the whole answer; the group is the watcher's nursery
-
-
-@asynccontextmanager
-async def _watching(receive: Receive) -> AsyncIterator[trio.CancelScope]:
-    async with trio.open_nursery() as nursery:
-        scope = trio.CancelScope()
-
-        async def watcher() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    scope.cancel()
-                    return
-
-        nursery.start_soon(watcher)
-        try:
-            with scope:
-                yield scope
-        finally:
-            nursery.cancel_scope.cancel()

@@ -48,7 +48,7 @@ from ._http import ApiError, Send
 from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key, principal_of
 
 if TYPE_CHECKING:
-    from ..daemon._config import ApiKey, ServeConfig
+    from ..serving import ApiKey, ServeConfig
 
 __all__ = ["Guard", "RateLimited", "exposure_refusal", "is_loopback_listener", "parse_allowed_host",
            "parse_web_origin", "refusal_headers"]

@@ -12,10 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import trio
 
-    from ..daemon._config import ServeConfig
-    from ..daemon._metrics import Metrics
-    from ..daemon._model import ServedModel
-    from ..daemon._registry import ModelRegistry
+    from ..serving import Metrics, Registry, ServedModel, ServeConfig
     from ..sessions._conversations import ConversationStore
     from ..sessions._resumable import SessionStore
     from ._guard import Guard
@@ -28,7 +25,7 @@ class App(Protocol):
     """The application's state and its model lookup (implemented by ``_app.App``)."""
 
     config: ServeConfig
-    registry: ModelRegistry
+    registry: Registry
     metrics: Metrics
     sessions: SessionStore
     conversations: ConversationStore

@@ -13,27 +13,40 @@ error frame (then ``[DONE]``) mid-stream or its typed error body before the
 response started. The jobs themselves are not touched: a resumable session's
 generation goes on into the log until the daemon exits and resumes on the next
 start. Only waits made inside a request see it: a conversation turn's owner
-task (it lands the reply) reads on, unaware.
+task (it lands the reply) reads on, unaware. :meth:`Stopping.begin` only sets
+flags and an event (:meth:`Stopping.wait_begun`): it never spawns, waits or
+raises; each WebSocket watches that event in a task of its own nursery.
+
+The request scope (:func:`open_request`): every HTTP request's handler runs in
+one cancel scope that is cancelled when the client disconnects, watched from
+the moment its body has been read (hypercorn never cancels the app; it only
+queues ``http.disconnect``). A client that leaves during a model load, a
+tokenize or a wait costs nothing more: the lane it held retires as it exits
+(a resumable stream whose client has its id is kept, ``api/_generate.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from ._http import ApiError
+from .._errors import leaves
+
+from ._http import ApiError, Receive
 
 if TYPE_CHECKING:
     from ..sched import Job
 
-__all__ = ["Exchange", "Stopping", "access_line", "current_exchange", "detach_exchange", "fail", "note_job",
-           "shutting_down", "wait_beyond", "wait_started"]
+__all__ = ["Exchange", "Request", "Stopping", "access_line", "current_exchange", "fail", "note_job",
+           "open_request", "shutting_down", "wait_beyond", "wait_started"]
 
 log = logging.getLogger("superfluid.access")
 
@@ -53,28 +66,26 @@ class Stopping:
         self.started = False
         self.inflight = 0                 # exchanges (HTTP requests and WebSockets) not yet over
         self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()   # jobs some request waits on
-        self._hooks: dict[int, Callable[[], None]] = {}          # WebSockets' "close for shutdown"
+        self._begun = trio.Event()        # open WebSockets wait on it, each in its own nursery
         self._idle = trio.Event()
         self._idle.set()
 
     def begin(self) -> None:
         """Stop every request-side reader now (each sees ``server_shutting_down``
-        at its next wait) and ask open WebSockets to close."""
+        at its next wait) and wake :meth:`wait_begun` (open WebSockets close).
+        Never spawns, waits or raises: it runs in the daemon's stop task, and
+        whatever a socket is doing (closing, say) is that socket's business."""
         self.started = True
         for job in list(self._jobs):
             job.publish()  # wakes its readers; the job itself goes on
-        for hook in list(self._hooks.values()):
-            hook()
+        self._begun.set()
+
+    async def wait_begun(self) -> None:
+        """Until the shutdown begins (at once if it has)."""
+        await self._begun.wait()
 
     def watch(self, job: Job) -> None:
         self._jobs.add(job)
-
-    def on_begin(self, key: int, hook: Callable[[], None]) -> Callable[[], None]:
-        """Run ``hook`` when the shutdown begins (at once if it has). Returns the unregister function."""
-        self._hooks[key] = hook
-        if self.started:
-            hook()
-        return lambda: self._hooks.pop(key, None) and None
 
     def enter(self) -> None:
         self.inflight += 1
@@ -117,10 +128,95 @@ def set_exchange(exchange: Exchange | None) -> None:
     _CURRENT.set(exchange)
 
 
-def detach_exchange() -> None:
-    """For a task that outlives the request that started it (a turn's owner):
-    its waits are not the request's and do not end at shutdown."""
-    _CURRENT.set(None)
+class Request:
+    """One HTTP request's handler scope (:func:`open_request`).
+
+    ``scope`` is cancelled once the client disconnects. ``receive`` is the
+    handler's ASGI receive: the body's messages in order, then (once the
+    client is gone) ``http.disconnect``. Only one task reads the connection at
+    a time: the watcher (from the start, and again once the body has been
+    read) or the handler (reading a body of several messages)."""
+
+    def __init__(self, receive: Receive, nursery: trio.Nursery) -> None:
+        self._receive = receive
+        self._nursery = nursery
+        self.scope = trio.CancelScope()
+        self.gone = False                  # the client disconnected
+        self._pending: deque[dict[str, Any]] = deque()  # body messages the watcher read (at most one)
+        self._watching = False
+        self._changed = trio.Event()
+
+    def _watch(self) -> None:
+        """Start the watcher (called in the request's own task, while its nursery is open)."""
+        if not self._watching and not self.gone:
+            self._watching = True
+            self._nursery.start_soon(self._watcher)
+
+    async def _watcher(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self._left()
+                return
+            if message["type"] == "http.request":
+                self._pending.append(message)  # the handler's, when it reads its body
+                self._wake()
+                if message.get("more_body", False):
+                    self._watching = False  # the handler reads the rest; the body's end starts the watch again
+                    return
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _left(self) -> None:
+        self.gone = True
+        self.scope.cancel()
+        self._wake()
+
+    async def receive(self) -> dict[str, Any]:
+        while True:
+            if self._pending:
+                await trio.lowlevel.checkpoint()
+                return self._pending.popleft()
+            if self.gone:
+                await trio.lowlevel.checkpoint()
+                return {"type": "http.disconnect"}
+            if not self._watching:
+                break
+            await self._changed.wait()  # the watcher reads: the next message comes through it
+        message = await self._receive()
+        if message["type"] == "http.disconnect":
+            self._left()
+        elif message["type"] == "http.request" and not message.get("more_body", False):
+            self._watch()  # the body is read: watch for the client leaving from here on
+        return message
+
+
+@asynccontextmanager
+async def open_request(receive: Receive) -> AsyncIterator[Request]:
+    """Run the block as one HTTP request's handler (:class:`Request`): it is
+    cancelled (and the block exits quietly) when the client disconnects.
+
+    Raises:
+        whatever the block raised (not wrapped in an exception group).
+
+    Cancellation: the watcher task ends with the block.
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            request = Request(receive, nursery)
+            request._watch()
+            try:
+                with request.scope:
+                    yield request
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        failures = leaves(group)
+        if len(failures) > 1:
+            raise
+        raise failures[0] from None  # noqa: ASYNC123 - the block's own exception; the group is the watcher's nursery
 
 
 def note_job(model: str, job: Job) -> None:

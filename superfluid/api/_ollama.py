@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .. import __version__
+from .._errors import first_leaf
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
-from ._generate import watch_disconnect
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
 from ._tenancy import Owner, owner_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
-from ..daemon._lifetime import FOREVER, expires_at_wall, parse_keep_alive
+from ..serving import FOREVER, expires_at_wall, parse_keep_alive
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ._host import App
 
 __all__ = ["api_chat", "api_copy", "api_delete", "api_generate", "api_ps", "api_pull", "api_show",
@@ -359,7 +359,7 @@ async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, mo
                kind: str, stream: Any, owner: Owner) -> None:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
-    async with open_reply(app, model, req, receive, klass=qos_of(app, scope), owner=owner) as reply:
+    async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
         if not stream:
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)
@@ -396,7 +396,7 @@ _PULL_STATUS = {"not_found": 404, "ambiguous": 400, "unreachable": 502, "integri
 
 
 def _register(app: App, name: str, path: Any) -> None:
-    from ..daemon._config import ModelSource
+    from ..serving import ModelSource
 
     app.registry.known[name] = ModelSource(spec=str(path), runtime="llamacpp", name=name)
 
@@ -420,19 +420,19 @@ async def api_pull(app: App, scope: dict[str, Any], receive: Receive, send: Send
             raise ApiError(400, f"'{raw}' is not a Hugging Face model id: superfluid pulls org/repo[:QUANT] "
                                 "(e.g. unsloth/Qwen3-4B-GGUF:Q4_K_M)")
         progress = PullProgress()
-        async with watch_disconnect(receive):  # a client that leaves cancels the pull
-            try:
-                plan = await resolve_async(ref)
-                if not stream:
-                    pulled = await fetch_async(plan, progress)
-            except PullError as exc:
-                raise ApiError(_PULL_STATUS.get(exc.kind, 502), str(exc)) from None
+        # a client that leaves cancels the request's scope (api/_lifecycle.py), and so the pull
+        try:
+            plan = await resolve_async(ref)
             if not stream:
-                _register(app, pulled.name, pulled.path)
-                await send_json(send, 200, {"status": "success"})
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
-            await _stream_pull(app, send, plan, progress)
+                pulled = await fetch_async(plan, progress)
+        except PullError as exc:
+            raise ApiError(_PULL_STATUS.get(exc.kind, 502), str(exc)) from None
+        if not stream:
+            _register(app, pulled.name, pulled.path)
+            await send_json(send, 200, {"status": "success"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
+        await _stream_pull(app, send, plan, progress)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -469,7 +469,7 @@ async def _stream_pull(app: App, send: Send, plan: Any, progress: Any) -> None:
         failed, rest = group.split(PullError)
         if rest is not None or failed is None:
             raise
-        await line({"error": str(failed.exceptions[0])}, more=False)
+        await line({"error": str(first_leaf(failed))}, more=False)
         return
     pulled = result[0]
     _register(app, pulled.name, pulled.path)

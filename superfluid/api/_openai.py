@@ -22,7 +22,7 @@ from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
 from ..proto._sse_template import SseTemplate
 from ._sessions import run_resumable
 from ._generate import (
-    Follower, open_lane, prepare, resumable_requested, wait_admitted, watch_disconnect, with_extras,
+    Follower, open_lane, prepare, resumable_requested, wait_admitted, with_extras,
 )
 from ._http import ApiError, Receive, Send, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
@@ -30,7 +30,7 @@ from ._sse import SseResponse
 from ._tenancy import owner_of
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ..sched import Job
     from ._host import App
 
@@ -120,7 +120,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
             return
         usage, continuous = _stream_options(body)
-        await _run_completion(app, model, job, receive, send, stops_from(body), stream=stream, usage=usage,
+        await _run_completion(app, model, job, send, stops_from(body), stream=stream, usage=usage,
                               continuous=continuous)
         return
     rid = f"chatcmpl-superfluid-{next(_ids)}"
@@ -139,7 +139,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         await run_resumable(app, model, job, kind="chat", stops=[*req.stops, *rendered.stops], receive=receive,
                             send=send)
         return
-    async with open_reply(app, model, req, receive, klass=klass, owner=owner) as reply:
+    async with open_reply(app, model, req, klass=klass, owner=owner) as reply:
         if stream:
             await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:
@@ -241,30 +241,29 @@ def _template(build: Any, *args: Any) -> SseTemplate | None:
         return None
 
 
-async def _run_completion(app: App, model: ServedModel, job: Job, receive: Receive, send: Send,
+async def _run_completion(app: App, model: ServedModel, job: Job, send: Send,
                           stops: list[str], *, stream: bool, usage: bool = False, continuous: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
     follower = Follower(job, stops)
-    async with open_lane(app, model, job, kind="completion", stops=stops):
-        async with watch_disconnect(receive):
-            if stream:
-                await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
-                                         usage=usage, continuous=continuous)
-            else:
-                parts: list[str] = []
-                rows: list[Any] = []
-                while True:
-                    text, got, done = await follower.next_delta()
-                    parts.append(text)
-                    rows += got
-                    if done:
-                        break
-                logprobs = _completion_logprobs(rows, 0)[0] if job.sampling.n_logprobs >= 0 else None
-                obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
-                       "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs,
-                                    "finish_reason": follower.finish}], "usage": usage_of(job)}
-                await send_json(send, 200, with_extras(obj, job), headers=[(b"x-superfluid-warm", str(job.cached).encode())])
+    async with open_lane(app, model, job, kind="completion", stops=stops):  # a disconnect cancels the request
+        if stream:
+            await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
+                                     usage=usage, continuous=continuous)
+        else:
+            parts: list[str] = []
+            rows: list[Any] = []
+            while True:
+                text, got, done = await follower.next_delta()
+                parts.append(text)
+                rows += got
+                if done:
+                    break
+            logprobs = _completion_logprobs(rows, 0)[0] if job.sampling.n_logprobs >= 0 else None
+            obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
+                   "choices": [{"index": 0, "text": "".join(parts), "logprobs": logprobs,
+                                "finish_reason": follower.finish}], "usage": usage_of(job)}
+            await send_json(send, 200, with_extras(obj, job), headers=[(b"x-superfluid-warm", str(job.cached).encode())])
 
 
 async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: str, created: int, model: str,

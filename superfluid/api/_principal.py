@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ..daemon._config import ApiKey, secret_digest
+from ..serving import ApiKey, secret_digest
 from ..sched import QosClass
 from ._http import ApiError
 

@@ -219,7 +219,7 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         "truncation": body.get("truncation") or "disabled", "error": None, "incomplete_details": None,
         "output": [], "status": "in_progress", "usage": None,
     }
-    async with open_reply(app, model, req, receive, klass=qos_of(app, scope), owner=owner) as reply:
+    async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
         if stream:
             final = await _stream(send, reply, base)
         else:

@@ -22,16 +22,17 @@ import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+import trio
+
 from ..proto import encode_sse_json
-from ..sched import Unavailable
-from ._generate import Follower, open_lane, usage_of, wait_admitted, watch_disconnect
+from ._generate import Follower, open_lane, usage_of, wait_admitted
 from ._lifecycle import note_job
 from ._http import ApiError, Receive, Send, header, send_json
 from ._sse import SseResponse
 from ._tenancy import public_id, resolve
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Job
     from ._host import App
@@ -108,11 +109,11 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
             if message["type"] == "http.response.body":  # the head goes out with it
                 lane.keep = True
 
-        async with watch_disconnect(receive):
-            await wait_admitted(job)
-            prefix = "chatcmpl" if kind == "chat" else "cmpl"
-            await stream_live(tracked, session, Follower(job, stops), model=model.name,
-                              rid=f"{prefix}-superfluid-{session.id}", first=True)
+        # a disconnect cancels the request's scope (api/_lifecycle.py); the lane then keeps the job if lane.keep
+        await wait_admitted(job)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        await stream_live(tracked, session, Follower(job, stops), model=model.name,
+                          rid=f"{prefix}-superfluid-{session.id}", first=True)
 
 
 def not_found(sid: str) -> ApiError:
@@ -143,8 +144,8 @@ async def stream_session(app: App, scope: dict[str, Any], receive: Receive, send
                        param="after")
     follower = follower_at(session, cursor)
     note_job(session.model, session.job)
-    async with watch_disconnect(receive):  # a follower leaving never cancels the generation
-        await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
+    # a follower leaving cancels only this request (api/_lifecycle.py), never the generation
+    await stream_live(send, session, follower, model=session.model, rid=f"sess-{sid}", first=cursor == 0)
 
 
 def session_info(app: App, scope: dict[str, Any], sid: str) -> dict[str, Any]:
@@ -184,10 +185,8 @@ async def cancel_generation(app: App, scope: dict[str, Any], sid: str) -> None:
     if job.done:
         raise ApiError(409, f"session '{sid}' has no generation in flight", code="no_generation")
     if job.scheduler is not None:
-        try:
-            await job.scheduler.stop(job)
-        except Unavailable:
-            pass  # the model is gone: its close ended the job
+        job.scheduler.stop(job)  # a request that never waits (a gone model's close ended the job already)
+    await trio.lowlevel.checkpoint()
 
 
 async def delete_generation(app: App, scope: dict[str, Any], send: Send, sid: str) -> None:

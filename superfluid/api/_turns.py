@@ -10,7 +10,12 @@ Ownership: the turn's *owner* task (:func:`serve_turn`) runs in its model's
 sessions sub-nursery (``ModelOwner.start_session``), not in a request, so a
 client leaving never cancels it (nor does ``--resume-ttl``: the conversation
 keeps the reply, so the turn runs to its end); unloading the model ends the
-generation typed, the owner lands that error, and the sub-nursery ends with it. The owner reads the generation as the chat route does (a
+generation typed, the owner lands that error, and the sub-nursery ends with it.
+The owner is started *before* the turn is logged and handed the turn once it
+is: a model that is not running refuses the turn typed (503) with nothing
+logged, and a turn that is logged always has an owner, or its error is landed
+by :func:`start_turn` (an unload that raced it): the conversation is never
+left generating with nobody to land its reply. The owner reads the generation as the chat route does (a
 :class:`~superfluid.api._chat.Reply`: content, reasoning, tool calls) and
 lands it in the conversation. ``DELETE …/generation`` stops it; what it had
 said lands with ``finish: "cancelled"``. A daemon restart resumes the
@@ -32,9 +37,9 @@ from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
-from ._generate import RETIRE_S, Follower, check_log, open_session, prepare, reserve, retire, watch_disconnect
+from ._generate import Follower, check_log, open_session, prepare, reserve, retire
 from ._http import ApiError, Receive, Send, send_json
-from ._lifecycle import detach_exchange, note_job, wait_beyond
+from ._lifecycle import note_job, wait_beyond
 from ._chat import (
     ChatRequest, Reply, max_tokens_from, openai_call, openai_delta, parse_tool_choice, parse_tools, qos_of,
     render_chat, require_grammar, usage_of,
@@ -45,7 +50,7 @@ from ._sse import SseResponse
 from ._tenancy import Owner, public_id
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ._host import App
 
 __all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
@@ -149,16 +154,20 @@ def busy_error(cid: str) -> ApiError:
 
 
 async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> Turn:
-    """Render the conversation, log the turn and its generation, queue it, and start its owner.
+    """Render the conversation, start the turn's owner, log the turn and its generation,
+    hand the turn to its owner, and queue it.
 
     Raises:
         ApiError: 404 unknown conversation; 409 ``session_busy`` if a turn is
             open or starting; 400 a bad field or a template refusal (naming
-            ``param``); 503 draining or no worker; whatever ``prepare`` raises.
+            ``param``); 503 draining, no worker, or the model's actor is not
+            running (nothing logged), or it went away while the turn was logged
+            (the turn's error landed); whatever ``prepare`` raises.
 
     Cancellation: cancelled before the ``turn`` event is logged, nothing
-    changes; after it, the turn is ended (``turn_end``, shielded) unless its
-    generation was logged, in which case it is queued and owned as usual.
+    changes; after it and before the turn is handed to its owner, the turn is
+    ended (``turn_end``, shielded); after that its owner has it, and the job
+    is stopped (the owner lands what it said).
 
     Resource handling: the turn's owner task (:func:`serve_turn`) runs in
     the model's sessions sub-nursery and outlives this call.
@@ -200,22 +209,54 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         sched = model.scheduler
         await reserve(sched, job)  # 429 before the turn is logged
         try:
-            await store.begin(turn, params)
-            try:
-                turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
-                                                  resumable=True)
-            except BaseException:
-                with trio.move_on_after(CLEANUP_S, shield=True):
-                    await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
-                raise
+            hand, handed = trio.open_memory_channel[Turn](1)
+            try:  # the owner first: a turn in the log always has one
+                model.owner.start_session(_own_turn, app, handed, job=job)
+            except Unavailable as exc:
+                raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged
+            with hand:  # closed without a turn: the owner has nothing to own
+                await store.begin(turn, params)
+                gone: ApiError | None = None
+                try:
+                    turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
+                                                      resumable=True)
+                    hand.send_nowait(turn)
+                except trio.BrokenResourceError:  # the owner ended: the model went away (an unload raced us)
+                    closed = sched.closed
+                    gone = (ApiError.of_job(closed) if closed is not None else
+                            ApiError(503, f"model '{model.name}' went away", code="model_unloaded"))
+                except BaseException:
+                    with trio.move_on_after(CLEANUP_S, shield=True):
+                        await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
+                    raise
+                if gone is not None:  # nobody owns the logged turn: it ends here, typed
+                    with trio.move_on_after(CLEANUP_S, shield=True):
+                        await store.land(turn, None, "error", _error_body(gone))
+                    raise gone
             await sched.queue(job)
             note_job(model.name, job)
-            model.owner.start_session(serve_turn, app, turn)
         except BaseException:
-            with trio.move_on_after(RETIRE_S, shield=True):
-                await retire(app, sched, job)  # gives the place back (or stops the queued job)
+            # gives the place back (or stops the queued job: its owner lands it); retire's
+            # stop never waits and its logging is shielded and bounded itself
+            await retire(app, sched, job)  # noqa: ASYNC102
             raise
     return turn
+
+
+def _error_body(exc: ApiError) -> dict[str, Any]:
+    """A turn's error as its ``turn_end`` logs it."""
+    return {"message": exc.message, "code": exc.code, "status": exc.status, "type": exc.error_type}
+
+
+async def _own_turn(app: App, handed: trio.MemoryReceiveChannel[Turn]) -> None:
+    """A turn's owner from before the turn is logged: serve the turn :func:`start_turn`
+    hands over once it is (none: it was not logged, there is nothing to own)."""
+    with handed:
+        try:
+            turn = await handed.receive()
+        except trio.EndOfChannel:
+            return
+    await serve_turn(app, turn)
 
 
 def assistant_message(content: str, reasoning: str, calls: list[ToolCall]) -> dict[str, Any] | None:
@@ -244,7 +285,6 @@ async def serve_turn(app: App, turn: Turn) -> None:
     landing it is shielded (bounded by ``CLEANUP_S``).
     """
     assert turn.session is not None
-    detach_exchange()  # started from a request, but not its: its reads do not end at shutdown
     job = turn.session.job
     try:
         message, finish, error = await _read_reply(turn)
@@ -253,8 +293,8 @@ async def serve_turn(app: App, turn: Turn) -> None:
     except Exception:  # noqa: BLE001 -- boundary: one turn; the daemon goes on
         log.exception("conversation %s: turn %d failed to land", turn.conversation, turn.event_id)
     finally:
-        with trio.move_on_after(RETIRE_S, shield=True):
-            await retire(app, job.scheduler, job, keep=True)  # log how the generation ended if nobody did
+        # log how the generation ended if nobody did (shielded and bounded inside retire)
+        await retire(app, job.scheduler, job, keep=True)  # noqa: ASYNC102
 
 
 async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str, Any] | None]:
@@ -265,13 +305,9 @@ async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str,
     try:
         content, reasoning, _rows = await reply.collect()
     except ApiError as exc:
-        return None, "error", {"message": exc.message, "code": exc.code, "status": exc.status,
-                               "type": exc.error_type}
+        return None, "error", _error_body(exc)
     if not job.done and job.scheduler is not None:
-        try:
-            await job.scheduler.stop(job)  # a stop string ended the reply before the generation did
-        except Unavailable:
-            pass  # the model is gone: its close ended the job
+        job.scheduler.stop(job)  # a stop string ended the reply before the generation did
     return assistant_message(content, reasoning, reply.calls), reply.finish or "stop", None
 
 
@@ -306,8 +342,8 @@ async def _resume_turn(app: App, cid: str, turn_id: int) -> None:
         return
     log.info("conversation %s: turn %d resumes with generation %s", cid, turn_id, turn.generation)
     try:
-        turn.model.owner.start_session(serve_turn, app, turn)
-    except RuntimeError:  # the model went away meanwhile: the turn stays open in the log
+        turn.model.owner.start_session(serve_turn, app, turn, job=turn.session.job)
+    except Unavailable:  # the model went away meanwhile: the turn stays open in the log
         log.warning("conversation %s: turn %d could not resume: model %s is not running", cid, turn_id,
                     turn.model.name)
 
@@ -390,33 +426,32 @@ async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> 
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **(extra or {})}
         return encode_sse_json(obj, id=str(reply.follower.cursor))
 
-    async with watch_disconnect(receive):
+    if cursor == 0:
+        await reply.wait_admitted()  # refused before any token: an HTTP error
+    sse = SseResponse(send)
+    await sse.start([(b"x-superfluid-session", turn.generation.encode()),
+                     (b"x-superfluid-conversation", turn.conversation.encode())])
+    session.attach()
+    try:
         if cursor == 0:
-            await reply.wait_admitted()  # refused before any token: an HTTP error
-        sse = SseResponse(send)
-        await sse.start([(b"x-superfluid-session", turn.generation.encode()),
-                         (b"x-superfluid-conversation", turn.conversation.encode())])
-        session.attach()
+            await sse.send(chunk({"role": "assistant", "content": ""}))
+        n_calls = 0
         try:
-            if cursor == 0:
-                await sse.send(chunk({"role": "assistant", "content": ""}))
-            n_calls = 0
-            try:
-                while True:
-                    events, _rows, done = await reply.next()
-                    delta, n_calls = openai_delta(events, n_calls)
-                    if delta:
-                        await sse.send(chunk(delta))
-                    if done:
-                        break
-                final = chunk({}, reply.finish, {"usage": usage_of(session.job),
-                                                 "superfluid": await landed_summary(turn)})
-            except ApiError as exc:
-                await sse.fail(exc)
-            else:
-                await sse.end(final)
-        finally:
-            session.detach()
+            while True:
+                events, _rows, done = await reply.next()
+                delta, n_calls = openai_delta(events, n_calls)
+                if delta:
+                    await sse.send(chunk(delta))
+                if done:
+                    break
+            final = chunk({}, reply.finish, {"usage": usage_of(session.job),
+                                             "superfluid": await landed_summary(turn)})
+        except ApiError as exc:
+            await sse.fail(exc)
+        else:
+            await sse.end(final)
+    finally:
+        session.detach()
 
 
 async def send_turn(send: Send, receive: Receive, turn: Turn) -> None:
@@ -427,13 +462,11 @@ async def send_turn(send: Send, receive: Receive, turn: Turn) -> None:
     """
     assert turn.session is not None
     job = turn.session.job
-    async with watch_disconnect(receive) as request:
-        while not (job.done or turn.landed):
-            await wait_beyond(job, len(job.tokens))  # (server_shutting_down once the daemon stops)
-        with trio.move_on_after(LAND_WAIT_S):
-            await turn.wait_landed()
-    if request.cancelled_caught:
-        return  # the client left; the turn goes on
+    # a client that leaves cancels its request scope here; the turn goes on
+    while not (job.done or turn.landed):
+        await wait_beyond(job, len(job.tokens))  # (server_shutting_down once the daemon stops)
+    with trio.move_on_after(LAND_WAIT_S):
+        await turn.wait_landed()
     if not turn.landed:
         raise ApiError(500, "the turn's reply could not be added to the conversation", code="journal_error")
     if turn.message is None and isinstance(turn.error, dict):

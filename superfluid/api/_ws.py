@@ -56,7 +56,8 @@ Lifetimes, one nursery per socket::
     └── work          cancelled when the socket closes (or must close)
         ├── reader    one message at a time, in order
         ├── follower  one per subscription, in its own cancel scope
-        └── owner     one per generation started here: ``end()`` in ``finally``
+        ├── owner     one per generation started here: enters its lane, and leaves it (retires it)
+        └── shutdown  waits for the daemon's stop (an event), then closes with 1001 once followers end
 
 Every op on an existing session or conversation answers one of another
 tenant exactly as an unknown id (``api/_tenancy.py``).
@@ -73,14 +74,14 @@ import json
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack, ExitStack
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
 from ..journal import JournalWriteError
-from ._generate import RETIRE_S, Lane, log_refusal, open_lane, prepare
+from ._generate import log_refusal, open_lane, prepare
 from ._http import ApiError, Receive, Send, decode_json
 from ._lifecycle import Exchange, access_line, set_exchange
 from ._chat import (
@@ -95,7 +96,7 @@ from ._tenancy import chosen_id, owner_of, public_id, resolve
 from ._turns import landed_summary, start_turn
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ..sessions._resumable import LiveSession
     from ..sched import Job
     from ._host import App
@@ -179,16 +180,13 @@ class _Socket:
     async def run(self, receive: Receive) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._write)
-            unregister = None
             try:
                 async with trio.open_nursery() as work:
                     self._work = work
-                    unregister = self.app.stopping.on_begin(id(self), lambda: work.start_soon(self._close_for_shutdown))
+                    work.start_soon(self._close_for_shutdown)  # this socket's own task: nothing else spawns here
                     await self._read(receive)
                     work.cancel_scope.cancel()
             finally:
-                if unregister is not None:
-                    unregister()
                 self.outbox.close()  # the writer sends what is due and ends
             # Closing by our side: read (and drop) until the peer's close arrives.
             # hypercorn's connection reader waits for us to take each message,
@@ -197,8 +195,13 @@ class _Socket:
                 self.client_gone = (await receive())["type"] == "websocket.disconnect"
 
     async def _close_for_shutdown(self) -> None:
-        """The daemon stops: once every follower sent its ``server_shutting_down``
-        error and the writer took every message, close with 1001."""
+        """When the daemon stops: once every follower sent its ``server_shutting_down``
+        error and the writer took every message, close with 1001.
+
+        It waits for the shutdown in the socket's ``work`` nursery, from the
+        start: the stop task only sets an event (``Stopping.begin``), so a
+        shutdown that begins while the socket closes finds nothing to do."""
+        await self.app.stopping.wait_begun()
         while self.subs:
             self._subs_changed = trio.Event()
             await self._subs_changed.wait()
@@ -315,21 +318,18 @@ class _Socket:
             claims.add(sid)
         slot = ExitStack()  # the key's max_concurrent slot, held until the generation ends (``_own``)
         slot.enter_context(self.app.guard.slot(principal_of(self.scope).key))
-        scope = AsyncExitStack()  # the generation's lane, handed to ``_own``
         try:
             model, job, stops = await chat_job(self.app, self.scope, body)
             if sid is not None:
                 job.session = sid
-            lane = await scope.enter_async_context(
-                open_lane(self.app, model, job, kind="chat", stops=stops, resumable=resumable))
-            session = lane.session
+            # the lane is entered and left in ``_own``'s task; a refusal (429, 503, 507) comes back here
+            session = await self.work.start(self._own, model, job, stops, resumable, slot)
         except BaseException:
-            slot.close()
+            slot.close()  # (idempotent: ``_own`` closes it too)
             raise
         finally:
             if sid is not None:
                 claims.discard(sid)
-        self.work.start_soon(self._own, lane, resumable, slot, scope)
         await self._emit(_with_ref({"op": "started", "session": public_id(session.id), "model": model.name,
                                     "resumable": resumable}, ref))
         self._follow(session, 0, ack=None)
@@ -465,22 +465,24 @@ class _Socket:
                 self._subs_changed.set()
             access_line(exchange)
 
-    async def _own(self, lane: Lane, resumable: bool, slot: ExitStack, scope: AsyncExitStack) -> None:
+    async def _own(self, model: ServedModel, job: Job, stops: list[str], resumable: bool, slot: ExitStack, *,
+                   task_status: trio.TaskStatus[LiveSession] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold a generation started on this socket (its lane, and its key's slot)
-        until it ends or the socket closes. A resumable one whose ``started`` never
-        reached the client is stopped too: nobody has its id to resume it."""
-        job = lane.job
-        self.owned += 1
+        until it ends or the socket closes; started (``task_status``, its session)
+        once the lane is open. The lane is entered and left in this task. A
+        resumable generation whose ``started`` never reached the client is
+        stopped too: nobody has its id to resume it."""
         with slot:
-            try:
-                while not job.done:
-                    await job.wait_beyond(len(job.tokens))
-            finally:
-                self.owned -= 1
-                lane.keep = resumable and job.session in self.announced
-                with trio.move_on_after(RETIRE_S, shield=True):
-                    await scope.aclose()  # retires the lane: stops the job unless kept
-                self.announced.discard(job.session)
+            async with open_lane(self.app, model, job, kind="chat", stops=stops, resumable=resumable) as lane:
+                self.owned += 1
+                try:
+                    task_status.started(lane.session)
+                    while not job.done:
+                        await job.wait_beyond(len(job.tokens))
+                finally:
+                    self.owned -= 1
+                    lane.keep = resumable and job.session in self.announced  # leaving retires it unless kept
+                    self.announced.discard(job.session)
 
 
 def _body_of(msg: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from typing import Any
 import trio
 
 from .. import _defaults as D
-from ..daemon._config import ModelSource, ServeConfig
-from ..daemon._registry import InsufficientMemory
+from .._errors import first_leaf, leaves
+from ..serving import InsufficientMemory, ModelSource, ServeConfig
 from ..api import MAX_PROMPT_BYTES, PROMPT_BYTES_FLOOR, PROMPT_BYTES_PER_TOKEN
 from ..models._files import default_model_path, model_name
 from .. import __version__
@@ -409,13 +409,6 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
     return None
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:  # (a nested group's leaves in order)
-        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage)."""
     argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
@@ -527,8 +520,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _startup_error(exc: BaseException, host: str, port: int) -> CliError:
     """What went wrong, as one line: the first failure of ``exc`` (a group's leaves) that we know."""
-    leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    for leaf in leaves:
+    for leaf in leaves(exc):
         if isinstance(leaf, (JournalLocked, WalCorrupt)):
             return CliError(str(leaf), USAGE)
         if isinstance(leaf, InsufficientMemory):
@@ -543,5 +535,5 @@ def _startup_error(exc: BaseException, host: str, port: int) -> CliError:
         if isinstance(leaf, OSError) and leaf.errno in (errno.EACCES, errno.EADDRNOTAVAIL):
             return CliError(f"cannot listen on {host}:{port}: {leaf.strerror}")
     logging.getLogger("superfluid").debug("startup failed", exc_info=exc)
-    first = leaves[0] if leaves else exc
+    first = first_leaf(exc)
     return CliError(f"{type(first).__name__}: {first} (--log-level DEBUG shows the traceback)")

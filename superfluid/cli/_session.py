@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._private import FILE_MODE, make_private_dir
-from ..daemon._config import default_sessions_dir
+from ..serving import default_sessions_dir
 from ..journal import SessionLog, WalCorrupt
 from ..journal._offline import OfflineLog, read_log, session_summary
 from ._errors import USAGE, CliError, HelpFormatter, suggest

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._config import ApiKey
 from ..sched import QosClass, parse_qos
+from ..serving import ApiKey
 
 __all__ = ["KeyPolicyError", "load_keys"]
 

@@ -35,7 +35,7 @@ from .._term import QUIT_KEYS, Screen, cbreak, read_keys, sparkline
 from ..sched import QosClass
 
 if TYPE_CHECKING:
-    from ._metrics import Metrics
+    from ..serving import Metrics
     from ._registry import ModelRegistry
 
 __all__ = ["LogTail", "Monitor", "run_monitor"]

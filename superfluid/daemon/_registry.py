@@ -1,17 +1,28 @@
 """The model registry: which models are loaded, which are known, and the
 nursery that supervises every model's actor.
 
-Loading starts a model's supervisor in the registry's nursery, which runs the
-model's actor (``nursery/_owner.py``; its worker must handshake before
-``load`` returns). The supervisor is the model's failure boundary: an
-unexpected exception in the actor has already ended the model's jobs typed
-(503 ``model_failed``); the supervisor logs it (one traceback) and restarts
-the actor under the ``RestartPolicy``, and nothing else in the daemon (other
-models, the HTTP listener) sees it. A restart storm unloads the model.
-Unloading stops the actor: its jobs end typed (503 ``model_unloaded``), its
-sessions (resume-TTL watchers, turn owners) and its worker end with it. An
-unloaded model stays *known* and is loaded again on demand by the next
-request that names it.
+Nursery tree (:meth:`ModelRegistry.run`, started by the daemon)::
+
+    models nursery (ModelRegistry.run)
+    ├── model lifetimes          idle unload, keep-alive (_lifetime.py)
+    └── supervisor × N           nursery/_supervisor.supervise: the model's failure boundary
+        └── model actor          nursery/_owner.ModelOwner.serve: sessions + core
+
+Loading starts a model's supervisor in the registry's models nursery, which
+runs the model's actor (its worker must handshake before ``load`` returns).
+The supervisor is the model's failure boundary: whatever the actor raises
+(its core, its worker, its sessions sub-nursery) ends the model's jobs typed
+(503 ``model_failed``), is logged once, and the actor restarts under the
+``RestartPolicy``; nothing else in the daemon (other models, the HTTP
+listener) sees it. A restart storm unloads the model. Unloading stops the
+actor: its jobs end typed (503 ``model_unloaded``), its sessions (resume-TTL
+watchers, turn owners) and its worker end with it, and ``unload`` returns
+once they have (two actors never hold one name). An unloaded model stays
+*known* and is loaded again on demand by the next request that names it.
+
+The registry's lock guards its bookkeeping only (and the memory check): a
+worker's handshake runs outside it, and concurrent loads of one name share
+one handshake (a per-name *loading* marker).
 
 Before a llama.cpp model loads, its weights (the file) and the KV cache the
 worker will allocate (from the GGUF header) must fit in available memory, or
@@ -37,16 +48,15 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
-from ._config import ModelSource, ServeConfig
 from ._lifetime import Lifetimes
-from ._metrics import Metrics
-from ._model import ServedModel
 from ..models._files import cache_dir, model_name, resolve_runtime
-from ..models._gguf import GgufError, MemoryNeed, available_memory, format_bytes, memory_need
-from ..nursery import ModelFailed, ModelOwner, RestartPolicy, RestartTracker, WorkerSpec
+from ..models._gguf import GgufError, available_memory, memory_need
+from ..nursery import ModelOwner, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
+from ..serving import InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels
 
 if TYPE_CHECKING:
     from .._cpu import CpuYield
@@ -56,16 +66,6 @@ __all__ = ["InsufficientMemory", "ModelRegistry", "TooManyModels"]
 
 log = logging.getLogger("superfluid.models")
 GGUF = ".gguf"
-
-
-class TooManyModels(Exception):
-    """``max_models`` models are loaded; unload one first."""
-
-    def __init__(self, cap: int, loaded: list[str]) -> None:
-        self.cap = cap
-        self.loaded = loaded
-        super().__init__(f"at most {cap} models may be loaded at once (--max-models {cap}); loaded: "
-                         f"{', '.join(loaded)}; unload one first")
 
 
 def model_dir_names(dirs: tuple[Path, ...]) -> list[str]:
@@ -79,17 +79,6 @@ def model_dir_names(dirs: tuple[Path, ...]) -> list[str]:
     return names
 
 
-class InsufficientMemory(Exception):
-    """The model's weights and KV cache do not fit in the memory available."""
-
-    def __init__(self, name: str, need: MemoryNeed, available: int, source: str) -> None:
-        self.name, self.need, self.available = name, need, available
-        super().__init__(
-            f"model '{name}' needs {format_bytes(need.total)} ({format_bytes(need.weights)} of weights + "
-            f"{format_bytes(need.kv)} of KV cache for {need.cells} cells) and {format_bytes(available)} is free "
-            f"({source}); lower --max-batch or --max-context, or unload a model")
-
-
 def _library_sources(config: ServeConfig) -> list[ModelSource]:
     """The models pulled or copied before (``models/_library.py``), known by their names,
     but for the files of models given at startup (known already, by their served names)."""
@@ -100,29 +89,52 @@ def _library_sources(config: ServeConfig) -> list[ModelSource]:
             if e.kind in ("pull", "copy") and (e.kind == "copy" or os.path.realpath(e.path) not in startup)]
 
 
+@attrs.define(eq=False)
+class _Loading:
+    """A load in flight: its handshake runs outside the registry's lock, shared by every load of the name."""
+
+    size: int
+    done: trio.Event = attrs.field(factory=trio.Event)
+    model: ServedModel | None = None
+    error: BaseException | None = None
+
+
 class ModelRegistry:
-    def __init__(self, config: ServeConfig, metrics: Metrics, models_nursery: trio.Nursery,
+    def __init__(self, config: ServeConfig, metrics: Metrics,
                  committer: Committer | None = None, cpu: CpuYield | None = None) -> None:
-        """``models_nursery`` owns every model owner task; it must outlive the registry's use.
-        ``committer`` makes every model's tokens durable (the session store); ``cpu`` is
-        the daemon's CPU policy, told by each scheduler when a request awaits its first token."""
+        """Every model's supervisor runs in the registry's own models nursery, open while
+        :meth:`run` runs. ``committer`` makes every model's tokens durable (the session
+        store); ``cpu`` is the daemon's CPU policy, told by each scheduler when a request
+        awaits its first token."""
         self.config = config
         self.committer = committer
         self.cpu = cpu
         self.metrics = metrics
-        self.models_nursery = models_nursery
         self.loaded: dict[str, ServedModel] = {}
         self.known: dict[str, ModelSource] = {}
         self.default: str | None = None
         self._lock = trio.Lock()
-        # owners whose task is alive (an unloaded model's worker may still be shutting down)
-        self._owners = 0
-        self._owner_gone = trio.Event()
+        self._models: trio.Nursery | None = None     # open while run() runs
+        self._loading: dict[str, _Loading] = {}
+        # name -> set when its actor task has ended (an unloaded model's worker may still be shutting down)
+        self._actors: dict[str, trio.Event] = {}
         for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
         self.aliases: dict[str, str] = dict(config.aliases)
         self.idle_timeout_s = config.idle_timeout_s
         self.lifetimes = Lifetimes(self)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the models nursery (every model's supervisor) and the idle unloads until
+        cancelled; cancelling shuts every model's actor and worker down."""
+        async with trio.open_nursery() as models:
+            await models.start(self.lifetimes.run)  # idle unload, keep_alive (_lifetime.py)
+            self._models = models
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._models = None
 
     def resolve_alias(self, name: str) -> str:
         """The model an ``--alias`` name stands for (a name that is no alias, as is)."""
@@ -146,7 +158,8 @@ class ModelRegistry:
 
     async def expire(self, name: str, model: ServedModel) -> bool:
         """Unload ``model`` (its keep-alive ran out) if it is still loaded and still idle.
-        Unlike :meth:`unload` it may leave no model loaded, and the default keeps its name."""
+        Unlike :meth:`unload` it may leave no model loaded, and the default keeps its name.
+        Returns once its actor (and worker) has ended."""
         async with self._lock:
             if self.loaded.get(name) is not model or model.in_use:
                 return False
@@ -154,10 +167,14 @@ class ModelRegistry:
             idle = trio.current_time() - model.last_used
             model.owner.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
             log.info("model %s unloaded after %.3gs idle (a request naming it loads it again)", name, idle)
-            return True
+            gone = self._actors.get(name)
+        if gone is not None:
+            await gone.wait()
+        return True
 
-    async def _check_memory(self, source: ModelSource) -> int:
-        """Bytes ``source`` will hold in memory (0 for the mock).
+    async def _check_memory(self, source: ModelSource, *, pending: int = 0) -> int:
+        """Bytes ``source`` will hold in memory (0 for the mock); ``pending`` bytes are
+        promised to loads whose workers have not allocated them yet.
 
         Raises:
             InsufficientMemory: they are more than available memory.
@@ -172,6 +189,7 @@ class ModelRegistry:
             log.warning("model %s: no memory estimate (%s); the worker will say whether it loads", source.name, exc)
             return 0
         available, where = available_memory()
+        available = max(0, available - pending)
         if cfg.check_memory and need.total > available:
             raise InsufficientMemory(source.name, need, available, where)
         return need.total
@@ -244,55 +262,109 @@ class ModelRegistry:
     # -- loading and unloading -------------------------------------------------------------
 
     async def load(self, source: ModelSource, *, make_default: bool = False) -> ServedModel:
-        """Start the model's owner and wait for its worker's handshake.
+        """Start the model's supervisor and wait for its worker's handshake (outside the
+        registry's lock; concurrent loads of one name share it).
 
         Raises:
             TooManyModels: ``max_models`` other models are loaded.
             InsufficientMemory: its weights and KV cache do not fit in available memory.
             WorkerLoadFailed: the worker could not load the model.
         """
-        async with self._lock:
-            if source.name in self.loaded:
-                return self.loaded[source.name]
-            cfg = self.config
-            if len(self.loaded) >= cfg.max_models:
-                raise TooManyModels(cfg.max_models, sorted(self.loaded))
-            size = await self._check_memory(source)
-            while self._owners >= cfg.max_models:  # an unloaded model's worker is still shutting down
-                await self._owner_gone.wait()
-            spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
-                              max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
-                              stream_interval_ms=cfg.stream_interval_ms,
-                              agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
-                              pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,
-                              speculate=cfg.speculate, spec_gates=cfg.spec_gates,
-                              command=source.worker or _worker(source.runtime))
-            policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
-            owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
+        name, cfg = source.name, self.config
+        while True:
+            wait: trio.Event | None = None
+            async with self._lock:
+                if name in self.loaded:
+                    return self.loaded[name]
+                loading = self._loading.get(name)
+                if loading is None:
+                    if len(self.loaded) + len(self._loading) >= cfg.max_models:
+                        raise TooManyModels(cfg.max_models, sorted({*self.loaded, *self._loading}))
+                    # its old actor, or one unloaded model's, is still shutting its worker down
+                    wait = self._actors.get(name)
+                    if wait is None and len(self._actors) >= cfg.max_models:
+                        wait = next(gone for held, gone in self._actors.items()
+                                    if held not in self.loaded and held not in self._loading)
+                    if wait is None:
+                        size = await self._check_memory(source, pending=sum(x.size for x in self._loading.values()))
+                        loading = self._loading[name] = _Loading(size=size)
+                        self._actors[name] = trio.Event()
+                        break
+            if wait is not None:
+                await wait.wait()
+                continue
+            assert loading is not None
+            await loading.done.wait()  # another request's load of this name
+            if loading.model is not None:
+                return loading.model
+            if isinstance(loading.error, Exception):
+                raise loading.error
+            # that load was cancelled: try again
+        try:
+            model = await self._start(source, loading.size)
+        except BaseException as exc:
+            loading.error = exc
+            raise
+        else:
+            loading.model = model
+        finally:
+            del self._loading[name]
+            loading.done.set()
+        if make_default or self.default is None:
+            self.default = name
+        log.info("model %s loaded on %s (worker pid %s)", name, source.runtime, model.owner.pid)
+        return model
 
-            async def run_owner(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
-                self._owners += 1
-                try:
-                    await self._supervise(owner, task_status)
-                finally:
-                    self._owners -= 1
-                    self._owner_gone.set()
-                    self._owner_gone = trio.Event()
+    async def _start(self, source: ModelSource, size: int) -> ServedModel:
+        """Run the model's supervisor in the models nursery until its first worker's handshake."""
+        cfg = self.config
+        spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
+                          max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
+                          stream_interval_ms=cfg.stream_interval_ms,
+                          agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
+                          pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,
+                          speculate=cfg.speculate, spec_gates=cfg.spec_gates,
+                          command=source.worker or _worker(source.runtime))
+        policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
+        owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
+        gone = self._actors[source.name]
+        try:
+            if self._models is None:
+                raise RuntimeError("the model registry is not running (ModelRegistry.run)")
+            await self._models.start(self._run_actor, owner, gone)
+        except BaseException:
+            if not gone.is_set():  # the task never ran (``start`` waits for one that did)
+                del self._actors[source.name]
+                gone.set()
+            raise
+        model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
+                            created=int(time.time()), size=size, last_used=trio.current_time())
+        self.loaded[source.name] = model
+        self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
+        self.known[source.name] = source
+        return model
 
-            await self.models_nursery.start(run_owner)
-            model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
-                                created=int(time.time()), size=size, last_used=trio.current_time())
-            self.loaded[source.name] = model
-            self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
-            self.known[source.name] = source
-            if make_default or self.default is None:
-                self.default = source.name
-            log.info("model %s loaded on %s (worker pid %s)", source.name, source.runtime, owner.pid)
+    async def _run_actor(self, owner: ModelOwner, gone: trio.Event, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
+        """The model's task in the models nursery: its supervisor, and the name's release when it ends."""
+        try:
+            await supervise(owner, partial(self._scheduler, owner.name), on_give_up=self._gave_up,
+                            task_status=task_status)
+        finally:
+            if self._actors.get(owner.name) is gone:
+                del self._actors[owner.name]
+            gone.set()
 
-            return model
+    def _gave_up(self, owner: ModelOwner) -> None:
+        """A restart storm: the model is unloaded (a request naming it loads it again)."""
+        model = self.loaded.get(owner.name)
+        if model is not None and model.owner is owner:
+            del self.loaded[owner.name]
+            if self.default == owner.name:
+                self.default = next(iter(self.loaded), None)
 
     async def unload(self, name: str) -> bool:
-        """Returns False if ``name`` was not loaded.
+        """Returns False if ``name`` was not loaded; True once its actor (and worker) has ended.
 
         Raises:
             ValueError: it is the last loaded model.
@@ -309,49 +381,16 @@ class ModelRegistry:
                 self.default = next(iter(self.loaded))
             model.owner.stop(f"model '{name}' was unloaded", code="model_unloaded")
             log.info("model %s unloaded", name)
-            return True
+            gone = self._actors.get(name)
+        if gone is not None:
+            await gone.wait()
+        return True
 
     def _scheduler(self, name: str) -> Scheduler:
         cfg = self.config
         return Scheduler(name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
                                                max_queue=cfg.max_queue, max_prompt_bytes=cfg.max_prompt_bytes),
                          self.metrics.for_model(name), self.committer, cpu=self.cpu)
-
-    async def _supervise(self, owner: ModelOwner, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
-        """Run ``owner``'s actor; restart it after a failure (the model's boundary).
-
-        Raises:
-            WorkerLoadFailed: (and the like) the first worker did not start: ``load`` fails.
-        """
-        tracker = RestartTracker(owner.policy)
-        while True:
-            try:
-                await owner.serve(task_status=task_status)
-                return  # stopped (an unload)
-            except ModelFailed as exc:
-                log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
-                          exc_info=exc.__cause__ or exc)
-                self.metrics.for_model(owner.name).inc("superfluid_model_failures_total")
-            # a fresh scheduler at once: requests that arrive while the actor is down wait in its
-            # inbox for the restarted actor instead of meeting the failed one's 503
-            owner.renew(self._scheduler(owner.name))
-            task_status = trio.TASK_STATUS_IGNORED
-            if not tracker.allow(trio.current_time()):
-                log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
-                          owner.name, owner.policy.max_restarts, owner.policy.window_s)
-                owner.scheduler.close(f"model '{owner.name}' failed {owner.policy.max_restarts} times and was "
-                                      "unloaded; a request naming it loads it again", code="model_failed")
-                if self.loaded.get(owner.name) is not None and self.loaded[owner.name].owner is owner:
-                    del self.loaded[owner.name]
-                    if self.default == owner.name:
-                        self.default = next(iter(self.loaded), None)
-                return
-            await trio.sleep(owner.policy.backoff_s)
-            if owner.stopped:  # unloaded while it was down
-                message, code = owner.stop_reason
-                owner.scheduler.close(message, code=code)
-                return
-            log.warning("model %s: restarting its actor", owner.name)
 
     async def get(self, name: str) -> ServedModel | None:
         """A loaded model, loading a known one on demand; None if unknown.

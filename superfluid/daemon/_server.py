@@ -4,9 +4,10 @@ Nursery tree (daemon)::
 
     root
     ├── signal watcher          SIGTERM/SIGINT: streams end typed, then cancel root (stop); SIGUSR1: drain; SIGUSR2: dump
-    ├── model lifetimes         unloads models idle past their keep-alive (_lifetime.py)
-    ├── model supervisor × N    restarts its model's actor after a failure (_registry.py)
-    │   └── model actor         scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
+    ├── models                  ModelRegistry.run (_registry.py): the registry's own nursery
+    │   ├── model lifetimes     unloads models idle past their keep-alive (_lifetime.py)
+    │   └── model supervisor × N   the model's failure boundary, restarts its actor (nursery/_supervisor.py)
+    │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
@@ -24,17 +25,16 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from ._config import ServeConfig
 from ._summary import summary_lines
-from ._metrics import Metrics
 from ._monitor import run_monitor
-from ._config import default_sessions_dir
 from .._cpu import CpuYield, unyielding
 from ._registry import ModelRegistry
 from ..sessions._resumable import SessionStore, serve_resume_ttl
+from ..sched import Unavailable
 from ..journal import JournalConfig, open_journal
 from ..api import App
 from ..api._ws import LIMITS as WS_LIMITS
+from ..serving import Metrics, ServeConfig, default_sessions_dir
 
 __all__ = ["serve", "stop"]
 
@@ -132,8 +132,8 @@ async def serve(
             if handle_signals:
                 root.start_soon(_serve_signals, root, drain, app_holder, config.shutdown_grace_s)
             store = SessionStore(journal, resume_ttl_s=config.resume_ttl_s)
-            registry = ModelRegistry(config, metrics, root, committer=store, cpu=cpu)
-            await root.start(registry.lifetimes.run)  # idle unload, keep_alive (_lifetime.py)
+            registry = ModelRegistry(config, metrics, committer=store, cpu=cpu)
+            await root.start(registry.run)  # the models nursery: supervisors, idle unload (_lifetime.py)
             for i, source in enumerate(config.models):
                 await registry.load(source, make_default=(i == 0))
             app = App(config, registry, metrics, store, session_nursery=root)
@@ -141,7 +141,11 @@ async def serve(
             turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
             for session in restored:
                 if session.id not in turns:
-                    registry.loaded[session.model].owner.start_session(serve_resume_ttl, store, session)
+                    try:
+                        registry.loaded[session.model].owner.start_session(serve_resume_ttl, store, session,
+                                                                           job=session.job)
+                    except Unavailable:
+                        pass  # its model failed meanwhile: its close ended the job typed
             app_holder.append(app)
             hconfig = HypercornConfig()
             hconfig.bind = [f"{config.host}:{config.port}"]

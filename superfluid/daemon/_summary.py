@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 
 if TYPE_CHECKING:
-    from ._config import ServeConfig
-    from ._model import ServedModel
+    from ..serving import ServedModel, ServeConfig
 
 __all__ = ["DIALECTS", "model_facts", "summary_lines"]
 

@@ -242,6 +242,7 @@ class Journal:
         """While degraded: retry the disk with back-off until it takes a write again."""
         failures = 0
         try:
+            await trio.lowlevel.checkpoint()  # a task that finds the log closing or mended already still yields once
             while self._broken is not None and not self._closing:
                 failures += 1
                 cfg = self.config
@@ -358,6 +359,8 @@ class Journal:
                 await self._lead()
             self._check_usable()
         if not items:
+            # nothing to write: still a schedule point (the cancel point was checkpoint_if_cancelled)
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return []
         ticket = self._enqueue(items, _unix_ms() if ts is None else ts)
         await self._commit_through(ticket)
@@ -450,21 +453,23 @@ class Journal:
         are queued and nobody leads writes them itself (shielded, bounded),
         so queued records are never stranded.
         """
-        while not ticket.finished:
+        while True:  # the ticket was queued just now: at least one round
             if not self._leading:
                 await self._lead()
-                continue
-            ticket.waiting = True
-            try:
-                await self._batch_done.wait()
-            except trio.Cancelled:
+            else:
+                ticket.waiting = True
+                try:
+                    await self._batch_done.wait()
+                except trio.Cancelled:
+                    ticket.waiting = False
+                    if not ticket.taken and not self._leading:
+                        # orphaned records, nobody leading: write them ourselves
+                        with trio.move_on_after(self.config.commit_shield_s, shield=True):
+                            await self._lead()
+                    raise
                 ticket.waiting = False
-                if not ticket.taken and not self._leading:
-                    # orphaned records, nobody leading: write them ourselves
-                    with trio.move_on_after(self.config.commit_shield_s, shield=True):
-                        await self._lead()
-                raise
-            ticket.waiting = False
+            if ticket.finished:
+                return
 
     async def _lead(self, *, compact: bool = True) -> None:
         self._leading = True
@@ -486,11 +491,16 @@ class Journal:
 
     async def _drain(self, *, compact: bool) -> None:
         """Write batches until the queue is empty or holds a live follower's
-        records (that follower leads next), then compact if due."""
-        while self._queue:
-            await self._commit_batch()
-            self._wake_followers()
-            if any(t.waiting for t in self._queue):
+        records (that follower leads next), then compact if due. A schedule
+        point, whatever there is to do (never a cancel point: it runs under
+        :meth:`_lead`'s shield)."""
+        while True:
+            if self._queue:
+                await self._commit_batch()
+                self._wake_followers()
+            else:  # nothing queued (a compaction alone, or nothing left to do)
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            if not self._queue or any(t.waiting for t in self._queue):
                 break
         due = self._compact_requested or self._size >= self._compact_at or self._too_many_finished()
         if compact and due and not (self._closed or self._broken):
@@ -498,9 +508,9 @@ class Journal:
 
     async def _commit_batch(self) -> None:
         inline = self.config.inline_sync_s > 0 and self._sync_avg_s <= self.config.inline_sync_s
-        if inline:
-            # let every task that is ready queue its records first: they share this fsync
-            await trio.lowlevel.cancel_shielded_checkpoint()
+        # let every task that is ready queue its records first: they share this write and fsync (inline
+        # or in a thread; a closed or failed log ends them all alike)
+        await trio.lowlevel.cancel_shielded_checkpoint()
         batch, self._queue = self._queue, []
         self._pending_bytes = self._pending_records = 0
         for ticket in batch:
@@ -599,7 +609,7 @@ class Journal:
             self._finished_at = max(self._finished_at, 2 * self._finished) if self._finished_at else 0
             log.error("session log %s: compaction failed (%s); next attempt at %d bytes",
                       self.path, exc, self._compact_at)
-            return
+            return  # noqa: ASYNC910 - run_sync yielded before its thread raised
         old, self._fd = self._fd, result.fd
         close_quietly(old)
         self._size = result.size

@@ -1,4 +1,4 @@
-"""Owners of lifetimes: worker processes, their supervisors, model owners."""
+"""Owners of lifetimes: worker processes, model actors and their supervisors (the failure boundaries)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ._owner import ModelOwner as ModelOwner
 from ._policy import RestartKind as RestartKind
 from ._policy import RestartPolicy as RestartPolicy
 from ._policy import RestartTracker as RestartTracker
+from ._supervisor import supervise as supervise
 from ._worker import WorkerDied as WorkerDied
 from ._worker import WorkerHandle as WorkerHandle
 from ._worker import WorkerLoadFailed as WorkerLoadFailed

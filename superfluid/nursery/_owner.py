@@ -1,10 +1,10 @@
 """The model actor: one nursery holding everything of one model.
 
-Nursery tree for one model (the registry runs it inside a supervisor,
-``_registry.py``)::
+Nursery tree for one model (its supervisor, ``_supervisor.py``, runs it in the
+registry's models nursery)::
 
     model actor (ModelOwner.serve)
-    ├── sessions                          resume-TTL watchers, conversation-turn owners
+    ├── sessions                          resume-TTL watchers, conversation-turn owners (each its own boundary)
     └── core
         ├── scheduler.run_commits()       the session log's group commits
         └── generations (the actor task)  the only writer of the scheduler's state
@@ -23,26 +23,34 @@ job typed (503 ``model_unloaded``) and leaves; the sessions sub-nursery gets a
 bounded moment to see its jobs end (a turn lands its error, a watcher
 returns), then the whole actor is cancelled. An unexpected exception in the
 core ends every job typed (503 ``model_failed``) the same way and leaves the
-actor with :class:`ModelFailed`, for the supervisor to log and restart.
+actor with :class:`ModelFailed`, for the supervisor to log and restart;
+anything else the actor raises (its sessions sub-nursery included) reaches the
+supervisor too, which ends the jobs the same way (``supervise``).
+
+A session task (:meth:`ModelOwner.start_session`) is its own boundary: an
+exception in it is logged (one traceback), its job is stopped, and the model
+goes on. It starts from an empty ``contextvars`` context: nothing of the
+request that started it (its exchange, the models it holds) follows it. Once
+the actor is not running (stopped, failed, between restarts) no session task
+starts: ``start_session`` refuses typed (:class:`~superfluid.sched.Unavailable`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..sched import LinkLost, Scheduler
+from ..sched import LinkLost, Scheduler, Unavailable
 from ._policy import RestartPolicy, RestartTracker
-from ._worker import (
-    WorkerLoadFailed,
-    WorkerSpawnFailed,
-    WorkerSpec,
-    first_leaf,
-    open_worker,
-)
+from .._errors import first_leaf
+from ._worker import WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, open_worker
+
+if TYPE_CHECKING:
+    from ..sched import Job
 
 __all__ = ["ModelFailed", "ModelOwner"]
 
@@ -81,21 +89,32 @@ class ModelOwner:
         self._main = trio.CancelScope()
         self._sessions = None
 
-    def start_session(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+    def start_session(self, fn: Callable[..., Awaitable[object]], *args: Any, job: Job | None = None) -> None:
         """Run ``fn(*args)`` in the model's sessions sub-nursery (a resume-TTL watcher,
         a conversation turn's owner): unloading or restarting the model cancels it.
+        ``job`` is the one it serves: an exception in the task stops it (the model goes on).
+        The task starts from an empty ``contextvars`` context, not the caller's.
 
         Raises:
-            RuntimeError: the actor is not running (the caller's job has ended typed).
+            Unavailable: the actor is not running (stopped, failed, or between restarts).
         """
         if self._sessions is None:
-            raise RuntimeError(f"model {self.name!r} is not running")
-        self._sessions.start_soon(self._session, fn, args)
+            message, code = self._stop or (f"model '{self.name}' is not running (it failed and restarts)",
+                                           "model_failed")
+            raise Unavailable(message, code=code)
+        contextvars.Context().run(self._sessions.start_soon, self._session, fn, args, job)
         self._session_tasks += 1
 
-    async def _session(self, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]) -> None:
+    async def _session(self, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...], job: Job | None) -> None:
+        """One session task, and its boundary: a failure is logged, its job stopped, and the model goes on."""
         try:
             await fn(*args)
+        except* Exception as failures:  # noqa: BLE001 - the session's boundary (a cancel passes on)
+            shown = failures.exceptions[0] if len(failures.exceptions) == 1 else failures
+            log.error("model %s: session task %s failed; its job is stopped, the model goes on", self.name,
+                      getattr(fn, "__qualname__", fn), exc_info=shown)
+            if job is not None and job.scheduler is not None and not job.done:
+                job.scheduler.stop(job)
         finally:
             self._session_tasks -= 1
             if not self._session_tasks:
@@ -140,32 +159,41 @@ class ModelOwner:
         the session log resumes them on the next start).
         """
         failure: BaseException | None = None
-        async with trio.open_nursery() as actor:
-            self._sessions = await actor.start(self._serve_sessions)
-            try:
-                async with trio.open_nursery() as core:
-                    core.start_soon(self.scheduler.run_commits)
-                    with self._main:
-                        await self._generations(task_status)
-                    core.cancel_scope.cancel()
-            except Exception as exc:  # noqa: BLE001 - the model's boundary: contained, raised below
-                failure = _unwrap(exc)
-                if self.started:
-                    self.scheduler.close(f"model '{self.name}' failed ({type(failure).__name__}: {failure}); "
-                                         "it restarts", code="model_failed")
-            if self.started and (self._stop is not None or failure is not None):
-                with trio.move_on_after(SESSIONS_GRACE_S):
-                    await self.sessions_idle()
-            actor.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as actor:
+                self._sessions = await actor.start(self._serve_sessions)
+                try:
+                    async with trio.open_nursery() as core:
+                        core.start_soon(self.scheduler.run_commits)
+                        with self._main:
+                            await self._generations(task_status)
+                        core.cancel_scope.cancel()
+                except Exception as exc:  # noqa: BLE001 - the core's failure: its jobs end typed, raised below
+                    failure = first_leaf(exc)
+                    if self.started:
+                        self.scheduler.close(f"model '{self.name}' failed ({type(failure).__name__}: {failure}); "
+                                             "it restarts", code="model_failed")
+                if self.started and (self._stop is not None or failure is not None):
+                    with trio.move_on_after(SESSIONS_GRACE_S):
+                        await self.sessions_idle()
+                self._sessions = None  # no session task starts into the cancelled nursery
+                actor.cancel_scope.cancel()
+        finally:
+            self._sessions = None
         if failure is not None:
             if not self.started:
                 raise failure  # the first load's failure, as itself
             raise ModelFailed(f"model '{self.name}': {type(failure).__name__}: {failure}") from failure
 
     async def _serve_sessions(self, *, task_status: trio.TaskStatus[trio.Nursery]) -> None:
-        async with trio.open_nursery() as sessions:
-            task_status.started(sessions)
-            await trio.sleep_forever()
+        sessions: trio.Nursery | None = None
+        try:
+            async with trio.open_nursery() as sessions:
+                task_status.started(sessions)
+                await trio.sleep_forever()
+        finally:
+            if sessions is not None and self._sessions is sessions:
+                self._sessions = None  # closed (the actor is ending): no task is spawned into it
 
     async def _generations(self, task_status: trio.TaskStatus[None]) -> None:  # noqa: ASYNC128 - passed on
         try:
@@ -181,7 +209,7 @@ class ModelOwner:
         while True:
             self.generation += 1
             try:
-                async with open_worker(self.spec, sched.inbox_send, generation=self.generation) as worker:
+                async with open_worker(self.spec, sched.deliver, generation=self.generation) as worker:
                     spawn_failures = 0
                     self.ack = worker.ack
                     self.pid = worker.pid
@@ -230,7 +258,3 @@ class ModelOwner:
                 sched.set_worker(None)
                 tracker.reset()
 
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The first real failure inside nested nursery groups."""
-    return first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc

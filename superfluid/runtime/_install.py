@@ -53,6 +53,7 @@ from typing import IO, Any
 
 import trio
 
+from .._errors import leaves
 from . import _home
 from ._archive import UnsafeArchive, unpack
 from ._registry import Package, RuntimeInfo, get
@@ -300,16 +301,9 @@ async def _one_error() -> AsyncIterator[None]:
     try:
         yield
     except BaseExceptionGroup as group:
-        leaves = []
-        stack: list[BaseException] = [group]
-        while stack:
-            exc = stack.pop()
-            if isinstance(exc, BaseExceptionGroup):
-                stack += exc.exceptions
-            else:
-                leaves.append(exc)
-        if len(leaves) == 1:
-            raise leaves[0] from None
+        failures = leaves(group)
+        if len(failures) == 1:
+            raise failures[0] from None
         raise
 
 

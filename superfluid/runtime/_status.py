@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._private import scrub_env
 from . import _home
 from ._registry import RUNTIMES, RuntimeInfo, get
 
@@ -162,8 +163,6 @@ def run_check(command: tuple[str, ...], rid: str, modules: tuple[str, ...] = (),
               env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start ``command check superfluid-worker-<rid>`` and return its report (``available``
     false with ``error`` when it did not answer)."""
-    from ..nursery._kill import scrub_env
-
     argv = [*command, "check", f"superfluid-worker-{rid}", *[f"--import={m}" for m in modules]]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False,

@@ -1,4 +1,5 @@
-"""Daemon configuration: one frozen value, built by the CLI or by tests."""
+"""Daemon configuration: one frozen value, built by the CLI or by tests (read by ``api``, so it
+sits below ``daemon``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .. import _defaults as D
 from ..proto import SpecConfig
 from ..sched import PlannerConfig, QosClass
 
-__all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir"]
+__all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir", "secret_digest"]
 
 
 @attrs.frozen(kw_only=True)

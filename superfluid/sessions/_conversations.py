@@ -29,7 +29,7 @@ import trio
 from ..proto._wal import MESSAGE, TURN, TURN_END, body_fork, body_message, body_turn, body_turn_end
 
 if TYPE_CHECKING:
-    from ..daemon._model import ServedModel
+    from ..serving import ServedModel
     from ._resumable import LiveSession
     from ..chat import ReplyParser
     from ..journal import Journal, SessionLog

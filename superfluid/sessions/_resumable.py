@@ -24,10 +24,10 @@ import trio
 from ..journal import Journal, SessionStateError
 from ..proto import Sampling
 from ..proto._wal import body_cancelled, body_created, body_finished, body_generated, body_prompt
-from ..sched import Job, QosClass, Unavailable
+from ..sched import Job, QosClass
 
 if TYPE_CHECKING:
-    from ..daemon._registry import ModelRegistry
+    from ..serving import Registry
 
 __all__ = ["LiveSession", "SessionStore"]
 
@@ -158,7 +158,7 @@ class SessionStore:
 
     # -- after a restart --------------------------------------------------------------
 
-    async def restore(self, registry: ModelRegistry) -> list[LiveSession]:
+    async def restore(self, registry: Registry) -> list[LiveSession]:
         """Re-admit the resumable sessions the log shows as interrupted. Returns them.
 
         A session that did not opt in (``x-superfluid-resumable``) lost its only
@@ -246,7 +246,8 @@ async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
     Waits for its job to end or a client to attach (under ``move_on_after(ttl)``
     while nobody follows), and returns as soon as the job ended: it holds
     nothing of the session after that. Owned by the model's sessions
-    sub-nursery (``ModelOwner.start_session``): unloading the model ends it.
+    sub-nursery (``ModelOwner.start_session``): unloading the model ends it,
+    and a failure in it is contained there (logged, the job stopped).
     """
     while not session.job.done:
         if session.attached > 0:
@@ -258,10 +259,7 @@ async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
         if scope.cancelled_caught and session.attached == 0 and not job.done:
             log.info("session %s: nobody followed it for %.0fs; cancelling", session.id, store.resume_ttl_s)
             if job.scheduler is not None:
-                try:
-                    await job.scheduler.stop(job)
-                except Unavailable:
-                    pass  # the model is gone: its close ended the job
+                job.scheduler.stop(job)  # never waits (a gone model's close ended the job already)
             return
 
 
