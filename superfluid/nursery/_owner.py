@@ -120,6 +120,7 @@ class ModelOwner:
             if not self._session_tasks:
                 self._sessions_idle.set()
                 self._sessions_idle = trio.Event()
+        await trio.lowlevel.checkpoint_if_cancelled()   # (a task that failed at once did not wait)
 
     @property
     def session_tasks(self) -> int:
@@ -130,6 +131,7 @@ class ModelOwner:
         """Wait until the model holds no session task."""
         while self._session_tasks:
             await self._sessions_idle.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     @property
     def stopped(self) -> bool:

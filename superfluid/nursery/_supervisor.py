@@ -75,6 +75,7 @@ async def supervise(owner: ModelOwner, fresh: Callable[[], Scheduler], *,
             owner.scheduler.close(f"model '{owner.name}' failed {owner.policy.max_restarts} times and was "
                                   "unloaded; a request naming it loads it again", code="model_failed")
             on_give_up(owner)
+            await trio.lowlevel.checkpoint_if_cancelled()
             return
         await trio.sleep(owner.policy.backoff_s)
         if owner.stopped:  # unloaded while it was down

@@ -132,6 +132,8 @@ class SessionStore:
                 job.log_ended = True
         if items:
             await self.journal.append_many(items)
+        else:
+            await trio.lowlevel.checkpoint()
 
     async def end(self, job: Job) -> None:
         """Record how a session ended if the scheduler did not (cancel, error).
@@ -142,6 +144,7 @@ class SessionStore:
         if session is not None and session.job is job and not session.resumable and session.attached <= 0:
             del self.live[job.session]
         if not job.session or job.log_ended:
+            await trio.lowlevel.checkpoint_if_cancelled()
             return
         job.log_ended = True
         self._decoders.pop(job.id, None)
@@ -154,7 +157,7 @@ class SessionStore:
         try:
             await self.journal.append(job.session, body)
         except SessionStateError:
-            pass  # the log already shows it ended
+            await trio.lowlevel.checkpoint_if_cancelled()  # the log already shows it ended
 
     # -- after a restart --------------------------------------------------------------
 
@@ -188,6 +191,7 @@ class SessionStore:
             await model.scheduler.queue(job)
             restored.append(session)
             log.info("session %s resumed after restart at token %d", slog.session, len(job.tokens))
+        await trio.lowlevel.checkpoint_if_cancelled()
         return restored
 
     def lookup(self, sid: str) -> LiveSession | None:
@@ -260,7 +264,8 @@ async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
             log.info("session %s: nobody followed it for %.0fs; cancelling", session.id, store.resume_ttl_s)
             if job.scheduler is not None:
                 job.scheduler.stop(job)  # never waits (a gone model's close ended the job already)
-            return
+            break
+    await trio.lowlevel.checkpoint_if_cancelled()
 
 
 async def _attach_changed_or_ended(session: LiveSession) -> None:
