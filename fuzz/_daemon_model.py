@@ -1,11 +1,16 @@
-"""Harness for the stateful daemon fuzzer (``fuzz/test_fuzz_daemon.py``).
+"""Harness for the stateful daemon fuzzers (``fuzz/test_fuzz_daemon.py``, ``fuzz/test_fuzz_real.py``,
+``bench/fuzz_campaign.py``).
 
-A *sequence* is a list of actions (the frozen classes below). :func:`run_sequence`
-starts the real daemon as a subprocess (``python -m superfluid serve`` on the
-mock runtime, two models, ``--max-batch 4 --hang-timeout 2 --resume-ttl 5``),
-applies the actions in one ``trio.run``, and checks the invariants after every
-step and at the end. Requests run in the background while later actions (worker
-SIGKILL, unload, daemon SIGKILL and restart, ...) hit them.
+A *sequence* is a list of actions (the frozen classes below). :func:`run_batch`
+starts the real daemon as a subprocess (``python -m superfluid serve``; the
+:class:`Target` says what it serves: ``MOCK``, two mock models with ``--max-batch 4
+--hang-timeout 2 --resume-ttl 5``, or :func:`real_target`, SmolLM2 on llama.cpp twice,
+``--deterministic``), applies each sequence of the batch in turn in one ``trio.run``,
+and checks the invariants after every step, at the quiescence each sequence ends in
+(where the next one starts) and after the daemon's SIGTERM. Requests run in the
+background while later actions (worker SIGKILL, unload, daemon SIGKILL and restart,
+...) hit them. :func:`run_sequence` is a batch of one. ``Harness.stats`` counts what was
+checked (:class:`Stats`).
 
 Invariants (each violation is one line of the :class:`InvariantViolation`):
 
@@ -44,6 +49,12 @@ Invariants (each violation is one line of the :class:`InvariantViolation`):
 ``no_traceback``
     The daemon's log holds no Python traceback, except the one traceback the
     injected bug (``InjectedBug``) logs when its model's actor fails.
+``logged_end`` (only with ``strict_sessions`` or ``SUPERFLUID_FUZZ_STRICT_SESSIONS=1``)
+    Every tracked session the last daemon run wrote to is finished in the log after
+    quiescence and SIGTERM. A known issue breaks it (a resumable session whose client
+    left and whose job then failed is never logged as ended:
+    ``test_a_failed_resumable_sessions_end_is_logged``), so by default it is only counted
+    (``Stats.unlogged_ends``).
 """
 
 from __future__ import annotations
@@ -71,11 +82,12 @@ from superfluid.suite._client import metric_sum
 import trio.lowlevel
 
 __all__ = [
-    "Action", "FreezeWorker", "InvariantViolation", "KillDaemon", "KillWorker", "Load", "Resume", "Sleep", "Start",
-    "StopGeneration", "Unload", "format_sequence", "run_sequence",
+    "MOCK", "Action", "FreezeWorker", "InvariantViolation", "KillDaemon", "KillWorker", "Load", "Resume", "Sleep",
+    "Start", "Stats", "StopGeneration", "Target", "Unload", "format_batch", "format_sequence", "random_sequence",
+    "close_reference", "default_gguf", "real_batches", "real_sequence", "real_target", "run_batch", "run_sequence",
 ]
 
-MODELS = ("mock", "m2")
+MODELS = ("mock", "m2")       # the names actions use; a Target maps them onto the models it serves
 OPTS = "step_ms=2&prefill_us=20"
 MAX_BATCH = 4
 HANG_TIMEOUT_S = 2.0
@@ -85,8 +97,84 @@ REQUEST_DEADLINE_S = 45.0     # a request that is still open after this "hangs"
 EXPLAIN_SLACK_S = 3.0         # a disruption explains errors of requests within this long after it
 FD_SLACK = 4
 FREEZE_MIN_AGE_S = 3.0        # FreezeWorker leaves younger workers alone (they may still be loading)
+METRICS_POLL_S = 0.01         # how often the max_batch invariant samples /metrics
 math_inf = float("inf")
 SHARED_PREFIX = " the model reads every token and the worker keeps the cache" * 100  # ~1100 tokens
+
+
+@attrs.frozen
+class Target:
+    """What the daemon under test serves, and how. Actions name the models ``mock`` and ``m2``
+    (``MODELS``); ``models`` are the names the daemon serves them under, in that order."""
+
+    name: str
+    runtime: str                      # the worker's runtime (``superfluid-worker-<runtime>``)
+    specs: tuple[str, ...]            # the serve command's model specs (first positional, then --model)
+    models: tuple[str, ...]           # their served names
+    flags: tuple[str, ...] = ()       # further serve flags (the daemon under test and the reference)
+    ref_specs: tuple[str, ...] = ()   # the reference daemon's models (it answers as ``models[0]``)
+    ref_parallel: int = 8             # reference requests at once (1: each runs alone)
+    ref_max_batch: int = 8
+    max_batch: int = MAX_BATCH
+    hang_timeout_s: float = HANG_TIMEOUT_S
+    resume_ttl_s: float = RESUME_TTL_S
+    shared_prefix: str = SHARED_PREFIX
+
+    def served(self, model: str) -> str:
+        return self.models[MODELS.index(model)]
+
+    def argv(self, port: int, sessions: Path, *, reference: bool = False) -> list[str]:
+        specs = self.ref_specs if reference else self.specs
+        argv = [sys.executable, "-m", "superfluid", "serve", specs[0]]
+        for spec in specs[1:]:
+            argv += ["--model", spec]
+        if self.runtime == "mock":
+            argv += ["--runtime", "mock"]
+        return argv + [
+            "--http", f"127.0.0.1:{port}", "--sessions", str(sessions),
+            "--max-batch", str(self.ref_max_batch if reference else self.max_batch),
+            "--hang-timeout", str(self.hang_timeout_s), "--resume-ttl", str(self.resume_ttl_s),
+            "--log-level", "WARNING", *self.flags,
+        ]
+
+    def model_of_worker(self, cmdline: list[str]) -> str | None:
+        """The action name (``mock``/``m2``) of the model a worker process serves, or None."""
+        from superfluid.models._files import model_name
+
+        if not any(f"superfluid-worker-{self.runtime}" in c for c in cmdline) or "--model" not in cmdline:
+            return None
+        served = model_name(cmdline[cmdline.index("--model") + 1], self.runtime)
+        return MODELS[self.models.index(served)] if served in self.models else None
+
+
+MOCK = Target(
+    name="mock", runtime="mock", specs=(f"mock?{OPTS}", f"mock?name=m2&{OPTS}"), models=MODELS,
+    ref_specs=("mock?step_ms=0&prefill_us=0",),
+)
+
+
+def real_target(gguf: Path, linkdir: Path) -> Target:
+    """SmolLM2 (or any GGUF) on llama.cpp as two models, the second a symlink under ``linkdir``
+    (an unload needs a second model), ``--deterministic``: a request's text does not depend on
+    its batch neighbours, the prefix cache or a worker restart (SPEC §5), so it equals the same
+    request run alone on a fresh daemon. One engine thread each (llama.cpp's spinning barrier
+    slows ~40x when its threads share cores with other busy processes)."""
+    from superfluid.models._files import model_name
+
+    linkdir.mkdir(parents=True, exist_ok=True)
+    twin = linkdir / "fuzz-twin.gguf"
+    if not twin.is_symlink():
+        twin.symlink_to(gguf.resolve())
+    first, second = str(gguf), str(twin)
+    return Target(
+        name="real", runtime="llamacpp", specs=(first, second),
+        models=(model_name(first, "llamacpp"), model_name(second, "llamacpp")),
+        flags=("--deterministic", "--threads", "1", "--max-context", "512",
+               "--stream-interval-ms", "10", "--agent-stream-interval-ms", "10"),
+        ref_specs=(first,), ref_parallel=1, ref_max_batch=4,
+        hang_timeout_s=30.0, resume_ttl_s=5.0,
+        shared_prefix=" the model reads every token and the worker keeps the cache" * 4,
+    )
 
 
 # --- actions ---------------------------------------------------------------------------------------
@@ -160,23 +248,29 @@ class StopGeneration:
 Action = Union[Start, Sleep, KillWorker, FreezeWorker, Unload, Load, KillDaemon, Resume, StopGeneration]
 
 
-def format_sequence(actions: list[Action]) -> str:
-    return "[\n" + "".join(f"    {a!r},\n" for a in actions) + "]"
+def format_sequence(actions: list[Action], indent: str = "") -> str:
+    return "[\n" + "".join(f"{indent}    {a!r},\n" for a in actions) + indent + "]"
+
+
+def format_batch(batch: list[list[Action]]) -> str:
+    return "[\n" + "".join(f"    {format_sequence(seq, '    ')},\n" for seq in batch) + "]"
 
 
 class InvariantViolation(AssertionError):
-    pass
+    sequence_index: int | None = None     # which sequence of a batch was running (None: the batch's end)
+    stats: Stats | None = None
 
 
 # --- request bodies and references -----------------------------------------------------------------
 
 RefKey = tuple[str, str, int, bool, bool]   # route, prompt text, max_tokens, ignore_eos, seeded
+PROBE: RefKey = ("chat", "probe", 8, False, False)
 
 
-def prompt_text(start: Start, i: int) -> str:
+def prompt_text(start: Start, i: int, shared_prefix: str = SHARED_PREFIX) -> str:
     text = f"story {start.prompt} part {i}"
     if start.shared:
-        text = SHARED_PREFIX + " " + text
+        text = shared_prefix + " " + text
     if start.fault and i == 0:
         text = f"[[mock:{start.fault}]] " + text
     return text
@@ -215,15 +309,6 @@ def _free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
-def _argv(port: int, sessions: Path, *, opts: str = OPTS, max_batch: int = MAX_BATCH) -> list[str]:
-    return [
-        sys.executable, "-m", "superfluid", "serve", f"mock?{opts}", "--runtime", "mock",
-        "--model", f"mock?name=m2&{opts}", "--http", f"127.0.0.1:{port}", "--sessions", str(sessions),
-        "--max-batch", str(max_batch), "--hang-timeout", str(HANG_TIMEOUT_S), "--resume-ttl", str(RESUME_TTL_S),
-        "--log-level", "WARNING",
-    ]
-
-
 def _wait_ready_sync(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -238,20 +323,29 @@ def _wait_ready_sync(url: str, proc: subprocess.Popen[bytes], timeout: float = 6
     raise RuntimeError("daemon did not become ready")
 
 
-class _Reference:
-    """A clean daemon (no faults, no timing: ``step_ms=0``) that computes reference texts, cached."""
+@attrs.frozen
+class Ref:
+    text: str
+    finish: str
+    tokens: int          # the reference's completion_tokens
 
-    def __init__(self) -> None:
+
+class _Reference:
+    """A clean daemon that computes reference texts, cached: for the mock, no faults and no
+    timing (``step_ms=0``); for a real model, a fresh daemon that runs each request alone."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
         self.dir = Path(tempfile.mkdtemp(prefix="superfluid-fuzz-ref-"))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            _argv(self.port, self.dir / "sessions", opts="step_ms=0&prefill_us=0", max_batch=8),
+            target.argv(self.port, self.dir / "sessions", reference=True),
             stdout=open(self.dir / "daemon.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
         )
         atexit.register(self.close)
-        _wait_ready_sync(self.url, self.proc)
-        self.cache: dict[RefKey, tuple[str, str]] = {}
+        _wait_ready_sync(self.url, self.proc, timeout=120.0)
+        self.cache: dict[RefKey, Ref] = {}
 
     def close(self) -> None:
         try:
@@ -265,36 +359,47 @@ class _Reference:
         missing = sorted(k for k in keys if k not in self.cache)
         if not missing:
             return
-        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=self.url, timeout=120) as client:
             async def one(key: RefKey, limiter: trio.CapacityLimiter) -> None:
                 async with limiter:
-                    r = await client.post(path_of(key[0]), json=body_for(key, model="mock", stream=False))
+                    r = await client.post(path_of(key[0]), json=body_for(key, model=self.target.models[0],
+                                                                         stream=False))
                 if r.status_code != 200:
                     raise RuntimeError(f"reference daemon refused {key!r}: {r.status_code} {r.text}")
-                choice = r.json()["choices"][0]
+                obj = r.json()
+                choice = obj["choices"][0]
                 text = choice["message"]["content"] if key[0] == "chat" else choice["text"]
-                self.cache[key] = (text or "", choice["finish_reason"])
+                self.cache[key] = Ref(text or "", choice["finish_reason"], int(obj["usage"]["completion_tokens"]))
 
-            limiter = trio.CapacityLimiter(8)
+            limiter = trio.CapacityLimiter(self.target.ref_parallel)
             async with trio.open_nursery() as n:
                 for key in missing:
                     n.start_soon(one, key, limiter)
 
 
-_REFERENCE: _Reference | None = None
+_REFERENCES: dict[Target, _Reference] = {}
 
 
-def reference() -> _Reference:
-    global _REFERENCE
-    if _REFERENCE is None or _REFERENCE.proc.poll() is not None:
-        _REFERENCE = _Reference()
-    return _REFERENCE
+def reference(target: Target | None = None) -> _Reference:
+    target = target or MOCK
+    ref = _REFERENCES.get(target)
+    if ref is None or ref.proc.poll() is not None:
+        ref = _REFERENCES[target] = _Reference(target)
+    return ref
+
+
+def close_reference(target: Target) -> None:
+    """Stop ``target``'s reference daemon now (else at exit)."""
+    ref = _REFERENCES.pop(target, None)
+    if ref is not None:
+        ref.close()
 
 
 # --- the daemon under test ---------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, target: Target) -> None:
+        self.target = target
         self.sessions = workdir / "sessions"
         self.log = workdir / "daemon.log"
         self.port = _free_port()
@@ -309,7 +414,7 @@ class Daemon:
     def _spawn(self) -> None:
         with open(self.log, "ab") as log:
             log.write(f"--- start at {time.time():.3f}\n".encode())
-            self.proc = subprocess.Popen(_argv(self.port, self.sessions), stdout=log,
+            self.proc = subprocess.Popen(self.target.argv(self.port, self.sessions), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self.pgids.append(self.proc.pid)
 
@@ -330,13 +435,12 @@ class Daemon:
             return out
         for p in children:
             try:
-                cmd = p.cmdline()
-                if p.status() == psutil.STATUS_ZOMBIE or not any("superfluid-worker-mock" in c for c in cmd):
+                model = self.target.model_of_worker(p.cmdline())
+                if model is None or p.status() == psutil.STATUS_ZOMBIE:
                     continue
             except psutil.NoSuchProcess:
                 continue
-            spec = cmd[cmd.index("--model") + 1] if "--model" in cmd else ""
-            out.setdefault("m2" if "name=m2" in spec else "mock", []).append(p)
+            out.setdefault(model, []).append(p)
         return out
 
     def zombies(self) -> list[int]:
@@ -451,19 +555,66 @@ def _finish(obj: dict[str, Any]) -> str | None:
 
 # --- the harness ------------------------------------------------------------------------------------
 
+@attrs.define
+class Stats:
+    """What a batch (or a campaign) checked. ``lost``: text a client was promised and did not get
+    (a completed text short of its reference, a cursor it was shown refused on resume, a session
+    neither live nor logged, a log shorter than what a client saw); ``duplicated``: text delivered
+    twice (an event id going back, a text longer than its reference, a log with repeated ids)."""
+
+    sequences: int = 0
+    steps: int = 0
+    requests: int = 0
+    completed: int = 0                # requests and resumes that completed
+    streams_completed: int = 0        # of them, streams (SSE to [DONE] with a finish)
+    resumed_completed: int = 0        # resumes that completed (head + tail == reference)
+    errors: int = 0                   # typed errors (each explained by a disruption)
+    disconnected: int = 0
+    killed: int = 0                   # in flight when the daemon was SIGKILLed
+    tokens_compared: int = 0          # completion tokens of the references that completed texts equalled
+    chars_compared: int = 0           # characters compared (prefix checks of cut texts included)
+    lost: int = 0
+    duplicated: int = 0
+    mismatched: int = 0               # other differences from the reference
+    daemon_kills: int = 0
+    worker_kills: int = 0
+    unlogged_ends: int = 0            # sessions left unfinished in the log at the end (strict_sessions)
+
+    def add(self, other: Stats) -> None:
+        for field in attrs.fields(Stats):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+
 class Harness:
-    def __init__(self, actions: list[Action], workdir: Path) -> None:
-        self.actions = actions
+    """Runs a batch of sequences on one daemon: after each sequence the daemon is quiescent
+    (checked), which is where the next one starts; the daemon is stopped and its log replayed
+    after the last."""
+
+    def __init__(self, batch: list[list[Action]], workdir: Path, target: Target = MOCK, *,
+                 strict_sessions: bool | None = None) -> None:
+        self.batch = batch
+        self.target = target
+        # a resumable session whose client left and whose job then failed (unload, worker
+        # unavailable, a lane fault, an actor bug) is never logged as ended: a known daemon issue,
+        # counted in ``unlogged_ends`` and a violation only with SUPERFLUID_FUZZ_STRICT_SESSIONS=1
+        self.strict_sessions = (os.environ.get("SUPERFLUID_FUZZ_STRICT_SESSIONS") == "1"
+                                if strict_sessions is None else strict_sessions)
+        self.actions: list[Action] = batch[0] if batch else []
         self.workdir = workdir
-        self.daemon = Daemon(workdir)
+        self.daemon = Daemon(workdir, target)
         self.dumped = False
-        self.ref = reference()
+        self.ref = reference(target)
         self.epoch = 0
+        self.seq = -1
         self.step = -1
         self.reqs: list[Req] = []
         self.tracked: list[Tracked] = []
+        self.past_reqs: list[Req] = []
         self.disruptions: list[list[Any]] = []   # [start, end (inf while it lasts), what]
+        self.past_disruptions: list[list[Any]] = []
         self.violations: list[str] = []
+        self.stats = Stats()
+        self.outcomes: dict[str, int] = {}
         self.max_lanes = 0.0
         self.max_lanes_at = ""
         self.client: httpx.AsyncClient | None = None
@@ -477,8 +628,11 @@ class Harness:
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
-    def violate(self, message: str) -> None:
+    def violate(self, message: str, kind: str | None = None) -> None:
+        """``kind``: ``lost``, ``duplicated`` or ``mismatched`` (counted in the stats)."""
         self.violations.append(message)
+        if kind is not None:
+            setattr(self.stats, kind, getattr(self.stats, kind) + 1)
 
     def now(self) -> float:
         return trio.current_time()
@@ -487,26 +641,38 @@ class Harness:
         return httpx.AsyncClient(base_url=self.daemon.url, timeout=httpx.Timeout(REQUEST_DEADLINE_S + 5),
                                  limits=httpx.Limits(max_keepalive_connections=0, max_connections=200))
 
+    def body(self, key: RefKey, model: str, *, stream: bool) -> dict[str, Any]:
+        return body_for(key, model=self.target.served(model), stream=stream)
+
+    def key_of(self, start: Start, i: int) -> RefKey:
+        return (start.route, prompt_text(start, i, self.target.shared_prefix), start.max_tokens, start.ignore_eos,
+                start.seeded)
+
     def reference_keys(self) -> set[RefKey]:
-        keys: set[RefKey] = {("chat", "probe", 8, False, False)}
-        for a in self.actions:
-            if isinstance(a, Start):
-                for i in range(a.n):
-                    if not (a.fault and i == 0):
-                        keys.add((a.route, prompt_text(a, i), a.max_tokens, a.ignore_eos, a.seeded))
+        keys: set[RefKey] = {PROBE}
+        for actions in self.batch:
+            for a in actions:
+                if isinstance(a, Start):
+                    for i in range(a.n):
+                        if not (a.fault and i == 0):
+                            keys.add(self.key_of(a, i))
         return keys
 
     def check(self, where: str) -> None:
         if self.daemon.proc is not None and not self.killing and not self.daemon.alive():
             self.violate(f"daemon exited on its own with status {self.daemon.proc.returncode}")
-        if self.max_lanes > MAX_BATCH:
-            self.violate(f"superfluid_lanes_active reached {self.max_lanes:g} > --max-batch {MAX_BATCH} "
+        if self.max_lanes > self.target.max_batch:
+            self.violate(f"superfluid_lanes_active reached {self.max_lanes:g} > --max-batch {self.target.max_batch} "
                          f"({self.max_lanes_at})")
         if self.violations:
-            raise InvariantViolation(self.report(where))
+            exc = InvariantViolation(self.report(where))
+            exc.sequence_index = self.seq if self.seq < len(self.batch) else None
+            exc.stats = self.stats
+            raise exc
 
     def report(self, where: str) -> str:
-        lines = [f"invariant violated {where}:"] + [f"  - {v}" for v in dict.fromkeys(self.violations)]
+        seq = f" (sequence {self.seq} of the batch)" if len(self.batch) > 1 and 0 <= self.seq < len(self.batch) else ""
+        lines = [f"invariant violated {where}{seq}:"] + [f"  - {v}" for v in dict.fromkeys(self.violations)]
         lines.append("requests:")
         lines += [f"  {r.describe()}" for r in self.reqs]
         lines.append(f"disruptions: {[(round(a, 2), round(b, 2), w) for a, b, w in self.disruptions]}")
@@ -522,12 +688,30 @@ class Harness:
         await self.daemon.start()
         self.client = self.new_client()
         await self.settle_baseline()
+        for k, actions in enumerate(self.batch):
+            await self.run_one(k, actions)
+        self.seq = len(self.batch)   # the shutdown checks belong to the whole batch
+        await self.stop_and_replay()
+        self.check("after shutdown")
+
+    async def run_one(self, k: int, actions: list[Action]) -> None:
+        """One sequence, from a quiescent daemon to a quiescent daemon."""
+        self.seq, self.actions, self.step = k, actions, -1
+        if k:
+            self.client = self.new_client()   # quiesce closed the last one
+            self.old_clients = []
+        # requests and disruptions are the sequence's own; tracked sessions stay resumable targets
+        # (a later sequence's Resume may follow one that ended, or expired, long ago)
+        self.past_reqs += self.reqs
+        self.past_disruptions += self.disruptions
+        self.reqs, self.disruptions = [], []
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             poll_scope = trio.CancelScope()
             nursery.start_soon(self.poll_metrics, poll_scope)
-            for i, action in enumerate(self.actions):
+            for i, action in enumerate(actions):
                 self.step = i
+                self.stats.steps += 1
                 await self.apply(action)
                 self.check(f"after step {i}: {action!r}")
             with trio.move_on_after(REQUEST_DEADLINE_S + 15):
@@ -538,8 +722,7 @@ class Harness:
             poll_scope.cancel()
         await self.quiesce()
         self.check("at quiescence")
-        await self.stop_and_replay()
-        self.check("after shutdown")
+        self.stats.sequences += 1
 
     def spawn(self, req: Req, fn: Any, *args: Any) -> None:
         assert self.nursery is not None
@@ -585,8 +768,7 @@ class Harness:
         if isinstance(action, Start):
             for i in range(action.n):
                 fault = bool(action.fault and i == 0)
-                key: RefKey = (action.route, prompt_text(action, i), action.max_tokens, action.ignore_eos,
-                               action.seeded)
+                key = self.key_of(action, i)
                 req = Req(no=len(self.reqs), step=self.step, kind="request", epoch=self.epoch, model=action.model,
                           key=None if fault else key, stream=action.stream,
                           resumable=action.stream and action.resumable, fault=fault)
@@ -599,6 +781,7 @@ class Harness:
             for p in self.daemon.workers().get(action.model, []):
                 try:
                     p.send_signal(signal.SIGKILL)
+                    self.stats.worker_kills += 1
                 except psutil.NoSuchProcess:
                     pass
             self.disruptions.append([t, t, f"kill worker {action.model}"])
@@ -612,7 +795,7 @@ class Harness:
                         p.send_signal(signal.SIGSTOP)
                 except psutil.NoSuchProcess:
                     pass
-            self.disruptions.append([t, t + HANG_TIMEOUT_S, f"freeze worker {action.model}"])
+            self.disruptions.append([t, t + self.target.hang_timeout_s, f"freeze worker {action.model}"])
         elif isinstance(action, (Unload, Load)):
             req = Req(no=len(self.reqs), step=self.step, kind=type(action).__name__.lower(), epoch=self.epoch,
                       model=action.model)
@@ -637,6 +820,7 @@ class Harness:
 
     async def kill_daemon(self) -> None:
         self.killing = True
+        self.stats.daemon_kills += 1
         old = self.daemon.pid
         await self.daemon.kill()
         self.epoch += 1
@@ -652,8 +836,12 @@ class Harness:
         self.client = self.new_client()
         self.killing = False
         # a resumable fault request cut by the kill is re-admitted by the restarted daemon and
-        # goes on killing workers until it fails typed: a disruption until the baseline settles
-        poisoned = [r for r in self.reqs if r.fault and r.resumable and r.outcome == "killed"]
+        # goes on killing workers until it fails typed: a disruption until the baseline settles.
+        # Also one whose client left (its generation ran on unfollowed, possibly into the kill),
+        # in any sequence of the batch: a disconnected session's error is never logged (the
+        # known issue ``strict_sessions`` checks), so it is re-admitted after every restart.
+        poisoned = [r for r in self.past_reqs + self.reqs
+                    if r.fault and r.resumable and r.outcome in ("killed", "running", "disconnected")]
         span = [self.now(), math_inf, f"fault request #{poisoned[0].no} resumed by the restart"] if poisoned else None
         if span is not None:
             self.disruptions.append(span)
@@ -675,10 +863,10 @@ class Harness:
 
     async def probe(self, model: str, *, retry_s: float = 0.0) -> None:
         assert self.client is not None
-        key: RefKey = ("chat", "probe", 8, False, False)
+        key = PROBE
         deadline = trio.current_time() + retry_s
         while True:
-            r = await self.client.post("/v1/chat/completions", json=body_for(key, model=model, stream=False))
+            r = await self.client.post("/v1/chat/completions", json=self.body(key, model, stream=False))
             if r.status_code != 503 or trio.current_time() >= deadline:
                 break
             await trio.sleep(0.5)
@@ -686,8 +874,9 @@ class Harness:
             self.violate(f"a normal request to {model} failed: {r.status_code} {r.text[:300]}")
             return
         text = r.json()["choices"][0]["message"]["content"]
-        if text != self.ref.cache[key][0]:
-            self.violate(f"probe of {model}: text {text!r} != reference {self.ref.cache[key][0]!r}")
+        if text != self.ref.cache[key].text:
+            self.violate(f"probe of {model}: text {text!r} != reference {self.ref.cache[key].text!r}",
+                         "mismatched")
 
     # -- request bodies ---------------------------------------------------------------------------
 
@@ -699,7 +888,7 @@ class Harness:
             headers["x-superfluid-qos"] = start.qos
         if start.resumable:
             headers["x-superfluid-resumable"] = "true"
-        body = body_for(key, model=start.model, stream=start.stream)
+        body = self.body(key, start.model, stream=start.stream)
         if not start.stream:
             with trio.move_on_after(start.disconnect / 1000 if start.disconnect is not None else math_inf) as cs:
                 r = await client.post(path_of(start.route), json=body, headers=headers)
@@ -760,7 +949,7 @@ class Harness:
         if isinstance(action, Unload):
             self.disruptions.append(span)
         try:
-            r = await self.client.post(path, json={"model": action.model})
+            r = await self.client.post(path, json={"model": self.target.served(action.model)})
         finally:
             span[1] = self.now()
         req.status = r.status_code
@@ -873,11 +1062,13 @@ class Harness:
             return True
         end = req.t1 if req.t1 is not None else self.now()
         # a resume replays how its session ended, which may have been long before the resume began
-        start = -math_inf if req.kind == "resume" else req.t0
-        for a, b, _what in self.disruptions:
+        # (in an earlier sequence of the batch, too); a request, only by what overlapped it
+        resume = req.kind == "resume"
+        start = -math_inf if resume else req.t0
+        for a, b, _what in (self.past_disruptions + self.disruptions) if resume else self.disruptions:
             if a <= end and start <= b + EXPLAIN_SLACK_S:
                 return True
-        for other in self.reqs:
+        for other in (self.past_reqs + self.reqs) if resume else self.reqs:
             if other.fault and other.t0 <= end and start <= (other.t1 or self.now()) + EXPLAIN_SLACK_S:
                 return True
         return False
@@ -887,26 +1078,56 @@ class Harness:
             self.disruptions.append([req.t0, req.t1, f"fault request #{req.no}"])
         if req.problems and req.outcome != "killed":
             req.outcome = "violation"
+        self.count(req)
         if req.outcome == "violation":
-            self.violate(f"request #{req.no}: " + "; ".join(req.problems or ["no outcome"]))
+            kind = None
+            if any("event id went back" in p or "data after [DONE]" in p for p in req.problems):
+                kind = "duplicated"
+            elif any("neither live nor in the log" in p or "its log shows no end" in p for p in req.problems):
+                kind = "lost"
+            self.violate(f"request #{req.no}: " + "; ".join(req.problems or ["no outcome"]), kind)
         elif req.outcome == "error" and req.kind in ("request", "resume"):
             status = req.status or 0
             invalid = isinstance(req.error, dict) and req.error.get("type") == "invalid_request_error"
             if 400 <= status < 500 or invalid:
-                self.violate(f"request #{req.no}: a valid request answered {status}: {req.error}")
+                # a resume refused at a cursor its client was shown: committed text lost
+                self.violate(f"request #{req.no}: a valid request answered {status}: {req.error}",
+                             "lost" if req.kind == "resume" else None)
             elif not self.explained(req):
                 self.violate(f"request #{req.no}: failed with no disruption to explain it: {req.error}")
         # exact text: a prefix of the reference always; equal when it completed
         if req.key is not None and req.kind in ("request", "resume"):
-            ref_text, ref_finish = self.ref.cache[req.key]
-            if not ref_text.startswith(req.text):
+            ref = self.ref.cache[req.key]
+            self.stats.chars_compared += len(req.text)
+            if not ref.text.startswith(req.text):
                 self.violate(f"request #{req.no}: text is not a prefix of the reference\n"
-                             f"      got {req.text!r}\n      ref {ref_text!r}")
+                             f"      got {req.text!r}\n      ref {ref.text!r}", _classify(req.text, ref.text))
             elif req.outcome == "completed" and req.finish in ("stop", "length"):
-                if req.text != ref_text or req.finish != ref_finish:
+                if req.text != ref.text or req.finish != ref.finish:
                     self.violate(f"request #{req.no}: completed with {len(req.text)} chars/{req.finish}, the "
-                                 f"reference has {len(ref_text)} chars/{ref_finish}\n"
-                                 f"      got {req.text!r}\n      ref {ref_text!r}")
+                                 f"reference has {len(ref.text)} chars/{ref.finish}\n"
+                                 f"      got {req.text!r}\n      ref {ref.text!r}",
+                                 "lost" if len(req.text) < len(ref.text) else "mismatched")
+                else:
+                    self.stats.tokens_compared += ref.tokens
+
+    def count(self, req: Req) -> None:
+        st = self.stats
+        self.outcomes[f"{req.kind}:{req.outcome}"] = self.outcomes.get(f"{req.kind}:{req.outcome}", 0) + 1
+        if req.kind == "request":
+            st.requests += 1
+        if req.kind not in ("request", "resume"):
+            return
+        if req.outcome == "completed":
+            st.completed += 1
+            st.streams_completed += req.stream
+            st.resumed_completed += req.kind == "resume"
+        elif req.outcome == "error":
+            st.errors += 1
+        elif req.outcome == "disconnected":
+            st.disconnected += 1
+        elif req.outcome == "killed":
+            st.killed += 1
 
     # -- background checks ------------------------------------------------------------------------
 
@@ -916,7 +1137,8 @@ class Harness:
         assert self.client is not None
         text = (await self.client.get("/metrics")).text
         out = {name: metric_sum(text, name) or 0.0 for name in ("superfluid_lanes_active", "superfluid_queue_depth")}
-        out["max_lanes_per_model"] = max(metric_sum(text, "superfluid_lanes_active", model=m) or 0.0 for m in MODELS)
+        out["max_lanes_per_model"] = max(metric_sum(text, "superfluid_lanes_active", model=m) or 0.0
+                                         for m in self.target.models)
         return out
 
     async def poll_metrics(self, scope: trio.CancelScope) -> None:
@@ -930,12 +1152,12 @@ class Harness:
                             self.max_lanes_at = f"step {self.step}"
                     except Exception:  # noqa: BLE001 - the daemon may be restarting
                         pass
-                await trio.sleep(0.005)
+                await trio.sleep(METRICS_POLL_S)
 
     async def quiesce(self) -> None:
         d = self.daemon
         m: dict[str, float] = {}
-        with trio.move_on_after(RESUME_TTL_S + 20):
+        with trio.move_on_after(self.target.resume_ttl_s + 20):
             while True:
                 m = await self.metrics()
                 if m.get("superfluid_lanes_active", 0) == 0 and m.get("superfluid_queue_depth", 0) == 0:
@@ -1004,20 +1226,30 @@ class Harness:
         for sid, slog in sessions.items():
             ids = [rec.event_id for rec in slog.events]
             if ids != list(range(len(ids))):
-                self.violate(f"session {sid}: event ids {ids[:20]}... are not contiguous from 0")
+                self.violate(f"session {sid}: event ids {ids[:20]}... are not contiguous from 0",
+                             "duplicated" if len(set(ids)) < len(ids) else "lost")
+        final_epoch = max((slog.epoch for slog in sessions.values()), default=0)
         for tr in self.tracked:
             slog = sessions.get(tr.id)
+            if slog is not None and slog.finish is None and slog.epoch == final_epoch:
+                # quiescent, then SIGTERM: nothing generates, so every session the last run wrote
+                # to has its end in the log (else a restart re-admits and re-runs it)
+                self.stats.unlogged_ends += 1
+                if self.strict_sessions:
+                    self.violate(f"session {tr.id}: unfinished in the log after quiescence and SIGTERM (its end "
+                                 f"was never logged: a restart would run it again)", "lost")
             if slog is None or tr.key is None:
                 continue
-            ref_text = self.ref.cache[tr.key][0]
+            ref_text = self.ref.cache[tr.key].text
             if not ref_text.startswith(slog.text):
                 self.violate(f"session {tr.id}: logged text is not a prefix of the reference\n"
-                             f"      log {slog.text!r}\n      ref {ref_text!r}")
+                             f"      log {slog.text!r}\n      ref {ref_text!r}", _classify(slog.text, ref_text))
             elif slog.finish not in (None, "cancelled", "error") and slog.text != ref_text:
                 self.violate(f"session {tr.id}: finished ({slog.finish}) with logged text != reference\n"
-                             f"      log {slog.text!r}\n      ref {ref_text!r}")
+                             f"      log {slog.text!r}\n      ref {ref_text!r}", "lost")
             if len(tr.head) > len(slog.text):
-                self.violate(f"session {tr.id}: a client saw {len(tr.head)} chars, the log holds {len(slog.text)}")
+                self.violate(f"session {tr.id}: a client saw {len(tr.head)} chars, the log holds {len(slog.text)}",
+                             "lost")
 
     def cleanup(self) -> None:
         for pgid in self.daemon.pgids:
@@ -1048,6 +1280,23 @@ def _without_injected_bugs(log: str) -> str:
     return "".join(out) + rest
 
 
+def _classify(got: str, ref: str) -> str:
+    """How ``got`` departs from ``ref`` (it is not a prefix): ``duplicated`` when, after their
+    common prefix, it goes on with text the reference had already given (a replay), ``lost``
+    when it skips ahead in the reference, else ``mismatched``."""
+    common = 0
+    while common < min(len(got), len(ref)) and got[common] == ref[common]:
+        common += 1
+    rest = got[common:common + 16]
+    if not rest:
+        return "mismatched"
+    if ref.find(rest, 0, common + len(rest) - 1) >= 0:
+        return "duplicated"
+    if ref.find(rest, common + 1) >= 0:
+        return "lost"
+    return "mismatched"
+
+
 def _violation_in(exc: BaseException) -> InvariantViolation | None:
     if isinstance(exc, InvariantViolation):
         return exc
@@ -1059,12 +1308,25 @@ def _violation_in(exc: BaseException) -> InvariantViolation | None:
     return None
 
 
-def run_sequence(actions: list[Action], *, keep: bool = False) -> dict[str, Any]:
-    """Run one sequence against a fresh daemon. Raises InvariantViolation (an
-    AssertionError) with a report; returns a summary of outcomes."""
+def run_batch(batch: list[list[Action]], *, target: Target = MOCK, keep: bool = False,
+              strict_sessions: bool | None = None) -> Harness:
+    """Run the sequences of ``batch`` one after another on one fresh daemon (each starts from the
+    quiescence the previous one ended in, which is checked). Raises InvariantViolation (an
+    AssertionError) with a report, the failing sequence's literal and the batch's; returns the
+    harness (``stats``, ``outcomes``)."""
     workdir = Path(tempfile.mkdtemp(prefix="superfluid-fuzz-daemon-"))
-    harness = Harness(list(actions), workdir)
+    harness = Harness([list(actions) for actions in batch], workdir, target, strict_sessions=strict_sessions)
     ok = False
+
+    def literal(found: InvariantViolation | None) -> str:
+        index = found.sequence_index if found is not None else harness.seq
+        out = ""
+        if index is not None and 0 <= index < len(batch):
+            out = f"\nsequence = {format_sequence(batch[index])}"
+        if len(batch) > 1:
+            out += f"\nbatch (sequence {index} failed; each ran on the same daemon) = {format_batch(batch)}"
+        return out
+
     try:
         trio.run(harness.run)
         ok = True
@@ -1073,18 +1335,25 @@ def run_sequence(actions: list[Action], *, keep: bool = False) -> dict[str, Any]
     except BaseException as exc:  # noqa: ASYNC104 - outside trio.run: nothing to cancel here
         found = _violation_in(exc)
         if found is not None:
-            raise InvariantViolation(f"{found}\nsequence = {format_sequence(actions)}") from None  # noqa: ASYNC104
-        raise InvariantViolation(  # noqa: ASYNC104 - outside trio.run
-            f"the harness failed with {type(exc).__name__}: {exc}\n{harness.report('(harness error)')}\n"
-            f"sequence = {format_sequence(actions)}") from exc
+            err = InvariantViolation(f"{found}{literal(found)}")
+            err.sequence_index, err.stats = found.sequence_index, harness.stats
+            raise err from None  # noqa: ASYNC104
+        err = InvariantViolation(  # noqa: ASYNC104 - outside trio.run
+            f"the harness failed with {type(exc).__name__}: {exc}\n{harness.report('(harness error)')}"
+            f"{literal(None)}")
+        err.sequence_index = harness.seq if 0 <= harness.seq < len(batch) else None
+        err.stats = harness.stats
+        raise err from exc  # noqa: ASYNC104 - outside trio.run
     finally:
         harness.cleanup()
         if ok and not keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    outcomes: dict[str, int] = {}
-    for r in harness.reqs:
-        outcomes[f"{r.kind}:{r.outcome}"] = outcomes.get(f"{r.kind}:{r.outcome}", 0) + 1
-    return outcomes
+    return harness
+
+
+def run_sequence(actions: list[Action], *, target: Target = MOCK, keep: bool = False) -> dict[str, int]:
+    """Run one sequence against a fresh daemon; returns a count of outcomes."""
+    return run_batch([actions], target=target, keep=keep).outcomes
 
 
 # --- a seeded random driver (long campaigns) -----------------------------------------------------------
@@ -1127,6 +1396,74 @@ def random_sequence(rng: Any, max_actions: int = 14) -> list[Action]:
         else:
             out.append(KillDaemon())
     return out
+
+
+REAL_THEMES = ("disconnect", "kill_worker", "unload", "kill_daemon")
+
+
+def real_sequence(rng: Any, theme: str | None = None) -> list[Action]:
+    """A short sequence for the real-model target (greedy requests of a few tokens, no fault
+    directives and no frozen workers): streams, some resumable, cut by ``theme`` (one of
+    ``REAL_THEMES``; drawn when None) while they run, then random further actions. A daemon kill
+    is followed by resumes of the sessions it cut."""
+    theme = theme or rng.choice(REAL_THEMES)
+    model = rng.choice(MODELS)
+
+    def start(**kw: Any) -> Start:
+        base: dict[str, Any] = dict(
+            n=rng.choice([1, 2, 3, 4]), model=model, route=rng.choice(["chat", "chat", "completion"]),
+            stream=rng.random() < 0.8, resumable=rng.random() < 0.6,
+            qos=rng.choice([None, "interactive", "agent", "background"]), prompt=rng.randint(0, 3),
+            shared=rng.random() < 0.3, max_tokens=rng.choice([4, 12, 24]), ignore_eos=rng.random() < 0.5,
+            disconnect=rng.choice([None, None, None, 1, 4]), slow_ms=rng.choice([0, 0, 10]))
+        base.update(kw)
+        return Start(**base)
+
+    out: list[Action] = []
+    if theme == "disconnect":
+        out += [start(disconnect=rng.choice([0, 1, 3, 6])), start(stream=False, disconnect=rng.choice([20, 150]))]
+    elif theme == "kill_worker":
+        out += [start(), Sleep(rng.choice([20, 80, 200])), KillWorker(model)]
+    elif theme == "unload":
+        out += [start(), Sleep(rng.choice([20, 80, 200])), Unload(model), start(n=1)]
+    else:
+        out += [start(stream=True, resumable=True, max_tokens=24, n=rng.choice([2, 3])),
+                Sleep(rng.choice([100, 250, 400])), KillDaemon(),
+                *(Resume(i, rng.choice([None, None, 2])) for i in range(3))]
+    for _ in range(rng.randint(0, 3)):
+        r = rng.random()
+        if r < 0.4:
+            out.append(start(model=rng.choice(MODELS)))
+        elif r < 0.6:
+            out.append(Sleep(rng.choice([0, 30, 150])))
+        elif r < 0.7:
+            out.append(KillWorker(rng.choice(MODELS)))
+        elif r < 0.78:
+            out.append(Unload(rng.choice(MODELS)))
+        elif r < 0.84:
+            out.append(Load(rng.choice(MODELS)))
+        elif r < 0.94:
+            out.append(Resume(rng.randint(0, 3)))
+        else:
+            out.append(StopGeneration(rng.randint(0, 3)))
+    return out
+
+
+def real_batches(seed: int, sequences: int, per_daemon: int) -> list[list[list[Action]]]:
+    """The real-model sequences a seed gives, ``per_daemon`` to a batch: sequence ``k`` is cut by
+    ``REAL_THEMES[k % 4]``."""
+    import random
+
+    rng = random.Random(seed)
+    seqs = [real_sequence(rng, REAL_THEMES[k % len(REAL_THEMES)]) for k in range(sequences)]
+    return [seqs[i:i + per_daemon] for i in range(0, len(seqs), per_daemon)]
+
+
+def default_gguf() -> Path:
+    """The real fuzzer's model: ``$SUPERFLUID_TEST_GGUF``, else the embedded SmolLM2-135M."""
+    from superfluid.models._files import cache_dir
+
+    return Path(os.environ.get("SUPERFLUID_TEST_GGUF") or cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def _fails(actions: list[Action], tries: int) -> str | None:

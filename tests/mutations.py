@@ -1,73 +1,94 @@
-"""Mutation check: every SPEC.md invariant's cited tests fail when the behaviour is removed.
+"""Mutation check: the tests SPEC.md cites for a rule fail when the rule is removed from the code.
 
 Usage (from the repository root)::
 
     python -m tests.mutations                 # every mutation; exit 0 only if each applied and was caught
     python -m tests.mutations -k disconnect   # the mutations whose name contains "disconnect"
     python -m tests.mutations --list          # names, files and tests, nothing run
-    python -m tests.mutations --no-baseline   # skip the unmutated run of each mutation's tests
+    python -m tests.mutations --no-baseline   # skip the unmutated run of the tests
 
-The working tree (tracked and untracked, ignored files left out) is copied once to a scratch
-directory. For each mutation the tests are first run unmutated (the baseline: they must pass,
-else a "caught" would prove nothing), then the mutation's exact snippet is replaced in the
-scratch copy, only its tests run (``pytest -x -q`` on the node ids, under a timeout), and the
-file is restored. A snippet that is not found exactly once is "does not apply": the mutation
-no longer points at the code, which fails the script. CPU heavy (each mutation starts
-daemons): run it once before a merge, with ``-k`` while working on one invariant.
+Each mutation removes one rule SPEC.md states (a line or a few, replaced by an exact snippet) and
+names the tests SPEC.md cites for that rule. The working tree (tracked and untracked files, ignored
+ones left out) is copied once to a scratch directory. First the baseline: the union of the chosen
+mutations' tests runs unmutated in one pytest invocation; a mutation whose tests do not all pass
+there (failed, skipped or not found) fails, since a "caught" would prove nothing. Then, one
+mutation at a time, its snippet is replaced in the scratch copy, only its tests run (``pytest -x``,
+under a timeout sized from their baseline time; running past it counts as caught) and the file is
+restored. A snippet not found exactly once is "not applied": the mutation no longer points at the
+code (tests/test_mutations_apply.py fails the normal test run on that too).
+
+The output is one line per mutation and a summary; the exit status is 0 only if every mutation
+applied and was caught. CI runs it after the test suite (.ci/run, about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 ROOT = Path(__file__).resolve().parent.parent
+_REPORT = "SUPERFLUID_MUTATIONS_REPORT"  # the baseline run's per-test outcomes go to this file
 
 
 @attrs.frozen
 class Mutation:
-    name: str
-    file: str
-    old: str
-    new: str
-    tests: tuple[str, ...]
+    name: str                # the rule, as SPEC.md states it
+    file: str                # where the rule lives
+    old: str                 # must occur exactly once in file
+    new: str                 # the code without the rule
+    tests: tuple[str, ...]   # pytest node ids or files SPEC.md cites for the rule
 
 
 D = "tests/test_daemon.py::"
+P = "tests/test_proto.py::"
+G = "tests/test_security_guard.py::"
+A = "tests/test_actor.py::"
+B = "tests/test_boundaries.py::"
+C = "tests/test_sched_core.py::"
 
 MUTATIONS = (
-    Mutation("disconnect cancel", "superfluid/api/_generate.py",
-             "        if not keep and not job.done:  # (a done job holds no lane and no place)\n",
-             "        if False:\n",
-             (D + "test_streamed_disconnect_cancels", D + "test_non_streamed_disconnect_cancels")),
-    Mutation("process group", "superfluid/nursery/_worker.py",
-             "                        env=child_env,\n",
-             "                        env=child_env, start_new_session=True,\n",
-             (D + "test_health_and_models",)),
-    Mutation("Shutdown before kill", "superfluid/nursery/_worker.py",
-             "                                await handle.send(Shutdown())\n",
-             "                                pass\n",
-             (D + "test_shutdown_reaps_workers",)),
-    Mutation("shutdown ends streams typed", "superfluid/daemon/_server.py",
-             "        app.stopping.begin()\n",
-             "        pass\n",
-             ("tests/test_shutdown.py",)),
-    Mutation("worker_crashed", "superfluid/sched/_loop.py",
-             "            if job.lost_without_progress >= self.config.lost_limit:\n",
+    # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
+    Mutation("a frame's length is checked before its body is buffered", "superfluid/proto/_frames.py",
+             "            if length > self.max_frame_size:\n",
              "            if False:\n",
-             (D + "test_request_that_keeps_killing_its_worker_fails_typed",)),
-    Mutation("commit before delivery", "superfluid/sched/_loop.py",
-             "            if failure is not None or job.done:\n                job.staged = job.staged[n:]\n",
-             "            if job.done:\n                job.staged = job.staged[n:]\n",
-             ("tests/test_fuzz_regressions.py::"
-              "test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends_typed",)),
+             (P + "test_remote_oversized_frame_is_refused_before_its_body",)),
+    Mutation("an unknown required message is a protocol error", "superfluid/proto/_events.py",
+             "        if code >= DROPPABLE_BASE:\n            return None\n",
+             "        if True:\n            return None\n",
+             (P + "test_remote_unknown_required_message",)),
+    Mutation("a refused send changes nothing", "superfluid/proto/_link.py",
+             "        try:\n            data = encode_frame(to_wire(event), max_frame_size=self.max_frame_size)\n"
+             "        except (TypeError, ValueError, OverflowError) as exc:\n"
+             "            raise LocalProtocolError(f\"cannot encode {type(event).__name__}: {exc}\") from None\n"
+             "        self._apply(self.our_role, event, LocalProtocolError)\n",
+             "        self._apply(self.our_role, event, LocalProtocolError)\n"
+             "        try:\n            data = encode_frame(to_wire(event), max_frame_size=self.max_frame_size)\n"
+             "        except (TypeError, ValueError, OverflowError) as exc:\n"
+             "            raise LocalProtocolError(f\"cannot encode {type(event).__name__}: {exc}\") from None\n",
+             (P + "test_local_oversized_send_leaves_no_trace",)),
+    Mutation("at most two ticks in flight", "superfluid/proto/_link.py",
+             "MAX_TICKS_IN_FLIGHT = 2\n",
+             "MAX_TICKS_IN_FLIGHT = 3\n",
+             (P + "test_local_tick_beyond_the_pipeline_depth",)),
+    Mutation("EOF outside CLOSING is a protocol error", "superfluid/proto/_link.py",
+             "                    elif self._decoder.at_eof and self.state is not CLOSED:\n",
+             "                    elif False:\n",
+             (P + "test_remote_eof_between_frames_before_shutdown",)),
+    Mutation("a bad record with data after it is WalCorrupt, not a torn tail", "superfluid/proto/_wal.py",
+             "            if self._nonzero_at is not None:\n                raise self._fail(WalCorrupt(\n",
+             "            if False:\n                raise self._fail(WalCorrupt(\n",
+             ("tests/test_wal_codec.py::test_wal_reader_corrupt_middle_record",
+              "tests/test_journal.py::test_journal_corrupt_middle_record_refuses_to_open")),
     Mutation("epoch fence", "superfluid/journal/_files.py",
              "epoch=state.epoch + 1, ts=now_ms, body=body_epoch_bump())",
              "epoch=state.epoch, ts=now_ms, body=body_epoch_bump())",
@@ -77,65 +98,343 @@ MUTATIONS = (
              "            if False:\n                os.ftruncate(fd, end.offset)\n",
              ("tests/test_journal.py::test_journal_torn_tail_short_record_is_truncated",
               "tests/test_journal.py::test_journal_torn_tail_bad_checksum_then_zeros")),
-    Mutation("max-batch", "superfluid/sched/_plan.py",
-             "        free = cfg.max_batch - len(lanes)\n",
-             "        free = cfg.max_batch + 1 - len(lanes)\n",
-             ("tests/test_planner.py", "tests/test_fuzz_regressions.py::"
-              "test_lanes_active_never_exceeds_max_batch_during_preemption")),
-    Mutation("TTL release", "superfluid/sessions/_resumable.py",
-             "                    await job.scheduler.stop(job)\n",
-             "                    pass\n",
-             ("tests/test_sessions.py::test_explicit_stop_and_resume_ttl",)),
-    Mutation("unload ends requests typed", "superfluid/daemon/_registry.py",
-             'was unloaded", code="model_unloaded")',
-             'was unloaded", code="worker_unavailable")',
-             (D + "test_unload_under_traffic_and_reload_on_demand",)),
+    Mutation("compaction keeps every unfinished session of this run", "superfluid/journal/_journal.py",
+             "            elif s.epoch >= self.epoch or s.session in busy:\n",
+             "            elif s.session in busy:\n",
+             ("tests/test_journal.py::test_journal_compaction_keeps_unfinished_and_recent",)),
+    Mutation("journal files are created 0600", "superfluid/_private.py",
+             "FILE_MODE = 0o600\n",
+             "FILE_MODE = 0o644\n",
+             ("tests/test_security_faults.py::test_sessions_directory_and_every_journal_file_are_private",)),
+    Mutation("looser modes are tightened at start", "superfluid/journal/_files.py",
+             "        _tighten_modes(directory)\n",
+             "        pass\n",
+             ("tests/test_security_faults.py::test_looser_modes_are_fixed_at_start_with_one_warning",)),
     Mutation("lane fault contained", "superfluid/worker/_executor.py",
-             "                    res.faults.append((ln.lane, f\"{type(exc).__name__}: {exc}\"))\n",
-             "                    raise\n",
+             "            res.faults.append((ln.lane, f\"{type(exc).__name__}: {exc}\"))\n            return 0\n",
+             "            raise\n",
              (D + "test_a_lane_fault_ends_only_its_request",)),
-    Mutation("model fault contained (actor)", "superfluid/daemon/_registry.py",
-             "            except ModelFailed as exc:\n",
-             "            except ZeroDivisionError as exc:\n",
-             ("tests/test_actor.py::test_a_fault_in_one_model_ends_only_its_requests_and_it_restarts",)),
-    Mutation("preemption loses nothing", "superfluid/sched/_loop.py",
-             "                if job.preempted and not job.cancelled:\n",
-             "                if job.preempted and job.cancelled:\n",
-             (D + "test_interactive_chat_preempts_background_agents",)),
-    Mutation("per-model lanes gauge", "superfluid/daemon/_registry.py",
-             "self.metrics.for_model(name), self.committer",
-             'self.metrics.for_model(""), self.committer',
-             ("tests/test_fuzz_regressions.py::test_lanes_active_counts_every_models_lanes",)),
-    Mutation("a more urgent arrival aborts a prefill step", "superfluid/worker/_main.py",
-             "    def _arrived(self) -> int:\n        return self.arrived\n",
-             "    def _arrived(self) -> int:\n        return NOTHING_ARRIVED\n",
-             (D + "test_a_chat_does_not_wait_out_an_agents_prompt_pass",)),
     Mutation("an aborted step does not advance", "superfluid/worker/_executor.py",
              "            abort = lambda: arrived() < floor  # noqa: E731\n",
              "            abort = lambda: arrived() <= floor  # noqa: E731\n",
              ("tests/test_executor.py::test_a_prefill_step_is_aborted_only_for_a_more_urgent_arrival",)),
-    Mutation("the engine drops an aborted pass's earlier micro-batches", "superfluid/worker/_llamacpp.py",
-             "                        L.llama_memory_seq_rm(self._mem, row.seq, row.pos0, -1)\n",
-             "                        pass\n",
-             ("tests/test_llamacpp_engine.py::test_an_aborted_pass_leaves_the_kv_as_it_was",)),
     Mutation("small prefill steps only beside a more urgent decoder", "superfluid/worker/_executor.py",
              "                d.priority < prefill_lanes[0].priority for d in decoders):\n",
              "                d.priority <= prefill_lanes[0].priority for d in decoders):\n",
              ("tests/test_executor.py::test_prefill_steps_shrink_only_while_a_more_urgent_lane_decodes",)),
+    Mutation("KV is reused only under its own cache salt", "superfluid/worker/_executor.py",
+             "        tokens = list(msg.tokens)\n        if len(tokens) >= self.info.n_ctx_seq:\n",
+             "        msg = attrs.evolve(msg, cache_salt=\"\")\n"
+             "        tokens = list(msg.tokens)\n        if len(tokens) >= self.info.n_ctx_seq:\n",
+             ("tests/test_security_tenancy.py::test_the_executor_reuses_kv_only_under_its_salt",)),
+    Mutation("a short prefix is copied by state export", "superfluid/worker/_executor.py",
+             "        if held <= STATE_COPY_MAX:\n",
+             "        if False:\n",
+             ("tests/test_executor.py::test_a_short_prefix_is_copied_by_state_and_a_long_one_by_seq_cp",)),
+    Mutation("a prefix goes to host memory only when it would lose 8 tokens", "superfluid/worker/_executor.py",
+             "        if len(slot.tokens) - keep < HOST_MIN_TOKENS or not self.host.wants(",
+             "        if not self.host.wants(",
+             ("tests/test_executor.py::test_a_prefix_goes_to_host_memory_only_when_it_would_lose_enough",)),
+    Mutation("a more urgent arrival aborts a prefill step", "superfluid/worker/_main.py",
+             "    def _arrived(self) -> int:\n        return self.arrived\n",
+             "    def _arrived(self) -> int:\n        return NOTHING_ARRIVED\n",
+             (D + "test_a_chat_does_not_wait_out_an_agents_prompt_pass",)),
+    Mutation("the engine drops an aborted pass's earlier micro-batches", "superfluid/worker/_llamacpp.py",
+             "                        L.llama_memory_seq_rm(self._mem, row.seq, row.pos0, -1)\n",
+             "                        pass\n",
+             ("tests/test_llamacpp_engine.py::test_an_aborted_pass_leaves_the_kv_as_it_was",)),
     Mutation("a worker exits when its stuck engine outlives the link", "superfluid/worker/_main.py",
              "            os._exit(EXIT_ENGINE_STUCK)\n",
              "            pass\n",
              ("tests/test_shutdown.py::test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon",)),
-    Mutation("commands behind a death report are applied", "superfluid/sched/_loop.py",
-             "            if isinstance(event, LinkLost):\n                lost = event\n",
-             "            if isinstance(event, LinkLost):\n                raise event\n",
-             ("tests/test_fuzz_regressions.py::test_commands_drained_behind_a_dead_workers_report_are_applied",)),
+    Mutation("--idle-timeout never unloads the default model", "superfluid/serving/_keepalive.py",
+             "    if model.name == default or idle_timeout_s <= 0:\n",
+             "    if idle_timeout_s <= 0:\n",
+             ("tests/test_models_lifetime.py::test_idle_unload_timing_in_virtual_time",)),
+    Mutation("a foreign Origin is refused", "superfluid/api/_guard.py",
+             "        return _is_loopback_name(parsed[0]) or \"*\" in self.origins",
+             "        return True or \"*\" in self.origins",
+             (G + "test_foreign_origins_are_refused_and_local_pages_get_cors",)),
+    Mutation("a browser's form body is 415", "superfluid/api/_guard.py",
+             "kind == \"application/x-www-form-urlencoded\" and not browser:",
+             "kind == \"application/x-www-form-urlencoded\":",
+             (G + "test_browser_simple_bodies_are_refused_and_curl_forms_are_not",)),
+    Mutation("only GET /health is exempt from the key", "superfluid/api/_guard.py",
+             "        exempt = path == \"/health\" and method in (\"GET\", \"HEAD\")\n",
+             "        exempt = method == \"GET\"\n",
+             (G + "test_every_dialect_needs_the_key",)),
+    Mutation("admin routes need an admin key", "superfluid/api/_guard.py",
+             "        if not principal.admin and self._is_admin_route(method, path):\n",
+             "        if False:\n",
+             (G + "test_admin_routes_need_an_admin_key",)),
+    Mutation("rate-limit buckets are bounded", "superfluid/api/_guard.py",
+             "        while len(self._buckets) > self._limit:\n",
+             "        while False:\n",
+             (G + "test_rate_limit_buckets_are_bounded",)),
+    Mutation("a stream holds its key's concurrency slot", "superfluid/api/_guard.py",
+             "        if held >= key.max_concurrent:\n",
+             "        if False:\n",
+             (G + "test_a_stream_holds_its_concurrency_slot",)),
+    Mutation("a key uses only its models", "superfluid/api/_principal.py",
+             "        return self.key is None or self.key.models is None or name in self.key.models\n",
+             "        return True\n",
+             (G + "test_a_key_uses_only_its_models",)),
+    Mutation("a class above the key's max is refused, not lowered", "superfluid/api/_principal.py",
+             "        if asked < self.key.max_class:  # a lower number is a higher class\n",
+             "        if False:\n",
+             (G + "test_a_key_cannot_ask_a_class_above_its_max",)),
+    Mutation("another tenant's id answers as an unknown one", "superfluid/api/_tenancy.py",
+             "        if tenant_of(app, sid) == tenant:\n",
+             "        if tenant_of(app, sid) is not None:\n",
+             ("tests/test_security_tenancy.py::test_another_key_gets_the_unknown_id_answer_over_http",)),
+    Mutation("a client-chosen id needs keys", "superfluid/api/_tenancy.py",
+             "    if not app.config.api_keys:\n",
+             "    if False:\n",
+             ("tests/test_security_tenancy.py::test_client_chosen_ids_are_refused_without_keys",)),
+    Mutation("seed 0 is a real seed", "superfluid/api/_params.py",
+             "seed=secrets.randbits(32) if seed is None else seed % 2**32,",
+             "seed=secrets.randbits(32) if not seed else seed % 2**32,",
+             ("tests/test_security_inputs.py::test_seed_is_bounded_and_zero_is_a_real_seed",)),
+    Mutation("logit_bias keys are token ids of the model", "superfluid/api/_params.py",
+             " or not int(k) < n_vocab:\n",
+             ":\n",
+             ("tests/test_security_inputs.py::test_logit_bias_is_validated",)),
+    Mutation("chat_template_kwargs never shadow a template variable", "superfluid/api/_params.py",
+             "        if name in TEMPLATE_NAMES:\n",
+             "        if False:\n",
+             ("tests/test_security_inputs.py::test_chat_template_kwargs_are_validated",)),
+    Mutation("client strings reach the template as data", "superfluid/chat/_template.py",
+             "            segments.append((self.texts[int(m.group(1))], False))\n",
+             "            segments.append((self.texts[int(m.group(1))], True))\n",
+             ("tests/test_security_inputs.py::test_every_client_string_reaches_the_template_as_data",)),
+    Mutation("an artifact's SHA-256 is verified", "superfluid/runtime/_install.py",
+             "            elif got != artifact.sha256:\n",
+             "            elif False:\n",
+             ("tests/test_runtime_install.py::test_wrong_sha256_installs_nothing",)),
+    Mutation("an archive member may not land outside the install", "superfluid/runtime/_archive.py",
+             "        if not _inside(m.name):\n",
+             "        if False:\n",
+             ("tests/test_runtime_install.py::test_unsafe_archives_fail_the_install",)),
+    Mutation("plain http only from a loopback host", "superfluid/runtime/_install.py",
+             "    if parts.scheme == \"http\" and _loopback(parts.hostname):\n",
+             "    if parts.scheme == \"http\":\n",
+             ("tests/test_runtime_install.py::test_remote_archive_without_sha256_or_over_http_is_refused",)),
+    Mutation("credentials never reach the check", "superfluid/runtime/_install.py",
+             "    return {k: v for k, v in os.environ.items() if not _CRED_RE.search(k)}\n",
+             "    return dict(os.environ)\n",
+             ("tests/test_runtime_install.py::test_credentials_never_reach_the_check_or_the_log",)),
+
+    # ---- the scheduler: its sans-I/O core (sched/_core.py) and its actor (sched/_loop.py) ----
+    Mutation("one writer: a handler applies its command itself", "superfluid/sched/_loop.py",
+             "        try:\n            await self.inbox_send.send(command)\n",
+             "        self.core.apply(command, trio.current_time())  # the pre-actor design\n        return\n"
+             "        try:\n            await self.inbox_send.send(command)\n",
+             (A + "test_handlers_reach_the_scheduler_only_by_commands",
+              A + "test_handlers_cannot_write_the_schedulers_state_while_its_actor_runs")),
+    Mutation("one writer: every write to the core runs the actor's guard", "superfluid/sched/_core.py",
+             "        if self.guard is not None:\n            self.guard()\n",
+             "        pass\n",
+             (C + "test_every_write_runs_the_holders_guard",
+              A + "test_handlers_cannot_write_the_schedulers_state_while_its_actor_runs")),
+    Mutation("stops are applied before commands, also while commits are backed up", "superfluid/sched/_loop.py",
+             "        self._take_stops()\n        self._take_results()\n",
+             "        if self._in_flight_rounds < COMMIT_QUEUE:\n            self._take_stops()\n"
+             "        self._take_results()\n",
+             (A + "test_a_stop_reaches_a_stalled_actor_behind_a_full_inbox",)),
+    Mutation("a stop is never dropped (a full inbox does not refuse it)", "superfluid/sched/_loop.py",
+             "        if self.closed is None:\n            self._stops[job.id] = job\n",
+             "        if self.closed is None and self.inbox_send.statistics().current_buffer_used < INBOX_SIZE:\n"
+             "            self._stops[job.id] = job\n",
+             (A + "test_a_stop_reaches_a_stalled_actor_behind_a_full_inbox",)),
+    Mutation("a stopped job's late reservation takes no place", "superfluid/sched/_core.py",
+             "        if job.done or job.cancelled:\n            return   # stopped before its reservation arrived",
+             "        if False:\n            return   # stopped before its reservation arrived",
+             (C + "test_a_stopped_jobs_late_reservation_holds_nothing_when_its_handler_never_queues",
+              A + "test_a_handler_cancelled_while_waiting_leaves_nothing_behind")),
+    Mutation("disconnect cancel", "superfluid/api/_generate.py",
+             "    if not keep and not job.done:  # (a done job holds no lane and no place)\n",
+             "    if False:\n",
+             (D + "test_streamed_disconnect_cancels", D + "test_non_streamed_disconnect_cancels")),
+    Mutation("commit before delivery", "superfluid/sched/_core.py",
+             "            if failure is not None or job.done:\n                job.staged = job.staged[n:]\n",
+             "            if job.done:\n                job.staged = job.staged[n:]\n",
+             ("tests/test_fuzz_regressions.py::"
+              "test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends_typed",)),
+    Mutation("a failed commit stops the lanes of its jobs", "superfluid/sched/_core.py",
+             "        if job.lane is not None:   # (before finish_with, which lets go of the lane number)\n"
+             "            self._stopping.append((job, job.lane))\n        job.finish_with(error=error)\n",
+             "        job.finish_with(error=error)\n"
+             "        if job.lane is not None:\n            self._stopping.append((job, job.lane))\n",
+             (C + "test_a_failed_commit_stops_the_lanes_of_its_running_jobs",
+              "tests/test_fuzz_regressions.py::"
+              "test_tokens_are_shown_only_after_their_commit_and_a_failed_commit_ends_typed")),
+    Mutation("an unload ends a job whose finish is being committed", "superfluid/sched/_core.py",
+             "        for job in [*self.running.values(), *self._settling.values()]:\n",
+             "        for job in [*self.running.values()]:\n",
+             (C + "test_an_unload_ends_a_job_whose_finish_is_still_being_committed",)),
+    Mutation("worker_crashed", "superfluid/sched/_core.py",
+             "            if job.lost_without_progress >= self.config.lost_limit:\n",
+             "            if False:\n",
+             (C + "test_a_job_that_keeps_killing_workers_fails_typed_and_spares_the_rest",
+              D + "test_request_that_keeps_killing_its_worker_fails_typed")),
+    Mutation("a tokenize goes to 3 workers at most", "superfluid/sched/_core.py",
+             "            if pending.attempts >= TOKENIZE_ATTEMPTS:\n",
+             "            if pending.attempts > TOKENIZE_ATTEMPTS:\n",
+             (C + "test_a_tokenize_waits_for_a_worker_and_goes_to_at_most_three",)),
+    Mutation("waiting tokenizes go in arrival order within a class", "superfluid/sched/_core.py",
+             "                req = waiting.popleft()\n",
+             "                req = waiting.pop()\n",
+             (C + "test_tokenizes_go_the_most_urgent_class_first_in_arrival_order_within_a_class",)),
+    Mutation("preemption loses nothing", "superfluid/sched/_core.py",
+             "                if job.preempted and not job.cancelled:\n",
+             "                if job.preempted and job.cancelled:\n",
+             (C + "test_a_preempted_lane_requeues_and_an_urgent_job_asks_for_an_interrupt",
+              D + "test_interactive_chat_preempts_background_agents")),
+    Mutation("the events before a death report are applied", "superfluid/sched/_loop.py",
+             "            if isinstance(event, LinkLost):\n                self._apply_events(out)\n",
+             "            if isinstance(event, LinkLost):\n",
+             (A + "test_a_workers_answers_before_its_death_report_are_applied",)),
+    Mutation("max-batch", "superfluid/sched/_plan.py",
+             "        free = cfg.max_batch - len(lanes)\n",
+             "        free = cfg.max_batch + 1 - len(lanes)\n",
+             ("tests/test_planner.py::test_plan_admits_only_queued_jobs_once_into_free_lanes",)),
+    Mutation("TTL release", "superfluid/sessions/_resumable.py",
+             "                job.scheduler.stop(job)  # never waits",
+             "                pass  # never waits",
+             ("tests/test_sessions.py::test_explicit_stop_and_resume_ttl",)),
+
+    # ---- the nursery: worker, model actor, supervisor ----
+    Mutation("process group", "superfluid/nursery/_worker.py",
+             "                        env=child_env,\n",
+             "                        env=child_env, start_new_session=True,\n",
+             (D + "test_health_and_models",)),
+    Mutation("Shutdown before kill", "superfluid/nursery/_worker.py",
+             "                                await handle.send(Shutdown())\n",
+             "                                pass\n",
+             (D + "test_shutdown_reaps_workers",)),
+    Mutation("a worker link has one writer", "superfluid/nursery/_worker.py",
+             "        assert task is self._writer, f\"worker pid {self.pid}: the link has one writer, the model's actor\"\n",
+             "",
+             ("tests/test_fuzz_regressions.py::test_a_worker_link_has_one_writer",)),
     Mutation("a worker failure under an unload is the unload", "superfluid/nursery/_worker.py",
              "            if rest.split(trio.Cancelled)[1] is None:\n",
              "            if False:\n",
              ("tests/test_fuzz_regressions.py::test_a_worker_failure_while_the_model_is_unloaded_is_the_unload",)),
+    Mutation("a session task is its own boundary", "superfluid/nursery/_owner.py",
+             "        except* Exception as failures:  # noqa: BLE001",
+             "        except* ZeroDivisionError as failures:  # noqa: BLE001",
+             (B + "test_a_bug_in_a_session_task_stops_its_job_and_the_model_goes_on",)),
+    Mutation("a session task starts in a clean context", "superfluid/nursery/_owner.py",
+             "        contextvars.Context().run(self._sessions.start_soon, self._session, fn, args, job)\n",
+             "        self._sessions.start_soon(self._session, fn, args, job)\n",
+             (B + "test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the_actor_ended",)),
+    Mutation("start_session refuses typed once the actor ended", "superfluid/nursery/_owner.py",
+             "        if self._sessions is None:\n            message, code = self._stop or",
+             "        if False:\n            message, code = self._stop or",
+             (B + "test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the_actor_ended",)),
+    Mutation("model fault contained (actor)", "superfluid/nursery/_supervisor.py",
+             "        except Exception as exc:  # noqa: BLE001 - the model's boundary",
+             "        except ZeroDivisionError as exc:  # noqa: BLE001 - the model's boundary",
+             (B + "test_the_supervisor_catches_a_group_from_the_whole_actor_and_gives_up_past_the_intensity",
+              A + "test_a_fault_in_one_model_ends_only_its_requests_and_it_restarts")),
+    Mutation("the supervisor catches whatever the whole actor raises", "superfluid/nursery/_supervisor.py",
+             "            if not owner.started:\n                raise  # the first load's failure",
+             "            if not owner.started or type(exc).__name__ != \"ModelFailed\":\n"
+             "                raise  # the first load's failure",
+             (B + "test_the_supervisor_catches_a_group_from_the_whole_actor_and_gives_up_past_the_intensity",
+              B + "test_a_failure_in_the_sessions_nursery_restarts_the_model_not_the_daemon")),
+
+    # ---- the daemon and the API around the actor ----
+    Mutation("shutdown ends streams typed", "superfluid/daemon/_server.py",
+             "        app.stopping.begin()\n",
+             "        pass\n",
+             ("tests/test_shutdown.py::test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_restart",)),
+    Mutation("unload ends requests typed", "superfluid/daemon/_registry.py",
+             'was unloaded", code="model_unloaded")',
+             'was unloaded", code="worker_unavailable")',
+             (D + "test_unload_under_traffic_and_reload_on_demand",)),
+    Mutation("per-model lanes gauge", "superfluid/daemon/_registry.py",
+             "self.metrics.for_model(name), self.committer",
+             'self.metrics.for_model(""), self.committer',
+             ("tests/test_fuzz_regressions.py::test_lanes_active_counts_every_models_lanes",)),
+    Mutation("a turn's owner starts before the turn is logged", "superfluid/api/_turns.py",
+             "            try:  # the owner first: a turn in the log always has one\n"
+             "                model.owner.start_session(_own_turn, app, handed, job=job)\n"
+             "            except Unavailable as exc:\n"
+             "                raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged\n"
+             "            with hand:  # closed without a turn: the owner has nothing to own\n"
+             "                await store.begin(turn, params)\n",
+             "            await store.begin(turn, params)\n"
+             "            try:\n"
+             "                model.owner.start_session(_own_turn, app, handed, job=job)\n"
+             "            except Unavailable as exc:\n"
+             "                raise ApiError(503, str(exc), code=exc.code) from None\n"
+             "            with hand:\n",
+             (B + "test_a_turn_whose_model_stopped_before_it_was_logged_is_refused_with_nothing_logged",)),
+    Mutation("the request scope is cancelled when its client leaves", "superfluid/api/_lifecycle.py",
+             "        self.gone = True\n        self.scope.cancel()\n",
+             "        self.gone = True\n",
+             ("tests/test_request_scope.py::test_a_client_that_leaves_during_a_tokenize_costs_nothing_more",
+              "tests/test_request_scope.py::test_a_request_without_a_body_is_cancelled_when_its_client_leaves")),
+    Mutation("a socket watches the shutdown itself", "superfluid/api/_ws.py",
+             "                    work.start_soon(self._close_for_shutdown)  # this socket's own task",
+             "                    pass  # this socket's own task",
+             ("tests/test_ws_shutdown.py::test_a_shutdown_closes_an_open_socket_with_1001_from_its_own_task",)),
+    Mutation("the shutdown's begin never spawns into a socket", "superfluid/api/_ws.py",
+             "                    work.start_soon(self._close_for_shutdown)  # this socket's own task: nothing else spawns here\n",
+             "                    stopping, begin = self.app.stopping, self.app.stopping.begin\n\n"
+             "                    def hooked() -> None:  # the old hook: the stop task spawns into this socket\n"
+             "                        begin()\n"
+             "                        self.work.start_soon(self._close_for_shutdown)\n\n"
+             "                    stopping.begin = hooked\n",
+             ("tests/test_ws_shutdown.py::test_a_shutdown_beginning_as_a_socket_closes_does_not_raise",
+              "tests/test_ws_shutdown.py::test_a_shutdown_at_any_moment_of_a_closing_socket_ends_it_cleanly")),
 )
 
+
+# ---- the baseline run's report (this module is loaded into it as a pytest plugin: -p tests.mutations) ----
+
+def pytest_runtest_logreport(report: Any) -> None:
+    path = os.environ.get(_REPORT)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"node": report.nodeid, "when": report.when, "outcome": report.outcome,
+                                "duration": report.duration}) + "\n")
+
+
+@attrs.frozen
+class Baseline:
+    outcome: str   # "passed", or why the tests prove nothing: "failed", "skipped", "not found"
+    seconds: float
+
+
+def covers(test: str, node: str) -> bool:
+    """Whether the pytest node id ``node`` is (part of) the cited ``test`` (a file, class or function)."""
+    return node == test or node.startswith((test + "[", test + "::"))
+
+
+def baselines(report: Path, chosen: list[Mutation]) -> dict[str, Baseline]:
+    """Each mutation's tests as the baseline run found them."""
+    outcome: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    if report.exists():
+        for line in report.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            seconds[r["node"]] = seconds.get(r["node"], 0.0) + r["duration"]
+            if r["outcome"] != "passed" and outcome.get(r["node"]) != "failed":
+                outcome[r["node"]] = r["outcome"]
+            outcome.setdefault(r["node"], "passed")
+    out = {}
+    for m in chosen:
+        nodes = [n for n in outcome if any(covers(t, n) for t in m.tests)]
+        bad = sorted({outcome[n] for n in nodes} - {"passed"})
+        missing = [t for t in m.tests if not any(covers(t, n) for n in nodes)]
+        verdict = bad[0] if bad else "not found" if missing else "passed"
+        out[m.name] = Baseline(verdict, sum(seconds[n] for n in nodes))
+    return out
+
+
+# ---- running ----
 
 def copy_tree(dest: Path) -> None:
     """The working tree as it is (tracked and untracked files, ignored ones left out)."""
@@ -148,64 +447,88 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run_tests(scratch: Path, tests: tuple[str, ...], timeout: float) -> str:
+def pytest(scratch: Path, args: list[str], timeout: float, env: dict[str, str] | None = None,
+           output: Path | None = None) -> str:
     """``passed``, ``failed``, ``timeout`` or ``error (exit N)`` (pytest could not run them)."""
-    env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
-    argv = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    out = open(output, "wb") if output is not None else subprocess.DEVNULL  # noqa: SIM115 - closed below
     try:
-        proc = subprocess.run(argv, cwd=scratch, env=env, capture_output=True, timeout=timeout,
-                              start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=scratch, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        if output is not None:
+            out.close()
+    try:
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the tests' daemons and workers with it
+        proc.wait()
         return "timeout"
-    return {0: "passed", 1: "failed"}.get(proc.returncode, f"error (exit {proc.returncode})")
+    return {0: "passed", 1: "failed"}.get(code, f"error (exit {code})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="select", default="", help="only mutations whose name contains this (default: all)")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
-    parser.add_argument("--no-baseline", action="store_true", help="do not run each mutation's tests unmutated first")
+    parser.add_argument("--no-baseline", action="store_true", help="do not run the tests unmutated first")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds for one pytest run; a mutated run past it counts as caught (default: 300)")
+                        help="most seconds for one mutated run; past it counts as caught (default: 300; with a "
+                             "baseline, 30 s plus 4 times the tests' baseline time, if less)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.select.lower() in m.name.lower()]
     if args.list:
         for m in chosen:
-            print(f"{m.name}: {m.file}\n    " + "\n    ".join(m.tests))
+            print(f"{m.name}: {m.file} <- {', '.join(t.rsplit('::', 1)[-1] for t in m.tests)}")
         return 0
-    rows: list[tuple[str, str, str, str]] = []
-    ok = True
+    if not chosen:
+        print(f"no mutation's name contains {args.select!r}")
+        return 1
+    width = max(len(m.name) for m in chosen)
+    t0 = time.monotonic()
+    counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="superfluid-mutations-") as tmp:
-        scratch = Path(tmp)
+        scratch = Path(tmp) / "tree"
         copy_tree(scratch)
-        for m in chosen:
+        base: dict[str, Baseline] = {}
+        if not args.no_baseline:
+            union = list(dict.fromkeys(t for m in chosen for t in m.tests))
+            report, output = Path(tmp) / "baseline.jsonl", Path(tmp) / "baseline.out"
+            ran = pytest(scratch, ["-p", "tests.mutations", *union], 3600.0, {_REPORT: str(report)}, output)
+            base = baselines(report, chosen)
+            print(f"baseline: {len(union)} cited tests unmutated in one run: {ran} "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+            if ran != "passed":
+                print("\n".join(output.read_text(errors="replace").splitlines()[-40:]), flush=True)
+        print(f"{'#':>2}  {'verdict':<16} {'secs':>5}  {'mutation':<{width}}  file", flush=True)
+        for i, m in enumerate(chosen, 1):
             path = scratch / m.file
-            original = path.read_text()
-            tests = " ".join(t.rsplit("::", 1)[-1] for t in m.tests)
-            if original.count(m.old) != 1:
-                rows.append((m.name, f"does not apply ({original.count(m.old)} matches)", tests, "-"))
-                ok = False
-                continue
-            if not args.no_baseline:
-                baseline = run_tests(scratch, m.tests, args.timeout)
-                if baseline != "passed":
-                    rows.append((m.name, "yes", tests, f"no: unmutated run {baseline}"))
-                    ok = False
-                    print(f"{m.name}: baseline {baseline}", flush=True)
-                    continue
-            path.write_text(original.replace(m.old, m.new))
-            try:
-                outcome = run_tests(scratch, m.tests, args.timeout)
-            finally:
-                path.write_text(original)
-            caught = outcome in ("failed", "timeout")
-            ok &= caught
-            rows.append((m.name, "yes", tests, f"yes ({outcome})" if caught else f"NO ({outcome})"))
-            print(f"{m.name}: {outcome}", flush=True)
-    widths = [max(len(r[i]) for r in [("mutation", "applied?", "tests", "caught?"), *rows]) for i in range(4)]
-    for row in [("mutation", "applied?", "tests", "caught?"), *rows]:
-        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-    return 0 if ok and rows else 1
+            t1 = time.monotonic()
+            original = path.read_text() if path.exists() else ""
+            n = original.count(m.old)
+            b = base.get(m.name)
+            if n != 1:
+                verdict = f"NOT APPLIED ({n})"
+            elif b is not None and b.outcome != "passed":
+                verdict = f"BASELINE {b.outcome.upper()}"
+            else:
+                timeout = args.timeout if b is None else min(args.timeout, 30.0 + 4 * b.seconds)
+                path.write_text(original.replace(m.old, m.new))
+                try:
+                    outcome = pytest(scratch, ["-x", *m.tests], timeout)
+                finally:
+                    path.write_text(original)
+                verdict = {"failed": "caught", "timeout": "caught (timeout)", "passed": "SURVIVED"}.get(
+                    outcome, f"ERROR {outcome}")
+            key = verdict.split(" (")[0] if verdict.startswith("caught") else verdict.split(" ")[0]
+            counts[key] = counts.get(key, 0) + 1
+            print(f"{i:>2}  {verdict:<16} {time.monotonic() - t1:5.1f}  {m.name:<{width}}  {m.file}", flush=True)
+    caught = counts.get("caught", 0)
+    rest = ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items()) if k != "caught")
+    print(f"{caught} of {len(chosen)} mutations caught{'; ' + rest if rest else ''} "
+          f"({time.monotonic() - t0:.0f} s)")
+    return 0 if caught == len(chosen) else 1
 
 
 if __name__ == "__main__":

@@ -507,3 +507,37 @@ async def test_handlers_cannot_write_the_schedulers_state_while_its_actor_runs(
                 write()
         n.cancel_scope.cancel()
     sched.submit(_job())   # with no actor running (startup, tests), the caller is the only task
+
+
+class _AnswerThenDie(FakeLink):
+    """A worker that answers a tokenize and dies at once: the answer and the death report
+    reach the actor in one batch."""
+
+    async def send(self, *events: Any) -> None:
+        await super().send(*events)
+        if any(isinstance(e, Tokenize) for e in events):
+            self.die()
+
+
+async def test_a_workers_answers_before_its_death_report_are_applied(autojump_clock: trio.testing.MockClock) -> None:
+    """A death report ends the actor's run after the events the worker sent before it: the
+    tokenize it answered is answered (the next worker, which answers none, never sees it),
+    and the next worker serves on."""
+    sched = Scheduler("m", SchedulerConfig(hang_timeout_s=100), Metrics().for_model("m"))
+    first, second = _AnswerThenDie(sched, 1), FakeLink(sched, 2, answer_tokenize=False)
+    job = _job(max_new=2)
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run_commits)
+        n.start_soon(_run_generation, sched, first)
+        with trio.fail_after(5):
+            assert await sched.tokenize([("ab", False)]) == [ord("a"), ord("b")]
+        await trio.testing.wait_all_tasks_blocked()
+        assert first.dead
+        n.start_soon(_run_generation, sched, second)
+        await sched.reserve(job)
+        await sched.queue(job)
+        with trio.fail_after(5):
+            await job.ended.wait()
+        n.cancel_scope.cancel()
+    assert not any(isinstance(e, Tokenize) for e in second.sent)
+    assert job.tokens == [100, 101] and job.error is None

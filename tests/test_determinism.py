@@ -115,6 +115,99 @@ def test_only_whole_prompt_cells_are_reused() -> None:
     assert longer.cached == 3 * GRID
 
 
+# -- default settings over a grid engine (llama.cpp per-sequence KV): exact mode -------------
+
+
+def _grid_executor(host: int = 0) -> tuple[Executor, _Recorder]:
+    """A default-mode executor over a mock that says, as llama.cpp per sequence does, that its
+    rows depend on the pass's shape (``grid``)."""
+    engine = _Recorder("mock?step_ms=0&prefill_us=0&n_ctx=4096", n_seq=6)
+    engine.rows = []
+    engine.grid = True   # type: ignore[attr-defined]
+    return Executor(engine, max_lanes=4, host_cache_bytes=host), engine
+
+
+LONG = [WORD0 + i % 50 for i in range(9 * GRID + 23)]
+
+
+def _prompt_rows(eng: _Recorder, n_prompt: int) -> list[tuple[int, int]]:
+    return [(p, n) for _s, p, n in eng.rows if p < n_prompt]
+
+
+def test_default_prompt_cells_end_on_the_grid_and_the_last_one_goes_alone() -> None:
+    """Without --deterministic, over a grid engine, a step takes as many whole cells as its
+    budget allows (at least one), never a part, and the cell holding the last prompt token goes
+    in a step of its own: whatever the budgets and whatever a short earlier request left in the
+    cache, that cell is computed in one shape, and the draws are the same."""
+    outs, lasts = [], []
+    for shared, budgets in ((0, [2048]), (0, [7, 300]), (1, [100]), (10, [2048]), (63, [1, 5000]),
+                            (GRID + 5, [130]), (4 * GRID, [2048])):
+        ex, eng = _grid_executor()
+        if shared:
+            _run(ex, [_admit(0, LONG[:shared] + [WORD0 + 49] * 3, max_new=2)], iter([2048] * 100))
+            eng.rows.clear()
+        got = _run(ex, [_admit(1, LONG, max_new=6)], iter(budgets * 100))[1]
+        rows = _prompt_rows(eng, len(LONG))
+        assert rows[0][0] == shared // GRID * GRID   # reuse cut back to whole cells
+        assert all(p % GRID == 0 and (n % GRID == 0 or p + n == len(LONG)) for p, n in rows), rows
+        lasts.append(rows[-1])
+        outs.append(got)
+    assert set(lasts) == {(9 * GRID, 23)}
+    assert all(o == outs[0] for o in outs)
+
+
+def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host_memory() -> None:
+    """A finished lane keeps its whole prompt cells (not its generated tokens, decoded in another
+    shape); a copy from a running lane and a host-memory import are cut to whole cells too."""
+    ex, _eng = _grid_executor(host=64 << 20)
+
+    def drain() -> None:
+        while ex.lanes:
+            ex.step(prefill_budget=2048)
+
+    _run(ex, [_admit(0, LONG, max_new=4)], iter([2048] * 100))
+    assert max(len(slot.tokens) for slot in ex.slots) == 9 * GRID
+    warm = ex.admit(_admit(1, LONG, max_new=4))
+    assert warm.cached == 9 * GRID
+    follow = ex.admit(_admit(2, LONG + [WORD0 + 7] * 40, max_new=4))   # copied from lane 1's sequence
+    assert follow.cached == 9 * GRID and follow.seq != warm.seq
+    drain()
+    # host memory: the only sequence overwritten by another prompt, then asked again; the new
+    # prompt parts from the entry mid-cell
+    engine = _Recorder("mock?step_ms=0&prefill_us=0&n_ctx=4096", n_seq=1)
+    engine.rows, engine.grid = [], True   # type: ignore[attr-defined]
+    ex = Executor(engine, max_lanes=1, host_cache_bytes=64 << 20)
+    _run(ex, [_admit(0, LONG, max_new=4)], iter([2048] * 100))
+    _run(ex, [_admit(1, [WORD0 + 45] * (3 * GRID), max_new=1)], iter([2048] * 100))
+    assert len(ex.host) == 1
+    back = ex.admit(_admit(2, LONG[: 5 * GRID + 30] + [WORD0 + 3] * 10, max_new=2))
+    assert back.cached == 5 * GRID and ex.host.stats["hits"] == 1
+
+
+def test_default_resumed_lane_replays_its_committed_tokens_one_per_round() -> None:
+    """Over a grid engine a resumed lane (after a worker or daemon crash) prefills its prompt on
+    the grid and decodes its committed tokens one per round, as they were first computed."""
+    ex, _eng = _grid_executor()
+    full = _run(ex, [_admit(0, LONG, max_new=12)], iter([2048] * 100))[0]
+    ex, eng = _grid_executor()
+    rest = _run(ex, [_admit(0, LONG, full[:5], max_new=12)], iter([2048] * 100))[0]
+    assert full[:5] + rest == full
+    assert all(p + n <= len(LONG) or n == 1 for _s, p, n in eng.rows)
+    assert _prompt_rows(eng, len(LONG))[-1] == (9 * GRID, 23)
+
+
+def test_an_engine_without_the_grid_keeps_plain_chunks_and_reuse() -> None:
+    """The mock (no ``grid``: its rows do not depend on the pass) and llama.cpp's shared pool
+    (whole-sequence reuse only) keep plain chunking and reuse."""
+    engine = _Recorder("mock?step_ms=0&prefill_us=0&n_ctx=4096", n_seq=6)
+    engine.rows = []
+    ex = Executor(engine, max_lanes=4)
+    assert not ex.exact
+    _run(ex, [_admit(0, LONG, max_new=2)], iter([300] * 100))
+    assert [n for _s, p, n in engine.rows if p < len(LONG)] == [300, len(LONG) - 300]
+    assert ex.admit(_admit(1, LONG, max_new=2)).cached == len(LONG) - 1
+
+
 async def test_the_flag_reaches_the_worker_and_a_killed_stream_continues_identically(
         nursery: trio.Nursery) -> None:
     """``ServeConfig.deterministic`` starts the worker with ``--deterministic``;

@@ -427,6 +427,20 @@ def test_short_prefixes_and_a_zero_budget_stay_out_of_host_memory() -> None:
         assert len(ex.host) == 0
 
 
+@pytest.mark.parametrize("lost", [HOST_MIN_TOKENS - 1, HOST_MIN_TOKENS])
+def test_a_prefix_goes_to_host_memory_only_when_it_would_lose_enough(lost: int) -> None:
+    """A cached sequence is exported only when the new lane would overwrite at least
+    ``HOST_MIN_TOKENS`` of it: a long prefix that the new prompt mostly keeps stays put."""
+    ex = Executor(MockEngine(SPEC, n_seq=1), max_lanes=1, host_cache_bytes=1 << 20)
+    ex.admit(make_admit(0, words(*range(40)), max_new=2))
+    drain(ex)
+    held = list(ex.slots[0].tokens)
+    assert len(held) > 2 * HOST_MIN_TOKENS
+    ex.admit(make_admit(1, [*held[: len(held) - lost], *words(45, 46, 47)], max_new=2))  # the only sequence
+    drain(ex)
+    assert len(ex.host) == (lost >= HOST_MIN_TOKENS)
+
+
 def test_a_short_overwritten_prompt_comes_back_from_host_memory() -> None:
     """Compact placement overwrites short cached prompts too; they are exported
     first (cheap next to a prefill) and imported when asked for again."""

@@ -732,3 +732,17 @@ def test_a_tokenize_answered_in_pieces_is_one_reply() -> None:
     assert reply.answered == 0
     core.handle(Tokenized(req=frame.req, tokens=[98, 99]))
     assert reply.value == [97, 98, 99] and reply.answered == 1
+
+
+def test_a_stopped_jobs_late_reservation_holds_nothing_when_its_handler_never_queues() -> None:
+    """The handler was cancelled while its Reserve waited: its stop overtook it, and no Queue
+    follows. The late reservation holds no place: the class's queue stays open to others."""
+    core = _core(max_batch=1, max_queue=1)
+    gone = _job()
+    core.stop(gone)
+    core.apply(Reserve(gone, Reply()), 0.0)
+    assert not core._places and not core.active
+    replies = [Reply(), Reply()]
+    for reply in replies:          # a free lane and one queue place: both fit
+        core.apply(Reserve(_job(), reply), 0.0)
+    assert all(r.error is None for r in replies)

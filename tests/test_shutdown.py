@@ -209,10 +209,9 @@ async def test_a_worker_whose_engine_is_stuck_does_not_outlive_a_killed_daemon(t
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                     seen = ""
-                    async for chunk in r.aiter_text():
-                        seen += chunk
-                        if seen.count('"content"') >= 2:
-                            break           # tokens flowed; the engine is now stuck in the hang
+                    chunks = r.aiter_text()   # kept: a dropped iterator is finalized, which closes the stream
+                    while seen.count('"content"') < 4:   # the role chunk, then 3 tokens: the engine hangs next
+                        seen += await chunks.__anext__()
                     # The stream stays open until the daemon is killed: closing it cancels the
                     # request, and a Cancel that reached the worker before token 3 spared the
                     # engine its hang (on a loaded machine the test then passed without the grace).

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LiveSession", "SessionStore"]
 
+END_LOG_S = 5.0   # what a watcher gives the log to record its ended session
 log = logging.getLogger("superfluid.sessions")
 
 
@@ -265,6 +266,11 @@ async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
             if job.scheduler is not None:
                 job.scheduler.stop(job)  # never waits (a gone model's close ended the job already)
             break
+    if session.job.done and not session.job.log_ended:
+        # its handler is long gone: the log must show how it ended (an unload, a crash loop),
+        # or every restart re-admits a request that already failed
+        with trio.move_on_after(END_LOG_S, shield=True):
+            await store.end(session.job)
     await trio.lowlevel.checkpoint_if_cancelled()
 
 

@@ -20,19 +20,31 @@ whose positions do not continue its sequence):
   it was computed under; a lane reuses, copies or imports KV only of its own
   salt, so one tenant's prompt is never a prefix hit for another.
 
-Deterministic mode (``deterministic=True``) computes every KV entry in one
-fixed shape, so a lane's logits do not depend on batch composition, step
-sizes (measured time), cache state or a restart (on a runtime whose rows do
-not depend on the other rows of a batch; see ``LlamaEngine``):
+Exact mode computes a lone lane's KV in one shape whatever came before it, so
+a request sent alone gets the same logits cold, warm, after other requests and
+after a restart. It is on in deterministic mode and, by default, over an engine
+whose rows' results depend on the shape of the pass they are in and that keeps
+one KV stream per sequence (``engine.grid``: llama.cpp per-sequence KV):
 
 * Prompt tokens are prefilled in grid cells: chunks whose boundaries are the
-  multiples of ``GRID`` positions (the prompt's last cell ends at its end);
-  a step takes whole cells, never a part sized by its budget.
+  multiples of ``GRID`` absolute positions (the prompt's last cell ends at its
+  end). A step takes whole cells, never a part sized by its budget, and the
+  cell holding the last prompt token goes in a step of its own (llama.cpp
+  computes a short last cell in other kernels alone than inside a bigger
+  micro-batch, and a warm lane computes it alone).
 * Tokens after ``n_prompt`` (a resumed lane's committed tokens) are replayed
-  one per decode round, as they were first computed, not prefilled.
+  one per decode round, as they were first computed, not prefilled (not while
+  speculating: a drafting round computes several at once anyway).
 * A lane reuses (or copies, or imports) only whole grid cells of an earlier
   prompt; a finished lane's KV is kept only up to its last whole prompt cell
-  (a shared pool, which cannot drop a suffix, keeps none).
+  (a shared pool, which cannot drop a suffix, keeps none), so a follow-up turn
+  prefills the previous reply again (decoded one token a pass, its KV differs
+  from a prefill's).
+
+Deterministic mode (``deterministic=True``) also makes a lane's logits
+independent of the other lanes beside it (on a runtime whose rows do not depend
+on the other rows of a batch; see ``LlamaEngine``): each step takes one cell of
+each prompt, and every sequence is asked at admission (whole-cell matches).
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ DEMOTE_MIN = 256  # a cached prefix this long moves to a spare sequence rather t
 # a sequence this short is copied by state export/import (cost grows with its length: 143 tokens
 # 3.1 ms on SmolLM2) rather than seq_cp, which copies the whole per-sequence stream (~9 ms at 4,096 cells)
 STATE_COPY_MAX = 384
-GRID = 64       # deterministic mode: prompt prefill chunk boundaries are the multiples of this position
+GRID = 64       # exact mode: prompt prefill chunk boundaries are the multiples of this position
 
 
 @attrs.define(eq=False)
@@ -78,7 +90,7 @@ class Lane:
     priority: int = 2
     n_past: int = 0
     cached: int = 0
-    replay: bool = False   # deterministic: tokens after the prompt are decoded one per round
+    replay: bool = False   # exact mode: tokens after the prompt are decoded one per round
     spec: LaneSpec | None = None   # drafting state, if this lane may speculate
 
     @property
@@ -120,7 +132,7 @@ class _Slot:
     lane: Lane | None = None                         # the owner: its KV holds lane.tokens[:lane.n_past]
     last_use: int = 0
     salt: str = ""                                   # the cache partition its KV was computed under
-    exact: int = 1 << 62                             # deterministic: leading tokens in whole grid cells
+    exact: int = 1 << 62                             # exact mode: leading tokens in whole prompt cells
 
     @property
     def tokens(self) -> list[int]:
@@ -172,6 +184,8 @@ class Executor:
         self.slots = [_Slot() for _ in range(engine.info.n_seq)]
         self.lanes: dict[int, Lane] = {}
         self.shared = engine.info.kv_layout != "per_seq"
+        # exact mode (see the module docstring): a lone lane's KV in one shape whatever came before
+        self.exact = deterministic or (bool(getattr(engine, "grid", False)) and not self.shared)
         self.aborts = bool(getattr(engine, "aborts", False))   # the engine can stop a pass midway
         # an aborting engine's prefill step: its batch, which it runs as micro-batches (llama.cpp)
         self.abortable_step = max(PREFILL_CHUNK, int(engine.info.extra.get("n_batch", 0)))
@@ -214,6 +228,8 @@ class Executor:
         if len(tokens) >= self.info.n_ctx_seq:
             raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
         seq, matched, src = self._pick_slot(tokens, msg.cache_salt)
+        if self.exact and not self.deterministic:
+            matched, src = self._whole_cells(tokens, msg.cache_salt, seq, matched, src)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
         self._preserve(seq, keep=0 if src is not None else matched, src=src)
@@ -230,11 +246,11 @@ class Executor:
         slot.salt = msg.cache_salt
         if self.index is not None:
             self.index.set(seq, tokens, matched, msg.cache_salt)
-        slot.exact = self._cells(msg.n_prompt) if self.deterministic else _Slot.exact
+        slot.exact = self._cells(msg.n_prompt) if self.exact else _Slot.exact
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
             sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
-            cached=min(matched, msg.n_prompt), replay=self.deterministic,
+            cached=min(matched, msg.n_prompt), replay=self.exact and self.gates is None,
             spec=LaneSpec() if self._may_draft(msg.sampling) else None,
         )
         if self.gates is not None:
@@ -409,6 +425,19 @@ class Executor:
         """``n`` rounded down to whole grid cells."""
         return n // GRID * GRID
 
+    def _whole_cells(self, tokens: list[int], salt: str, seq: int, matched: int,
+                     src: int | None) -> tuple[int, int | None]:
+        """Exact mode over the prefix index: the pick's reuse cut back to the whole
+        prompt cells its source holds; a copy only while it still brings ``MIN_COPY``
+        more. Returns (tokens reusable, source seq)."""
+        slot = self.slots[seq]
+        raw = matched if src is None else self._reusable(slot, tokens, len(tokens) - 1, salt)
+        own = self._cells(min(raw, slot.exact))
+        if src is None:
+            return own, None
+        copied = self._cells(min(matched, self.slots[src].exact))
+        return (copied, src) if copied - own >= MIN_COPY else (own, None)
+
     def _reusable(self, slot: _Slot, tokens: list[int], limit: int, salt: str) -> int:
         """How many of ``tokens`` (at most ``limit``) ``slot``'s KV can seed: its
         common prefix, under the same salt; in deterministic mode whole cells
@@ -535,9 +564,13 @@ class Executor:
         the tokens now in ``seq`` (0 if the import failed and left it empty),
         or None if nothing was tried (``seq`` untouched)."""
         found = self.host.best(tokens, len(tokens) - 1, salt, whole=self.shared)
-        if found is None or found[1] < better_than + HOST_MIN_TOKENS:
+        if found is None:
             return None
         key, n = found
+        if self.exact:
+            n = self._cells(n)   # entries hold whole prompt cells; the prompt may part from one mid-cell
+        if n < better_than + HOST_MIN_TOKENS:
+            return None
         entry = self.host.take(key)
         self.engine.seq_rm(seq, 0, -1)
         self._set_held(seq, [])
@@ -564,14 +597,14 @@ class Executor:
         self._clock += 1
         slot.last_use = self._clock
         keep = lane.n_past
-        if publish and self.deterministic:
+        if publish and self.exact:
             # keep whole prompt cells only: later tokens were computed in another shape
             keep = min(keep, slot.exact)
             if keep < lane.n_past and (self.shared or not self.engine.seq_rm(lane.seq, keep, -1)):
                 publish = False  # a shared pool cannot drop a suffix
         if publish:
             slot.held = lane.tokens[:keep]
-            slot.exact = len(slot.held) if self.deterministic else _Slot.exact
+            slot.exact = len(slot.held) if self.exact else _Slot.exact
         else:
             self.engine.seq_rm(lane.seq, 0, -1)
             slot.held = []
@@ -618,6 +651,16 @@ class Executor:
     def _cell(self, ln: Lane) -> int:
         """Deterministic mode: the prompt tokens of ``ln``'s next grid cell."""
         return min((ln.n_past // GRID + 1) * GRID, ln.prefill_end) - ln.n_past
+
+    def _cells_take(self, ln: Lane, cap: int) -> int:
+        """Exact mode: the prompt tokens of ``ln``'s next prefill step under ``cap``: whole
+        grid cells (at least one) up to, not into, the cell holding its last prompt token,
+        and that cell alone once it is next."""
+        end = ln.prefill_end
+        last = (end - 1) // GRID * GRID
+        if ln.n_past >= last:
+            return end - ln.n_past
+        return min(last, max((ln.n_past // GRID + 1) * GRID, (ln.n_past + cap) // GRID * GRID)) - ln.n_past
 
     def _decode_row(self, ln: Lane) -> BatchRow:
         return BatchRow(seq=ln.seq, tokens=(ln.tokens[ln.n_past],), pos0=ln.n_past, want_logits=ln.pending == 1)
@@ -696,16 +739,27 @@ class Executor:
                 budget -= take
         elif prefill_lanes and budget > 0 and (not decoders or self._last_step_decoded):
             decode_rows = 0
-            first = self._cell(prefill_lanes[0]) if self.deterministic else min(
-                prefill_lanes[0].pending, budget)
+            lead = prefill_lanes[0]
+            if self.deterministic:
+                first = self._cell(lead)
+            elif self.exact:
+                first = self._cells_take(lead, budget)
+            else:
+                first = min(lead.pending, budget)
             for ln in prefill_lanes:
                 if rows and len(rows) * first + first > budget:
                     break
-                if ln.priority != prefill_lanes[0].priority:
+                if ln.priority != lead.priority:
                     # a less urgent prompt's chunk would only delay the urgent one's first token
                     # (prefill cost grows with the step's tokens): it waits for the next step
                     break
-                if (self._cell(ln) == first) if self.deterministic else ln.pending >= first:
+                if self.deterministic:
+                    fits = self._cell(ln) == first
+                elif self.exact:
+                    fits = self._cells_take(ln, first) == first
+                else:
+                    fits = ln.pending >= first
+                if fits:
                     rows.append(self._chunk(ln, first))
                     owners.append(ln)
         else:

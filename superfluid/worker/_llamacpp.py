@@ -25,6 +25,20 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   and at most ``max_batch`` lanes run, so running lanes always fit unless
   cached (finished) sequences hold cells, in which case decode fails with
   code 1. Sliding-window layers keep only their window (``swa_full=False``).
+* ``grid`` (True with one KV stream per sequence): a row's logits depend on the
+  shape of the pass it is computed in, not on anything else: the same tokens
+  at the same positions, in passes whose micro-batches start on multiples of
+  the executor's ``GRID`` and hold whole cells, give the same logits, with
+  flash attention and repacked weights on; a short last cell computed alone
+  differs from the same cell inside a bigger micro-batch (the tiled flash
+  attention path starts at 64 query rows; a repacked weight's gemm takes rows
+  in fours), and a token decoded alone differs from one prefilled. So the
+  executor runs in exact mode over it (``_executor.py``). The cells a stream
+  holds sit in order from cell 0 (a stream is emptied or cut from a position,
+  and llama.cpp fills it from the first free cell), so a row also attends
+  over the same cells whatever the stream held before. A shared pool places
+  a sequence wherever it has room (after the cached sequences it holds),
+  which changes the sums' order: ``grid`` is False there.
 * ``deterministic=True`` makes a row's logits independent of the other rows
   of its batch (SPEC.md "Determinism" has the measurements): no flash
   attention, no repacked weights (``use_extra_bufts``), and sliding-window
@@ -284,6 +298,10 @@ class LlamaEngine:
         self._eog = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
         self.aborts = not shared   # only one stream per sequence can drop a pass's tail
+        # a row's result depends on the pass's shape (a short last cell computed alone or inside a
+        # bigger micro-batch rounds differently): the executor prefills on the fixed grid (exact
+        # mode) wherever it can reuse whole cells, i.e. with one stream per sequence
+        self.grid = not shared
         self.drafts = True if not shared else (
             "llama.cpp keeps this model's sliding-window or recurrent KV in one shared pool, which cannot "
             "drop a rejected draft's tail")

@@ -1,0 +1,179 @@
+"""What the default mode's grid costs (issue 51): the in-process executor over llama.cpp, no daemon.
+
+Usage::
+
+    python bench/grid_cost.py --model PATH [--threads 2] [--repeats 2] [--long 5200]
+
+Default settings over llama.cpp with one KV stream per sequence run the executor in exact mode
+(``LlamaEngine.grid``; SPEC.md §5 "Determinism"): prompts prefilled in whole 64-position cells on
+the absolute grid with the last cell in a step of its own, reuse cut back to whole prompt cells,
+committed tokens replayed one per round. With ``grid`` off the same executor behaves as the commit
+before did (plain chunks, any reused prefix), so the two are measured in one process on one
+engine, alternating, ``--repeats`` times; each line gives the better of the repeats.
+
+Cases (greedy, ``ignore_eos``; steps of the engine's batch, 2,048 tokens, as the worker takes them):
+
+* 1 and 8 lanes over 8 short prompts, 64 new tokens each: generated tokens/s, prefill included;
+* 1 lane, one ``--long``-token prompt, 8 new tokens: tokens/s and first-token time (cold);
+* 8 lanes over 8 ``--long``-token prompts sharing all but their last ~500 tokens (agents on one
+  long context), 16 new tokens each: aggregate tokens/s (the shared part is copied, cut to cells);
+* a ``--long``-token four-message conversation: first token cold, then warm (the same request
+  again), then a follow-up turn (the conversation, its 64-token reply and a short question: the
+  grid prefills the reply again, the commit before reused it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from superfluid.proto import Admit, Sampling
+from superfluid.worker._executor import Executor
+from superfluid.worker._llamacpp import LlamaEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import commit, model_file  # noqa: E402
+
+STEP = 2048
+_SENTENCES = [
+    "The buffer on the intake line was drained and refilled before the morning shift.",
+    "A technician logged a pressure drop of four percent near the second valve.",
+    "Nobody could explain why the north pump hummed louder after the storm.",
+    "The spare gasket arrived late, so the repair waited until Thursday.",
+    "Readings from the east tank stayed flat for the whole week.",
+    "The buffer overflowed once when the sensor froze, and the alarm stayed silent.",
+    "Maria replaced the cracked gauge and wrote the serial number in the margin.",
+    "The night crew reported a smell of burnt rubber that faded by noon.",
+    "Flow through the bypass doubled while the main filter was cleaned.",
+    "An inspector asked for the calibration records of every meter on site.",
+    "The old controller rebooted twice and lost its schedule both times.",
+    "Someone left the hatch on the settling basin open overnight.",
+]
+
+
+def _chatml(messages: list[tuple[str, str]]) -> str:
+    return "".join(f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in messages) + "<|im_start|>assistant\n"
+
+
+def conversation(engine: LlamaEngine, n_tokens: int) -> list[int]:
+    """A four-message conversation (system, a long note, an assistant turn, a question) of about
+    ``n_tokens`` tokens (ChatML, SmolLM2's template)."""
+    entries: list[str] = []
+    while True:
+        i = len(entries)
+        entries.append(f"Entry {i}: {_SENTENCES[i % 12]} {_SENTENCES[(i * 5 + 3) % 12]}")
+        toks = engine.tokenize(_chatml([
+            ("system", "You are a careful assistant for a water treatment plant. Answer from the notes."),
+            ("user", "Here are the maintenance notes for the month.\n\n" + "\n".join(entries)),
+            ("assistant", "I have read the notes. What would you like to know about them?"),
+            ("user", "What happened to the buffer this month, and which entries say so?"),
+        ]), add_special=False, parse_special=True)
+        if len(toks) >= n_tokens:
+            return toks
+
+
+class Bench:
+    def __init__(self, engine: LlamaEngine) -> None:
+        self.engine = engine
+        self.tag = 0
+
+    def executor(self, grid: bool, lanes: int) -> Executor:
+        self.engine.grid = grid
+        for seq in range(self.engine.info.n_seq):
+            self.engine.seq_rm(seq, 0, -1)
+        return Executor(self.engine, max_lanes=lanes)
+
+    def serve(self, ex: Executor, work: list[list[int]], lanes: int, tokens: int) -> dict[str, Any]:
+        """At most ``lanes`` at once; returns tokens/s (prefill included), first-token times, outputs."""
+        queue = list(work)
+        started: dict[int, float] = {}
+        first: dict[int, float] = {}
+        out: dict[int, list[int]] = {}
+        t0 = time.perf_counter()
+        while queue or ex.lanes:
+            while queue and len(ex.lanes) < lanes:
+                self.tag += 1
+                toks = queue.pop(0)
+                ex.admit(Admit(lane=self.tag, tokens=toks, n_prompt=len(toks), max_new=tokens, sampling=Sampling(),
+                               ignore_eos=True))
+                started[self.tag] = time.perf_counter()
+                out[self.tag] = []
+            res = ex.step(prefill_budget=STEP, max_step_tokens=STEP)
+            now = time.perf_counter()
+            for row in res.emits:
+                first.setdefault(row[0], now - started[row[0]])
+                out[row[0]].append(row[1])
+        wall = time.perf_counter() - t0
+        generated = sum(len(v) for v in out.values())
+        return {"tok_s": generated / wall, "wall": wall, "ttft": [first[t] for t in out], "out": list(out.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--long", type=int, default=5200, help="tokens of the long prompts (default 5200)")
+    parser.add_argument("--cases", default="short,long,agents,conversation")
+    args = parser.parse_args()
+    args.model = model_file(args.model)
+    engine = LlamaEngine(args.model, max_batch=8, max_context=8192, threads=args.threads)
+    b = Bench(engine)
+    cases = set(args.cases.split(","))
+    print(f"in-process executor, commit {commit()}: model {engine.info.name}, {args.threads} threads; "
+          f"grid on (this commit's default) vs off (the commit before's executor), better of {args.repeats}",
+          flush=True)
+    short = [engine.tokenize(f"Question {i}: explain topic number {i} in detail, please. Answer:",
+                             add_special=True, parse_special=False) for i in range(8)]
+    conv = conversation(engine, args.long)
+
+    def ab(name: str, run: Any, fmt: Any) -> None:
+        got: dict[bool, list[Any]] = {True: [], False: []}
+        for _ in range(args.repeats):
+            for grid in (True, False):
+                got[grid].append(run(grid))
+        print(f"{name}: {fmt(got[True])} (grid) vs {fmt(got[False])} (before)", flush=True)
+
+    def rate(rs: list[dict[str, Any]]) -> str:
+        best = max(rs, key=lambda r: r["tok_s"])
+        return f"{best['tok_s']:.2f} tok/s ({best['wall']:.1f} s)"
+
+    if "short" in cases:
+        for lanes in (1, 8):
+            ab(f"{lanes} lane(s), 8 short prompts x 64 tokens",
+               lambda grid, n=lanes: b.serve(b.executor(grid, n), short, n, 64), rate)
+    if "long" in cases:
+        ab(f"1 lane, one {len(conv)}-token prompt, 8 tokens",
+           lambda grid: b.serve(b.executor(grid, 1), [conv], 1, 8),
+           lambda rs: f"{rate(rs)}, first token {min(r['ttft'][0] for r in rs):.2f} s")
+    if "agents" in cases:
+        head = conv[: len(conv) - 500]
+        tails = [engine.tokenize(f" Agent {i}: " + " ".join(_SENTENCES[(i + k) % 12] for k in range(30)),
+                                 add_special=False, parse_special=False)[:480] for i in range(8)]
+        agents = [head + t for t in tails]
+        ab(f"8 lanes, 8 prompts of ~{len(agents[0])} tokens sharing {len(head)}, 16 tokens each",
+           lambda grid: b.serve(b.executor(grid, 8), agents, 8, 16), rate)
+    if "conversation" in cases:
+        def turns(grid: bool) -> dict[str, float]:
+            ex = b.executor(grid, 1)
+            cold = b.serve(ex, [conv], 1, 64)
+            warm = b.serve(ex, [conv], 1, 64)
+            assert warm["out"] == cold["out"] or not grid, "grid: the warm reply differs from the cold one"
+            follow = conv + cold["out"][0] + engine.tokenize(
+                "<|im_end|>\n<|im_start|>user\nAnd the pumps?<|im_end|>\n<|im_start|>assistant\n",
+                add_special=False, parse_special=True)
+            turn = b.serve(ex, [follow], 1, 8)
+            return {"cold": cold["ttft"][0], "warm": warm["ttft"][0], "follow": turn["ttft"][0],
+                    "same": float(warm["out"] == cold["out"])}
+
+        ab(f"conversation of {len(conv)} tokens, first token",
+           turns, lambda rs: (f"cold {min(r['cold'] for r in rs):.2f} s, warm {min(r['warm'] for r in rs):.2f} s, "
+                              f"follow-up {min(r['follow'] for r in rs):.2f} s, warm==cold {all(r['same'] for r in rs)}"))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
