@@ -391,7 +391,7 @@ async def test_a_worker_link_has_one_writer() -> None:
     with trio.fail_after(20):
         async with open_worker(spec, _nowhere, generation=1) as handle:
             await handle.send(Tokenize(req=1, segments=[("x", False)], add_special=False))   # the writer
-            async with trio.open_nursery() as n:
+            async with trio.open_nursery() as n:  # noqa: ASYNC112 - the point: another task writes
                 n.start_soon(second_writer, handle)
     assert len(refused) == 1 and "one writer" in str(refused[0])
 
