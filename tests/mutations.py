@@ -251,7 +251,7 @@ MUTATIONS = (
              "        if False:\n            return   # stopped before its reservation arrived",
              (C + "test_a_stopped_jobs_late_reservation_holds_nothing_when_its_handler_never_queues",
               A + "test_a_handler_cancelled_while_waiting_leaves_nothing_behind")),
-    Mutation("disconnect cancel", "superfluid/api/_generate.py",
+    Mutation("disconnect cancel", "superfluid/api/_lane.py",
              "    if not keep and not job.done:  # (a done job holds no lane and no place)\n",
              "    if False:\n",
              (D + "test_streamed_disconnect_cancels", D + "test_non_streamed_disconnect_cancels")),
@@ -320,15 +320,19 @@ MUTATIONS = (
              "            if rest.split(trio.Cancelled)[1] is None:\n",
              "            if False:\n",
              ("tests/test_fuzz_regressions.py::test_a_worker_failure_while_the_model_is_unloaded_is_the_unload",)),
-    Mutation("a session task is its own boundary", "superfluid/nursery/_owner.py",
+    Mutation("a session task is its own boundary", "superfluid/nursery/_actor.py",
              "        except* Exception as failures:  # noqa: BLE001",
              "        except* ZeroDivisionError as failures:  # noqa: BLE001",
              (B + "test_a_bug_in_a_session_task_stops_its_job_and_the_model_goes_on",)),
-    Mutation("a session task starts in a clean context", "superfluid/nursery/_owner.py",
+    Mutation("a failed session task's job ends typed", "superfluid/sched/_job.py",
+             "        if finish == \"cancelled\" and self.abort is not None:\n",
+             "        if False:\n",
+             (B + "test_a_bug_in_a_session_task_stops_its_job_and_the_model_goes_on",)),
+    Mutation("a session task starts in a clean context", "superfluid/nursery/_actor.py",
              "        contextvars.Context().run(self._sessions.start_soon, self._session, fn, args, job)\n",
              "        self._sessions.start_soon(self._session, fn, args, job)\n",
              (B + "test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the_actor_ended",)),
-    Mutation("start_session refuses typed once the actor ended", "superfluid/nursery/_owner.py",
+    Mutation("start_session refuses typed once the actor ended", "superfluid/nursery/_actor.py",
              "        if self._sessions is None:\n            message, code = self._stop or",
              "        if False:\n            message, code = self._stop or",
              (B + "test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the_actor_ended",)),
@@ -338,8 +342,8 @@ MUTATIONS = (
              (B + "test_the_supervisor_catches_a_group_from_the_whole_actor_and_gives_up_past_the_intensity",
               A + "test_a_fault_in_one_model_ends_only_its_requests_and_it_restarts")),
     Mutation("the supervisor catches whatever the whole actor raises", "superfluid/nursery/_supervisor.py",
-             "            if not owner.started:\n                raise  # the first load's failure",
-             "            if not owner.started or type(exc).__name__ != \"ModelFailed\":\n"
+             "            if not actor.started:\n                raise  # the first load's failure",
+             "            if not actor.started or type(exc).__name__ != \"ModelFailed\":\n"
              "                raise  # the first load's failure",
              (B + "test_the_supervisor_catches_a_group_from_the_whole_actor_and_gives_up_past_the_intensity",
               B + "test_a_failure_in_the_sessions_nursery_restarts_the_model_not_the_daemon")),
@@ -359,14 +363,14 @@ MUTATIONS = (
              ("tests/test_fuzz_regressions.py::test_lanes_active_counts_every_models_lanes",)),
     Mutation("a turn's owner starts before the turn is logged", "superfluid/api/_turns.py",
              "            try:  # the owner first: a turn in the log always has one\n"
-             "                model.owner.start_session(_own_turn, app, handed, job=job)\n"
+             "                model.actor.start_session(_own_turn, app, handed, job=job)\n"
              "            except Unavailable as exc:\n"
              "                raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged\n"
              "            with hand:  # closed without a turn: the owner has nothing to own\n"
              "                await store.begin(turn, params)\n",
              "            await store.begin(turn, params)\n"
              "            try:\n"
-             "                model.owner.start_session(_own_turn, app, handed, job=job)\n"
+             "                model.actor.start_session(_own_turn, app, handed, job=job)\n"
              "            except Unavailable as exc:\n"
              "                raise ApiError(503, str(exc), code=exc.code) from None\n"
              "            with hand:\n",

@@ -354,7 +354,7 @@ async def test_a_ttl_watcher_ends_with_its_job_not_with_its_ttl() -> None:
     cfg = attrs.evolve(mock_config(SPEC), resume_ttl_s=600.0)
     async with open_daemon(cfg) as d:
         app = _app(d.url)
-        owner = app.registry.loaded["mock"].owner
+        actor = app.registry.loaded["mock"].actor
         async with d.client.stream("POST", "/v1/chat/completions", json={**body("mock", "short", max_tokens=30),
                                                                           "stream": True},
                                    headers={"x-superfluid-resumable": "true"}) as r:
@@ -362,11 +362,11 @@ async def test_a_ttl_watcher_ends_with_its_job_not_with_its_ttl() -> None:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     break   # the client leaves: the generation runs on, watched
-        assert owner.session_tasks == 1
+        assert actor.session_tasks == 1
         job = app.sessions.live[sid].job
         with trio.fail_after(30):
             await job.ended.wait()
-            await owner.sessions_idle()   # long before --resume-ttl
+            await actor.sessions_idle()   # long before --resume-ttl
         assert job.finish == "length" and job.error is None
 
 
@@ -393,8 +393,8 @@ async def test_unload_ends_the_models_sessions_turns_and_watchers_and_releases_t
         await c.post(f"/v1/sessions/{cid}/messages", json={"messages": [{"role": "user", "content": "hi"}]})
         async with c.stream("POST", f"/v1/sessions/{cid}/generate", json={"stream": True}) as r:
             turn_gen = r.headers["x-superfluid-session"]
-        owner = app.registry.loaded["m2"].owner
-        assert owner.session_tasks == 2   # the watcher and the turn's owner
+        actor = app.registry.loaded["m2"].actor
+        assert actor.session_tasks == 2   # the watcher and the turn's actor
         jobs = [app.sessions.live[sid].job, app.sessions.live[turn_gen].job]
         results: dict[str, Any] = {}
 
@@ -419,7 +419,7 @@ async def test_unload_ends_the_models_sessions_turns_and_watchers_and_releases_t
         assert events[-1]["type"] == "turn_end" and "model_unloaded" in json.dumps(events[-1]), events[-1]
         # and nothing of the model holds them: no session task, no frame or coroutine refers to a job
         with trio.fail_after(10):
-            await owner.sessions_idle()
+            await actor.sessions_idle()
         gc.collect()
         for job in jobs:
             holders = [h for h in gc.get_referrers(job) if inspect.isframe(h) or inspect.iscoroutine(h)]

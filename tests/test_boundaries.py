@@ -1,6 +1,6 @@
 """A model is a supervised subtree: failure boundaries, session spawns, unload races.
 
-* A bug in a model's session task (a resume-TTL watcher, a turn owner) is
+* A bug in a model's session task (a resume-TTL watcher, a turn actor) is
   contained by the task's own boundary: logged, its job stopped, the model
   goes on (code-review D1: the daemon exited).
 * Anything else the whole actor raises (its sessions sub-nursery included)
@@ -26,11 +26,11 @@ import pytest
 import trio
 import trio.testing
 
-import superfluid.api._generate as generate
+import superfluid.api._lane as generate
 import superfluid.api._turns as turns
-import superfluid.nursery._owner as owner_module
+import superfluid.nursery._actor as owner_module
 from superfluid.serving import ModelSource
-from superfluid.nursery import ModelOwner, RestartPolicy, supervise
+from superfluid.nursery import ModelActor, RestartPolicy, supervise
 from superfluid.sessions._conversations import ConversationStore
 from superfluid.suite._client import metric_sum
 
@@ -55,28 +55,31 @@ async def _leave_a_resumable_stream(client: Any, model: str) -> str:
 
 async def test_a_bug_in_a_session_task_stops_its_job_and_the_model_goes_on(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="superfluid.owner")
-    raised = trio.Event()
+    caplog.set_level(logging.ERROR, logger="superfluid.actor")
+    raised, left = trio.Event(), trio.Event()
 
     async def buggy_watcher(store: Any, session: Any) -> None:
-        await trio.lowlevel.checkpoint()
+        await left.wait()   # once the client has gone (its head was 200 and an event came)
         raised.set()
         raise ValueError("a bug in a session task")
 
     monkeypatch.setattr(generate, "serve_resume_ttl", buggy_watcher)
     async with open_daemon(two_models()) as d:
         app = _app(d.url)
-        owner = app.registry.loaded["m2"].owner
+        actor = app.registry.loaded["m2"].actor
         sid = await _leave_a_resumable_stream(d.client, "m2")
         job = app.sessions.live[sid].job
+        left.set()
         with trio.fail_after(30):
             await raised.wait()
             await job.ended.wait()   # the boundary stopped the job nobody watches any more
-            await owner.sessions_idle()
-        assert job.finish == "cancelled", (job.finish, job.error)
+            await actor.sessions_idle()
+        # typed: its readers see a 500 session_failed, not a cancel nobody asked for
+        assert job.finish is None and job.error is not None, (job.finish, job.error)
+        assert (job.error.status, job.error.code) == (500, "session_failed"), job.error
         # the daemon and the model go on: the same actor, no model failure
         assert (await d.client.get("/health")).status_code == 200
-        assert app.registry.loaded["m2"].owner is owner
+        assert app.registry.loaded["m2"].actor is actor
         status, text, error = await stream(d.client, body("m2", "after", max_tokens=5))
         assert (status, error) == (200, None) and text
         metrics = (await d.client.get("/metrics")).text
@@ -87,11 +90,11 @@ async def test_a_bug_in_a_session_task_stops_its_job_and_the_model_goes_on(
 
 async def test_a_failure_in_the_sessions_nursery_restarts_the_model_not_the_daemon(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.ERROR, logger="superfluid.owner")
+    caplog.set_level(logging.ERROR, logger="superfluid.actor")
     boom = trio.Event()
-    real = ModelOwner._serve_sessions
+    real = ModelActor._serve_sessions
 
-    async def failing_sessions(self: ModelOwner, *, task_status: Any) -> None:
+    async def failing_sessions(self: ModelActor, *, task_status: Any) -> None:
         if self.name != "m2" or boom.is_set():
             await real(self, task_status=task_status)
             return
@@ -100,7 +103,7 @@ async def test_a_failure_in_the_sessions_nursery_restarts_the_model_not_the_daem
             await boom.wait()
             raise ValueError("a bug beside the model's sessions")
 
-    monkeypatch.setattr(ModelOwner, "_serve_sessions", failing_sessions)
+    monkeypatch.setattr(ModelActor, "_serve_sessions", failing_sessions)
     async with open_daemon(two_models()) as d:
         c = d.client
         m2 = _app(d.url).registry.loaded["m2"]
@@ -151,8 +154,8 @@ class _FakeScheduler:
 
 
 @attrs.define
-class _FakeOwner:
-    """The surface of a ModelOwner the supervisor uses; its runs fail as ``runs`` says."""
+class _FakeActor:
+    """The surface of a ModelActor the supervisor uses; its runs fail as ``runs`` says."""
 
     runs: list[str]
     name: str = "m"
@@ -185,24 +188,24 @@ class _FakeOwner:
 
 async def test_the_supervisor_catches_a_group_from_the_whole_actor_and_gives_up_past_the_intensity(
         autojump_clock: trio.testing.MockClock) -> None:
-    owner = _FakeOwner(runs=["sessions_fail", "sessions_fail", "sessions_fail"])
+    actor = _FakeActor(runs=["sessions_fail", "sessions_fail", "sessions_fail"])
     given_up: list[Any] = []
-    await supervise(owner, _FakeScheduler, on_give_up=given_up.append)  # type: ignore[arg-type]
+    await supervise(actor, _FakeScheduler, on_give_up=given_up.append)  # type: ignore[arg-type]
     # each failure ended its scheduler's jobs typed and was counted; the third is past the intensity
-    assert [s.closed[1] if s.closed else None for s in owner.schedulers] == ["model_failed"] * 3
-    assert sum(s.failures for s in owner.schedulers) == 3
-    assert given_up == [owner] and owner.scheduler.closed is not None and owner.scheduler.closed[1] == "model_failed"
+    assert [s.closed[1] if s.closed else None for s in actor.schedulers] == ["model_failed"] * 3
+    assert sum(s.failures for s in actor.schedulers) == 3
+    assert given_up == [actor] and actor.scheduler.closed is not None and actor.scheduler.closed[1] == "model_failed"
     # and after one failure it restarts, then returns when the actor is stopped
-    owner = _FakeOwner(runs=["sessions_fail", "stopped"])
-    await supervise(owner, _FakeScheduler, on_give_up=given_up.append)  # type: ignore[arg-type]
-    assert owner.runs == [] and len(given_up) == 1
+    actor = _FakeActor(runs=["sessions_fail", "stopped"])
+    await supervise(actor, _FakeScheduler, on_give_up=given_up.append)  # type: ignore[arg-type]
+    assert actor.runs == [] and len(given_up) == 1
 
 
 async def test_the_first_loads_failure_reaches_the_loader(autojump_clock: trio.testing.MockClock) -> None:
-    owner = _FakeOwner(runs=["load_fails"])
+    actor = _FakeActor(runs=["load_fails"])
     async with trio.open_nursery() as n:
         with pytest.raises(OSError, match="did not start"):
-            await n.start(partial(supervise, owner, _FakeScheduler, on_give_up=print))  # type: ignore[arg-type]
+            await n.start(partial(supervise, actor, _FakeScheduler, on_give_up=print))  # type: ignore[arg-type]
 
 
 async def test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the_actor_ended() -> None:
@@ -217,17 +220,17 @@ async def test_a_session_task_starts_in_a_clean_context_and_none_starts_once_the
 
     async with open_daemon(two_models()) as d:
         app = _app(d.url)
-        owner = app.registry.loaded["m2"].owner
+        actor = app.registry.loaded["m2"].actor
         probe.set("the request's")  # as a handler's exchange and held models are
-        owner.start_session(record)
+        actor.start_session(record)
         with trio.fail_after(10):
-            await owner.sessions_idle()
+            await actor.sessions_idle()
         assert seen == ["clean"]
         assert (await d.client.post("/v1/models/unload", json={"model": "m2"})).status_code == 200
         with pytest.raises(Unavailable) as caught:
-            owner.start_session(trio.sleep, 0)
+            actor.start_session(trio.sleep, 0)
         assert caught.value.code == "model_unloaded"
-        assert owner.session_tasks == 0
+        assert actor.session_tasks == 0
 
 
 # --- conversation turns racing an unload ----------------------------------------------------------
@@ -263,7 +266,7 @@ async def test_an_unload_while_a_turn_is_logged_answers_503_and_the_conversation
 
         async def begin_then_unload(self: ConversationStore, turn: Any, params: Any) -> None:
             await real_begin(self, turn, params)
-            old_pids.append(turn.model.owner.pid)
+            old_pids.append(turn.model.actor.pid)
             assert (await c.post("/v1/models/unload", json={"model": "m2"})).status_code == 200
             with trio.fail_after(20):  # (the unload returns once the worker is gone: no wait here)
                 while psutil.pid_exists(old_pids[0]):
@@ -326,7 +329,7 @@ async def test_a_handshake_holds_no_lock_two_loads_share_it_and_unload_waits_for
         registry = app.registry
         slow = ModelSource(spec="mock?step_ms=3&name=slow", runtime="mock", name="slow")
         loaded: list[Any] = []
-        m2_pid = registry.loaded["m2"].owner.pid
+        m2_pid = registry.loaded["m2"].actor.pid
         handshakes.clear()
         with trio.fail_after(30):
             async with trio.open_nursery() as n:

@@ -15,7 +15,7 @@ import pytest
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from superfluid.api import _generate
+from superfluid.api import _lane
 from superfluid.api._http import ApiError, ClientGone, read_body
 from superfluid.api._lifecycle import open_request
 
@@ -97,7 +97,7 @@ async def test_a_client_that_leaves_during_a_tokenize_costs_nothing_more(nursery
             raise
         raise AssertionError("unreachable")
 
-    monkeypatch.setattr(_generate, "tokenize", stuck_tokenize)
+    monkeypatch.setattr(_lane, "tokenize", stuck_tokenize)
     d = await start_daemon(nursery, mock_config())
     chat = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
     with trio.fail_after(10):

@@ -264,7 +264,7 @@ def test_any_template_failure_is_a_template_error() -> None:
             ChatTemplate(source).render([{"role": "user", "content": "hi"}])
     with pytest.raises(TemplateRenderError, match="shadows"):
         ChatTemplate(CHATML).render([{"role": "user", "content": "hi"}], kwargs={"messages": []})
-    model = SimpleNamespace(template=ChatTemplate("{{ messages[3].content }}"), info={}, owner=None)
+    model = SimpleNamespace(template=ChatTemplate("{{ messages[3].content }}"), info={}, actor=None)
     req = ChatRequest(messages=[{"role": "user", "content": "hi"}], sampling=Sampling(), max_tokens=None)
     with pytest.raises(ApiError) as err:
         render_chat(model, req)  # type: ignore[arg-type]

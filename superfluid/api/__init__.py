@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from ._app import App as App
 from ._http import ApiError as ApiError
-from ._generate import MAX_PROMPT_BYTES as MAX_PROMPT_BYTES
-from ._generate import PROMPT_BYTES_FLOOR as PROMPT_BYTES_FLOOR
-from ._generate import PROMPT_BYTES_PER_TOKEN as PROMPT_BYTES_PER_TOKEN
+from ._lane import MAX_PROMPT_BYTES as MAX_PROMPT_BYTES
+from ._lane import PROMPT_BYTES_FLOOR as PROMPT_BYTES_FLOOR
+from ._lane import PROMPT_BYTES_PER_TOKEN as PROMPT_BYTES_PER_TOKEN

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import Delta, ToolCall, ToolChoice
 from ..proto import encode_sse_json
-from ._generate import tokenize
+from ._lane import tokenize
 from ._http import ApiError, Receive, Send, send_json, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from
 from ._sse import SseResponse
-from ._tenancy import owner_of
+from ._tenancy import partition_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
@@ -152,14 +152,14 @@ async def count_tokens(app: App, scope: dict[str, Any], receive: Receive, send: 
 
 async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
-        owner = owner_of(scope, body)
+        partition = partition_of(scope, body)
         model = await app.resolve_model(body.get("model"))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
         req = _request(model, body)
         mid = f"msg_superfluid_{next(_ids)}"
-        async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
+        async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
             await (_stream if stream else _whole)(send, reply, mid)
 
     await answer_errors(send, run, error_body)

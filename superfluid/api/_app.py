@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import trio
 
 from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
-from ._generate import log_refusal
+from ._lane import log_refusal
 from ._lifecycle import Exchange, Stopping, access_line, open_request, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
 from ._principal import current_principal, principal_of, set_current_principal
@@ -396,7 +396,7 @@ class App:
         text = body.get("text", body.get("content"))
         if not isinstance(text, str):
             raise ApiError(400, "invalid request: text must be a string", param="text")
-        from ._generate import tokenize
+        from ._lane import tokenize
 
         tokens = await tokenize(model, [(text, False)], add_special=False)
         await send_json(send, 200, {"tokens": tokens, "count": len(tokens)})

@@ -30,11 +30,11 @@ from ..chat import (
 )
 from ..proto import Sampling
 from ..sched import QosClass, parse_qos
-from ._generate import Follower, open_lane, prepare, usage_of, wait_admitted
+from ._lane import Follower, open_lane, prepare, usage_of, wait_admitted
 from ._http import ApiError, header
 from ._params import integer
 from ._principal import principal_of
-from ._tenancy import Owner
+from ._tenancy import Partition
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
@@ -90,7 +90,7 @@ def qos_of(app: App, scope: dict[str, Any]) -> QosClass:
 
 def require_grammar(model: ServedModel, param: str) -> None:
     """Raises ApiError 400 ``unsupported_parameter`` if the runtime cannot constrain output."""
-    ack = model.owner.ack
+    ack = model.actor.ack
     cap = ack.capabilities.get("grammar", True) if ack else True
     if cap is not True:
         raise ApiError(400, f"constrained output is not available on this runtime: {cap}",
@@ -228,7 +228,7 @@ class Reply:
 
 @asynccontextmanager
 async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
-                     klass: QosClass, owner: Owner) -> AsyncIterator[Reply]:
+                     klass: QosClass, partition: Partition) -> AsyncIterator[Reply]:
     """Render, submit and follow one chat turn.
 
     Raises:
@@ -246,7 +246,7 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
         sampling = attrs.evolve(sampling, grammar=rendered.grammar)
     add_special = bool(req.raw_prompt) and bool(model.info.get("add_bos", False))
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                        owner=owner, ignore_eos=req.ignore_eos, add_special=add_special)
+                        partition=partition, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
     async with open_lane(app, model, job, kind="chat", stops=stops):
         yield Reply(model, job, Follower(job, stops), rendered.parser)

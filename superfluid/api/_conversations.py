@@ -39,7 +39,7 @@ import trio
 
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation
-from ._generate import check_log
+from ._lane import check_log
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._chat import parse_messages, parse_tools
 from ._params import template_kwargs_from

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..sched import EmbedRefused, Unavailable
-from ._generate import tokenize
+from ._lane import tokenize
 from ._http import ApiError, Receive, Send, answer_errors, send_json
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _floats(vector: bytes) -> list[float]:
 
 
 def _check_model(model: ServedModel) -> None:
-    ack = model.owner.ack
+    ack = model.actor.ack
     able = ack.capabilities.get("embeddings", "no embedding runtime") if ack else "no embedding runtime"
     if able is not True:
         raise ApiError(400, f"model '{model.name}' does not serve embeddings: {able}", code="unsupported_model",

@@ -22,7 +22,7 @@ one cancel scope that is cancelled when the client disconnects, watched from
 the moment its body has been read (hypercorn never cancels the app; it only
 queues ``http.disconnect``). A client that leaves during a model load, a
 tokenize or a wait costs nothing more: the lane it held retires as it exits
-(a resumable stream whose client has its id is kept, ``api/_generate.py``).
+(a resumable stream whose client has its id is kept, ``api/_lane.py``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
-from ._tenancy import Owner, owner_of
+from ._tenancy import Partition, partition_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 from ..serving import FOREVER, expires_at_wall, parse_keep_alive
@@ -107,7 +107,7 @@ async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, 
         if not principal_of(scope).may_use(n):
             continue
         at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s)
-        if at <= time.time() and not (m.holds or m.owner.session_tasks):
+        if at <= time.time() and not (m.holds or m.actor.session_tasks):
             continue  # its last request has ended: it goes as soon as its scheduler has settled
         models.append({**_entry(n, m), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
                        "expires_at": _wall(FOREVER_AT if at == FOREVER else at)})
@@ -256,7 +256,7 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
 async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
         _check_fields(body, _CHAT_FIELDS)
-        owner = owner_of(scope, body)
+        partition = partition_of(scope, body)
         keep_alive = _keep_alive(body)
         model = await app.resolve_model(_name(app, body.get("model")))
         app.registry.keep_alive(model, keep_alive)
@@ -270,7 +270,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
             messages=messages, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
             max_tokens=budget, tools=tools, choice=parse_tool_choice(None, tools), grammar=_grammar(body.get("format")),
             grammar_param="format", template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [])
-        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), owner)
+        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), partition)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -278,7 +278,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
 async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
     async def run(send: Send) -> None:
         _check_fields(body, _GENERATE_FIELDS)
-        owner = owner_of(scope, body)
+        partition = partition_of(scope, body)
         keep_alive = _keep_alive(body)
         model = await app.resolve_model(_name(app, body.get("model")))
         app.registry.keep_alive(model, keep_alive)
@@ -305,7 +305,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
             max_tokens=budget, grammar=_grammar(body.get("format")), grammar_param="format",
             template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [],
             raw_prompt=prompt if raw else "")
-        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), owner)
+        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -356,10 +356,10 @@ def _record(model: str, kind: str, text: str, thinking: str, calls: list[ToolCal
 
 
 async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, model: ServedModel, req: ChatRequest,
-               kind: str, stream: Any, owner: Owner) -> None:
+               kind: str, stream: Any, partition: Partition) -> None:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
-    async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
+    async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
         if not stream:
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)

@@ -21,13 +21,13 @@ from ._chat import (
 from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
 from ..proto._sse_template import SseTemplate
 from ._sessions import run_resumable
-from ._generate import (
+from ._lane import (
     Follower, open_lane, prepare, resumable_requested, wait_admitted, with_extras,
 )
 from ._http import ApiError, Receive, Send, send_json
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._sse import SseResponse
-from ._tenancy import owner_of
+from ._tenancy import partition_of
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
@@ -87,7 +87,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
                     chat: bool) -> None:
     model = await app.resolve_model(body.get("model"))
     klass = qos_of(app, scope)
-    owner = owner_of(scope, body)
+    partition = partition_of(scope, body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
@@ -114,7 +114,7 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             sampling = attrs.evolve(sampling, grammar=grammar)
         segments, ids = ([(prompt, True)], None) if isinstance(prompt, str) else ([], prompt)
         job = await prepare(model, segments, tokens=ids, sampling=sampling, max_tokens=max_tokens_from(body),
-                            klass=klass, owner=owner, ignore_eos=bool(body.get("ignore_eos", False)),
+                            klass=klass, partition=partition, ignore_eos=bool(body.get("ignore_eos", False)),
                             add_special=bool(model.info.get("add_bos", False)))
         if stream and resumable_requested(scope):
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
@@ -135,11 +135,11 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             require_grammar(model, req.grammar_param)
             sampling = attrs.evolve(sampling, grammar=rendered.grammar)
         job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                            owner=owner, ignore_eos=req.ignore_eos)
+                            partition=partition, ignore_eos=req.ignore_eos)
         await run_resumable(app, model, job, kind="chat", stops=[*req.stops, *rendered.stops], receive=receive,
                             send=send)
         return
-    async with open_reply(app, model, req, klass=klass, owner=owner) as reply:
+    async with open_reply(app, model, req, klass=klass, partition=partition) as reply:
         if stream:
             await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:

@@ -29,7 +29,7 @@ from ._chat import (
     tool_from,
 )
 from ._sse import SseResponse
-from ._tenancy import owner_of
+from ._tenancy import partition_of
 from ._params import integer, sampling_from
 
 if TYPE_CHECKING:
@@ -176,13 +176,13 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         if body.get(key):
             raise ApiError(400, f"{key} is not supported", code="unsupported_parameter", param=key)
     store = _store(app)
-    owner = owner_of(scope, body)
+    partition = partition_of(scope, body)
     prev_id = body.get("previous_response_id")
     history: list[dict[str, Any]] = []
     model_name = body.get("model")
     if prev_id is not None:
         prev = store.get(prev_id) if isinstance(prev_id, str) else None
-        if prev is None or prev.tenant != owner.tenant:  # another tenant's answers as a missing one
+        if prev is None or prev.tenant != partition.tenant:  # another tenant's answers as a missing one
             raise ApiError(400, f"previous response '{prev_id}' not found", code="previous_response_not_found",
                            param="previous_response_id")
         history = list(prev.messages)
@@ -219,13 +219,13 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         "truncation": body.get("truncation") or "disabled", "error": None, "incomplete_details": None,
         "output": [], "status": "in_progress", "usage": None,
     }
-    async with open_reply(app, model, req, klass=qos_of(app, scope), owner=owner) as reply:
+    async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
         if stream:
             final = await _stream(send, reply, base)
         else:
             final = await _whole(reply, base)
         if final["store"] and final["status"] in ("completed", "incomplete"):
-            store.put(final["id"], _Stored(model.name, conversation + _as_messages(final["output"]), owner.tenant))
+            store.put(final["id"], _Stored(model.name, conversation + _as_messages(final["output"]), partition.tenant))
         if not stream:
             await send_json(send, 200, final)
 

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 import trio
 
 from ..proto import encode_sse_json
-from ._generate import Follower, open_lane, usage_of, wait_admitted
+from ._lane import Follower, open_lane, usage_of, wait_admitted
 from ._lifecycle import note_job
 from ._http import ApiError, Receive, Send, header, send_json
 from ._sse import SseResponse

@@ -13,7 +13,7 @@ client can send), so two tenants choosing one name neither collide nor see
 each other, and clients keep using the bare name (:func:`public_id`).
 
 A job's prefix-cache partition comes from its tenant and the request's
-optional ``cache_salt`` (:func:`owner_of`, ``Job.partition``).
+optional ``cache_salt`` (:func:`partition_of`, ``Job.partition``).
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ from ._principal import principal_of
 if TYPE_CHECKING:
     from ._host import App
 
-__all__ = ["MAX_CACHE_SALT", "SESSION_ID", "Owner", "chosen_id", "owner_of", "public_id", "resolve", "tenant_of"]
+__all__ = ["MAX_CACHE_SALT", "SESSION_ID", "Partition", "chosen_id", "partition_of", "public_id", "resolve", "tenant_of"]
 
 MAX_CACHE_SALT = 256
 SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @attrs.frozen
-class Owner:
+class Partition:
     """Who a generation belongs to: its tenant and the request's ``cache_salt``."""
 
     tenant: str = ""
     cache_salt: str = ""
 
 
-def owner_of(scope: dict[str, Any], body: dict[str, Any] | None = None) -> Owner:
+def partition_of(scope: dict[str, Any], body: dict[str, Any] | None = None) -> Partition:
     """The scope's tenant and the body's ``cache_salt`` (vLLM's field).
 
     Raises:
@@ -53,7 +53,7 @@ def owner_of(scope: dict[str, Any], body: dict[str, Any] | None = None) -> Owner
     if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
         raise ApiError(400, f"invalid request: cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
                        param="cache_salt")
-    return Owner(tenant=principal_of(scope).tenant, cache_salt=salt or "")
+    return Partition(tenant=principal_of(scope).tenant, cache_salt=salt or "")
 
 
 def tenant_of(app: App, sid: str) -> str | None:

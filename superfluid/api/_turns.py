@@ -7,7 +7,7 @@ resumable generation session: ``Created`` and ``Prompt`` logged before it is
 queued, tokens logged before anyone sees them, followed by token cursor.
 
 Ownership: the turn's *owner* task (:func:`serve_turn`) runs in its model's
-sessions sub-nursery (``ModelOwner.start_session``), not in a request, so a
+sessions sub-nursery (``ModelActor.start_session``), not in a request, so a
 client leaving never cancels it (nor does ``--resume-ttl``: the conversation
 keeps the reply, so the turn runs to its end); unloading the model ends the
 generation typed, the owner lands that error, and the sub-nursery ends with it.
@@ -37,7 +37,7 @@ from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
-from ._generate import Follower, check_log, open_session, prepare, reserve, retire
+from ._lane import Follower, check_log, open_session, prepare, reserve, retire
 from ._http import ApiError, Receive, Send, send_json
 from ._lifecycle import note_job, wait_beyond
 from ._chat import (
@@ -47,7 +47,7 @@ from ._chat import (
 from ._params import sampling_from, stops_from
 from ._principal import principal_of
 from ._sse import SseResponse
-from ._tenancy import Owner, public_id
+from ._tenancy import Partition, public_id
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
@@ -201,17 +201,17 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
             require_grammar(model, "tool_choice" if req.choice.forced else req.grammar_param)
             sampling = attrs.evolve(sampling, grammar=rendered.grammar)
         job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                            owner=Owner(tenant=state.header.get("tenant", "")), ignore_eos=req.ignore_eos)
+                            partition=Partition(tenant=state.header.get("tenant", "")), ignore_eos=req.ignore_eos)
         job.session = "s-" + uuid.uuid4().hex
         turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
                     parser=rendered.parser)
-        # as _generate.open_lane, without the --resume-ttl watcher: the turn's owner holds it to its end
+        # as _lane.open_lane, without the --resume-ttl watcher: the turn's owner holds it to its end
         sched = model.scheduler
         await reserve(sched, job)  # 429 before the turn is logged
         try:
             hand, handed = trio.open_memory_channel[Turn](1)
             try:  # the owner first: a turn in the log always has one
-                model.owner.start_session(_own_turn, app, handed, job=job)
+                model.actor.start_session(_own_turn, app, handed, job=job)
             except Unavailable as exc:
                 raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged
             with hand:  # closed without a turn: the owner has nothing to own
@@ -342,7 +342,7 @@ async def _resume_turn(app: App, cid: str, turn_id: int) -> None:
         return
     log.info("conversation %s: turn %d resumes with generation %s", cid, turn_id, turn.generation)
     try:
-        turn.model.owner.start_session(serve_turn, app, turn, job=turn.session.job)
+        turn.model.actor.start_session(serve_turn, app, turn, job=turn.session.job)
     except Unavailable:  # the model went away meanwhile: the turn stays open in the log
         log.warning("conversation %s: turn %d could not resume: model %s is not running", cid, turn_id,
                     turn.model.name)

@@ -81,7 +81,7 @@ import attrs
 import trio
 
 from ..journal import JournalWriteError
-from ._generate import log_refusal, open_lane, prepare
+from ._lane import log_refusal, open_lane, prepare
 from ._http import ApiError, Receive, Send, decode_json
 from ._lifecycle import Exchange, access_line, set_exchange
 from ._chat import (
@@ -92,7 +92,7 @@ from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._principal import principal_of
 from ._conversations import append_messages, create_conversation, events_page, fork_conversation, own_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
-from ._tenancy import chosen_id, owner_of, public_id, resolve
+from ._tenancy import chosen_id, partition_of, public_id, resolve
 from ._turns import landed_summary, start_turn
 
 if TYPE_CHECKING:
@@ -522,7 +522,7 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
     Raises:
         ApiError: whatever the HTTP route would answer with a 4xx/5xx.
     """
-    owner = owner_of(scope, body)
+    partition = partition_of(scope, body)
     model = await app.resolve_model(body.get("model"))
     klass = qos_of(app, scope)
     if integer(body, "n", lo=1, hi=128, default=1) != 1:
@@ -547,5 +547,5 @@ async def chat_job(app: App, scope: dict[str, Any], body: dict[str, Any]) -> tup
         require_grammar(model, req.grammar_param)
         sampling = attrs.evolve(sampling, grammar=rendered.grammar)
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
-                        owner=owner, ignore_eos=req.ignore_eos)
+                        partition=partition, ignore_eos=req.ignore_eos)
     return model, job, [*req.stops, *rendered.stops]

@@ -6,7 +6,7 @@ Nursery tree (:meth:`ModelRegistry.run`, started by the daemon)::
     models nursery (ModelRegistry.run)
     ├── model lifetimes          idle unload, keep-alive (_lifetime.py)
     └── supervisor × N           nursery/_supervisor.supervise: the model's failure boundary
-        └── model actor          nursery/_owner.ModelOwner.serve: sessions + core
+        └── model actor          nursery/_actor.ModelActor.serve: sessions + core
 
 Loading starts a model's supervisor in the registry's models nursery, which
 runs the model's actor (its worker must handshake before ``load`` returns).
@@ -54,7 +54,7 @@ import trio
 from ._lifetime import Lifetimes
 from ..models._files import cache_dir, model_name, resolve_runtime
 from ..models._gguf import GgufError, available_memory, memory_need
-from ..nursery import ModelOwner, RestartPolicy, WorkerSpec, supervise
+from ..nursery import ModelActor, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
 from ..serving import InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels
 
@@ -165,7 +165,7 @@ class ModelRegistry:
                 return False
             del self.loaded[name]
             idle = trio.current_time() - model.last_used
-            model.owner.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
+            model.actor.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
             log.info("model %s unloaded after %.3gs idle (a request naming it loads it again)", name, idle)
             gone = self._actors.get(name)
         if gone is not None:
@@ -312,7 +312,7 @@ class ModelRegistry:
             loading.done.set()
         if make_default or self.default is None:
             self.default = name
-        log.info("model %s loaded on %s (worker pid %s)", name, source.runtime, model.owner.pid)
+        log.info("model %s loaded on %s (worker pid %s)", name, source.runtime, model.actor.pid)
         return model
 
     async def _start(self, source: ModelSource, size: int) -> ServedModel:
@@ -326,41 +326,41 @@ class ModelRegistry:
                           speculate=cfg.speculate, spec_gates=cfg.spec_gates,
                           command=source.worker or _worker(source.runtime))
         policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
-        owner = ModelOwner(source.name, spec, self._scheduler(source.name), policy=policy)
+        actor = ModelActor(source.name, spec, self._scheduler(source.name), policy=policy)
         gone = self._actors[source.name]
         try:
             if self._models is None:
                 raise RuntimeError("the model registry is not running (ModelRegistry.run)")
-            await self._models.start(self._run_actor, owner, gone)
+            await self._models.start(self._run_actor, actor, gone)
         except BaseException:
             if not gone.is_set():  # the task never ran (``start`` waits for one that did)
                 del self._actors[source.name]
                 gone.set()
             raise
-        model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, owner=owner,
+        model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, actor=actor,
                             created=int(time.time()), size=size, last_used=trio.current_time())
         self.loaded[source.name] = model
         self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
         self.known[source.name] = source
         return model
 
-    async def _run_actor(self, owner: ModelOwner, gone: trio.Event, *,
+    async def _run_actor(self, actor: ModelActor, gone: trio.Event, *,
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
         """The model's task in the models nursery: its supervisor, and the name's release when it ends."""
         try:
-            await supervise(owner, partial(self._scheduler, owner.name), on_give_up=self._gave_up,
+            await supervise(actor, partial(self._scheduler, actor.name), on_give_up=self._gave_up,
                             task_status=task_status)
         finally:
-            if self._actors.get(owner.name) is gone:
-                del self._actors[owner.name]
+            if self._actors.get(actor.name) is gone:
+                del self._actors[actor.name]
             gone.set()
 
-    def _gave_up(self, owner: ModelOwner) -> None:
+    def _gave_up(self, actor: ModelActor) -> None:
         """A restart storm: the model is unloaded (a request naming it loads it again)."""
-        model = self.loaded.get(owner.name)
-        if model is not None and model.owner is owner:
-            del self.loaded[owner.name]
-            if self.default == owner.name:
+        model = self.loaded.get(actor.name)
+        if model is not None and model.actor is actor:
+            del self.loaded[actor.name]
+            if self.default == actor.name:
                 self.default = next(iter(self.loaded), None)
 
     async def unload(self, name: str) -> bool:
@@ -379,7 +379,7 @@ class ModelRegistry:
             del self.loaded[name]
             if self.default == name:
                 self.default = next(iter(self.loaded))
-            model.owner.stop(f"model '{name}' was unloaded", code="model_unloaded")
+            model.actor.stop(f"model '{name}' was unloaded", code="model_unloaded")
             log.info("model %s unloaded", name)
             gone = self._actors.get(name)
         if gone is not None:

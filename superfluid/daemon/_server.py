@@ -7,7 +7,7 @@ Nursery tree (daemon)::
     ├── models                  ModelRegistry.run (_registry.py): the registry's own nursery
     │   ├── model lifetimes     unloads models idle past their keep-alive (_lifetime.py)
     │   └── model supervisor × N   the model's failure boundary, restarts its actor (nursery/_supervisor.py)
-    │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_owner.py)
+    │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_actor.py)
     ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
@@ -142,7 +142,7 @@ async def serve(
             for session in restored:
                 if session.id not in turns:
                     try:
-                        registry.loaded[session.model].owner.start_session(serve_resume_ttl, store, session,
+                        registry.loaded[session.model].actor.start_session(serve_resume_ttl, store, session,
                                                                            job=session.job)
                     except Unavailable:
                         pass  # its model failed meanwhile: its close ended the job typed

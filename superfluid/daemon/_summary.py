@@ -31,7 +31,7 @@ DIALECTS = (
 def model_facts(model: ServedModel, config: ServeConfig) -> dict[str, Any]:
     """One loaded model as the summary (and a monitor) describes it."""
     info = model.info
-    lanes = int((model.owner.ack.limits if model.owner.ack else {}).get("max_lanes", config.max_batch))
+    lanes = int((model.actor.ack.limits if model.actor.ack else {}).get("max_lanes", config.max_batch))
     n_seq = int(info.get("n_seq", 0))
     n_ctx_seq = int(info.get("n_ctx_seq", 0))
     cells = int((info.get("extra") or {}).get("n_ctx", 0)) or n_seq * n_ctx_seq
@@ -61,7 +61,7 @@ def summary_lines(config: ServeConfig, models: Iterable[ServedModel], binds: lis
         lines.append(f"    context {f['context']} tokens per lane, {f['lanes']} lanes, "
                      f"{f['kv_cells']} KV cells, {host}")
         if config.speculate != "off":
-            caps = model.owner.ack.capabilities if model.owner.ack else {}
+            caps = model.actor.ack.capabilities if model.actor.ack else {}
             said = str(caps.get("speculation", "off"))
             lines.append(f"    speculation: {said if said == 'prompt-lookup' else f'off ({config.speculate}: {said})'}")
     lines.append("  dialects: " + "; ".join(f"{name} {routes}" for name, routes in DIALECTS))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ._kill import scrub_env as scrub_env
 from ._kill import worker_env as worker_env
-from ._owner import ModelFailed as ModelFailed
-from ._owner import ModelOwner as ModelOwner
+from ._actor import ModelFailed as ModelFailed
+from ._actor import ModelActor as ModelActor
 from ._policy import RestartKind as RestartKind
 from ._policy import RestartPolicy as RestartPolicy
 from ._policy import RestartTracker as RestartTracker

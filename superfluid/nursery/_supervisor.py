@@ -5,7 +5,7 @@ models nursery, ``daemon/_registry.py``)::
 
     models nursery (ModelRegistry.run)
     └── supervisor × N (supervise)        restarts its model's actor under the RestartPolicy
-        └── model actor (ModelOwner.serve)   sessions + core: everything of one model
+        └── model actor (ModelActor.serve)   sessions + core: everything of one model
 
 The supervisor runs the actor in its own task and catches *everything* the
 actor raises (its core, its worker generations and its sessions sub-nursery):
@@ -31,55 +31,55 @@ from .._errors import first_leaf
 
 if TYPE_CHECKING:
     from ..sched import Scheduler
-    from ._owner import ModelOwner
+    from ._actor import ModelActor
 
 __all__ = ["supervise"]
 
-log = logging.getLogger("superfluid.owner")
+log = logging.getLogger("superfluid.actor")
 
 
-async def supervise(owner: ModelOwner, fresh: Callable[[], Scheduler], *,
-                    on_give_up: Callable[[ModelOwner], None],
+async def supervise(actor: ModelActor, fresh: Callable[[], Scheduler], *,
+                    on_give_up: Callable[[ModelActor], None],
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
-    """Run ``owner``'s actor until it is stopped (an unload); restart it after a failure.
+    """Run ``actor``'s actor until it is stopped (an unload); restart it after a failure.
 
-    ``fresh()`` makes the scheduler a restarted actor starts with; ``on_give_up(owner)``
+    ``fresh()`` makes the scheduler a restarted actor starts with; ``on_give_up(actor)``
     is called when the restart intensity is exceeded (the model is then gone for good).
 
     Raises:
         WorkerLoadFailed: (and the like) the first worker did not start: the load fails
             (raised before ``task_status.started``, to the caller of ``nursery.start``).
     """
-    tracker = RestartTracker(owner.policy)
+    tracker = RestartTracker(actor.policy)
     while True:
         try:
-            await owner.serve(task_status=task_status)
+            await actor.serve(task_status=task_status)
             return  # stopped (an unload)
         except Exception as exc:  # noqa: BLE001 - the model's boundary: the whole actor, its sessions included
-            if not owner.started:
+            if not actor.started:
                 raise  # the first load's failure: load() reports it
             failure = first_leaf(exc)
             # the actor has ended (its task is this one): the jobs of its scheduler end typed
-            owner.scheduler.close(f"model '{owner.name}' failed ({type(failure).__name__}: {failure}); it restarts",
+            actor.scheduler.close(f"model '{actor.name}' failed ({type(failure).__name__}: {failure}); it restarts",
                                   code="model_failed")
-            log.error("model %s: its actor failed; its requests ended (503 model_failed)", owner.name,
+            log.error("model %s: its actor failed; its requests ended (503 model_failed)", actor.name,
                       exc_info=exc.__cause__ if exc.__cause__ is not None else exc)
-            owner.scheduler.metrics.inc("superfluid_model_failures_total")
+            actor.scheduler.metrics.inc("superfluid_model_failures_total")
         # a fresh scheduler at once: requests that arrive while the actor is down wait in its
         # inbox for the restarted actor instead of meeting the failed one's 503
-        owner.renew(fresh())
+        actor.renew(fresh())
         task_status = trio.TASK_STATUS_IGNORED
         if not tracker.allow(trio.current_time()):
             log.error("model %s failed %d times within %gs: unloaded (a request naming it loads it again)",
-                      owner.name, owner.policy.max_restarts, owner.policy.window_s)
-            owner.scheduler.close(f"model '{owner.name}' failed {owner.policy.max_restarts} times and was "
+                      actor.name, actor.policy.max_restarts, actor.policy.window_s)
+            actor.scheduler.close(f"model '{actor.name}' failed {actor.policy.max_restarts} times and was "
                                   "unloaded; a request naming it loads it again", code="model_failed")
-            on_give_up(owner)
+            on_give_up(actor)
             await trio.lowlevel.checkpoint_if_cancelled()
             return
-        await trio.sleep(owner.policy.backoff_s)
-        if owner.stopped:  # unloaded while it was down
-            message, code = owner.stop_reason
-            owner.scheduler.close(message, code=code)
+        await trio.sleep(actor.policy.backoff_s)
+        if actor.stopped:  # unloaded while it was down
+            message, code = actor.stop_reason
+            actor.scheduler.close(message, code=code)
             return
-        log.warning("model %s: restarting its actor", owner.name)
+        log.warning("model %s: restarting its actor", actor.name)

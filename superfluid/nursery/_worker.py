@@ -64,7 +64,7 @@ class WorkerLoadFailed(Exception):
 class WorkerSpawnFailed(WorkerDied):
     """The worker process could not be started: the daemon is out of file descriptors,
     processes or memory (``EMFILE``, ``ENFILE``, ``EAGAIN``, ``ENOMEM``), or the spawn failed
-    otherwise. Not the worker's fault: the owner retries with back-off, and requests fail
+    otherwise. Not the worker's fault: the actor retries with back-off, and requests fail
     typed (503 ``resources_exhausted``) meanwhile."""
 
 
@@ -198,7 +198,7 @@ async def _serve_reader(handle: WorkerHandle, deliver: Deliver) -> None:
             try:
                 await deliver(gen, event)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return  # the model's actor closed (an unload): the owner shuts this worker down
+                return  # the model's actor closed (an unload): the actor shuts this worker down
     except (ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         handle.dead = True
         kill_now(handle.process)  # a protocol error ends the worker; it is respawned

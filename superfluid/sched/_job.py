@@ -66,6 +66,7 @@ class Job:
     admitted_at: float | None = None
     done_at: float | None = None
     spec: tuple[int, int] | None = None   # speculation: (draft tokens proposed, accepted), from the worker
+    abort: JobError | None = None   # why it was stopped, when not by its reader: it ends with this, not "cancelled"
     _changed: trio.Event = attrs.field(factory=trio.Event)
     ended: trio.Event = attrs.field(factory=trio.Event)   # set once, when the job is done
 
@@ -126,6 +127,8 @@ class Job:
         await trio.lowlevel.checkpoint_if_cancelled()
 
     def finish_with(self, finish: str | None = None, error: JobError | None = None) -> None:
+        if finish == "cancelled" and self.abort is not None:
+            finish, error = None, self.abort   # stopped by a failure (SPEC.md §2 "Failure boundaries"): typed
         self.state = JobState.DONE
         self.finish = finish
         self.error = error

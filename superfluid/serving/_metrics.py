@@ -65,7 +65,7 @@ class Metrics:
             self._families[name] = kind(name, text, ("model", *labels), registry=self.registry, **extra)
 
     def for_model(self, model: str) -> ModelMetrics:
-        """The view a model's scheduler and owner write through. Its series without other
+        """The view a model's scheduler and actor write through. Its series without other
         labels are exported (at 0) from now on."""
         for name, (_kind, _text, labels) in _FAMILIES.items():
             if not labels:

@@ -1,4 +1,4 @@
-"""A served model: its owner (worker + scheduler), template and facts."""
+"""A served model: its actor (worker + scheduler), template and facts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import attrs
 from ..chat import ChatTemplate, pick_template
 
 if TYPE_CHECKING:
-    from ..nursery import ModelOwner
+    from ..nursery import ModelActor
     from ..sched import Scheduler
 
 __all__ = ["ServedModel"]
@@ -20,7 +20,7 @@ class ServedModel:
     name: str
     runtime: str
     path: str
-    owner: ModelOwner
+    actor: ModelActor
     created: int
     _template: ChatTemplate | None = None
     size: int = 0                       # bytes in memory: weights + KV cache (models/_gguf.py); 0 for the mock
@@ -31,15 +31,15 @@ class ServedModel:
     @property
     def in_use(self) -> bool:
         """A request or a session has something here (idle unload waits)."""
-        return bool(self.holds or self.owner.session_tasks or self.scheduler.active)
+        return bool(self.holds or self.actor.session_tasks or self.scheduler.active)
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.owner.scheduler
+        return self.actor.scheduler
 
     @property
     def info(self) -> dict[str, Any]:
-        return self.owner.info
+        return self.actor.info
 
     @property
     def n_ctx(self) -> int:
@@ -60,7 +60,7 @@ class ServedModel:
         return self._template
 
     def describe(self) -> dict[str, Any]:
-        ack = self.owner.ack
+        ack = self.actor.ack
         return {
             "id": self.name, "object": "model", "created": self.created, "owned_by": "superfluid", "loaded": True,
             "meta": {"n_ctx": self.n_ctx, "architecture": self.info.get("architecture", "")},

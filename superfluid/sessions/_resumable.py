@@ -251,7 +251,7 @@ async def serve_resume_ttl(store: SessionStore, session: LiveSession) -> None:
     Waits for its job to end or a client to attach (under ``move_on_after(ttl)``
     while nobody follows), and returns as soon as the job ended: it holds
     nothing of the session after that. Owned by the model's sessions
-    sub-nursery (``ModelOwner.start_session``): unloading the model ends it,
+    sub-nursery (``ModelActor.start_session``): unloading the model ends it,
     and a failure in it is contained there (logged, the job stopped).
     """
     while not session.job.done:

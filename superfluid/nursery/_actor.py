@@ -3,7 +3,7 @@
 Nursery tree for one model (its supervisor, ``_supervisor.py``, runs it in the
 registry's models nursery)::
 
-    model actor (ModelOwner.serve)
+    model actor (ModelActor.serve)
     ├── sessions                          resume-TTL watchers, conversation-turn owners (each its own boundary)
     └── core
         ├── scheduler.run_commits()       the session log's group commits
@@ -16,9 +16,9 @@ When a generation ends with :class:`WorkerDied`, the scheduler returns its
 running jobs to their queues, the restart policy is consulted, and the next
 generation starts; queued and resumed jobs are served by it without outside
 help. When the policy refuses (a restart storm), queued jobs fail typed (503)
-and the owner waits for the next request before trying again.
+and the actor waits for the next request before trying again.
 
-:meth:`ModelOwner.stop` (an unload) ends the actor: the actor task fails every
+:meth:`ModelActor.stop` (an unload) ends the actor: the actor task fails every
 job typed (503 ``model_unloaded``) and leaves; the sessions sub-nursery gets a
 bounded moment to see its jobs end (a turn lands its error, a watcher
 returns), then the whole actor is cancelled. An unexpected exception in the
@@ -27,7 +27,7 @@ actor with :class:`ModelFailed`, for the supervisor to log and restart;
 anything else the actor raises (its sessions sub-nursery included) reaches the
 supervisor too, which ends the jobs the same way (``supervise``).
 
-A session task (:meth:`ModelOwner.start_session`) is its own boundary: an
+A session task (:meth:`ModelActor.start_session`) is its own boundary: an
 exception in it is logged (one traceback), its job is stopped, and the model
 goes on. It starts from an empty ``contextvars`` context: nothing of the
 request that started it (its exchange, the models it holds) follows it. Once
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..sched import LinkLost, Scheduler, Unavailable
+from ..sched import JobError, LinkLost, Scheduler, Unavailable
 from ._policy import RestartPolicy, RestartTracker
 from .._errors import first_leaf
 from ._worker import WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, open_worker
@@ -52,9 +52,9 @@ from ._worker import WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, open_worke
 if TYPE_CHECKING:
     from ..sched import Job
 
-__all__ = ["ModelFailed", "ModelOwner"]
+__all__ = ["ModelFailed", "ModelActor"]
 
-log = logging.getLogger("superfluid.owner")
+log = logging.getLogger("superfluid.actor")
 SESSIONS_GRACE_S = 2.0   # after its jobs ended, what a model's sessions get to finish (land a turn, log an end)
 
 
@@ -62,7 +62,7 @@ class ModelFailed(Exception):
     """The model's actor raised unexpectedly; its jobs ended typed (503 ``model_failed``)."""
 
 
-class ModelOwner:
+class ModelActor:
     def __init__(self, name: str, spec: WorkerSpec, scheduler: Scheduler, *, policy: RestartPolicy) -> None:
         self.name = name
         self.spec = spec
@@ -114,6 +114,10 @@ class ModelOwner:
             log.error("model %s: session task %s failed; its job is stopped, the model goes on", self.name,
                       getattr(fn, "__qualname__", fn), exc_info=shown)
             if job is not None and job.scheduler is not None and not job.done:
+                # its readers see a typed 500, not a cancel they never asked for
+                job.abort = JobError(status=500, code="session_failed",
+                                     message=f"the session's task failed ({type(shown).__name__}); the model goes "
+                                             "on: send the request again")
                 job.scheduler.stop(job)
         finally:
             self._session_tasks -= 1

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
     from ._host import App
-    from ._tenancy import Owner
+    from ._tenancy import Partition
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane",
            "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted"]
@@ -87,13 +87,13 @@ async def prepare(
     sampling: Sampling,
     max_tokens: int | None,
     klass: QosClass,
-    owner: Owner,
+    partition: Partition,
     ignore_eos: bool = False,
     add_special: bool = False,
     tokens: list[int] | None = None,
 ) -> Job:
     """Tokenize, check the window, and build (not yet submit) the job, owned
-    by ``owner`` (its tenant and prefix-cache partition). ``tokens`` (the
+    by ``partition`` (its tenant and prefix-cache partition). ``tokens`` (the
     caller checked each is in the vocabulary) is the prompt as given, with
     ``segments`` empty: nothing is tokenized and nothing is added.
 
@@ -113,7 +113,7 @@ async def prepare(
         )
     max_new = room if max_tokens is None else min(max_tokens, room)
     return Job(prompt=prompt, sampling=sampling, max_new=max(1, max_new), klass=klass, ignore_eos=ignore_eos,
-               tenant=owner.tenant, cache_salt=owner.cache_salt, created=trio.current_time())
+               tenant=partition.tenant, cache_salt=partition.cache_salt, created=trio.current_time())
 
 
 @attrs.define(eq=False)
@@ -155,7 +155,7 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
         session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
         if resumable:
             try:
-                model.owner.start_session(serve_resume_ttl, app.sessions, session, job=job)
+                model.actor.start_session(serve_resume_ttl, app.sessions, session, job=job)
             except Unavailable as exc:  # unloaded, or between restarts: nothing would watch it
                 with trio.move_on_after(RETIRE_S, shield=True):
                     try:
