@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import trio
 
@@ -107,10 +107,7 @@ def _logged_at_info(exchange: Exchange) -> bool:
 
 class App:
     def __init__(self, config: ServeConfig, registry: Registry, metrics: Metrics,
-                 sessions: SessionStore, *, session_nursery: trio.Nursery) -> None:
-        """``session_nursery`` runs the short tasks that restore open conversation turns after
-        a restart (each hands its turn to its model's sessions sub-nursery)."""
-        self.session_nursery = session_nursery
+                 sessions: SessionStore) -> None:
         self.config = config
         self.registry = registry
         self.sessions = sessions
@@ -321,12 +318,18 @@ class App:
             return
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
 
-    def restore_turns(self) -> set[str]:
-        """After a restart: resume every conversation turn the log shows open
-        (``api/_turns.py``). Returns the generation session ids they hold."""
+    def open_turns(self) -> dict[tuple[str, int], str]:
+        """After a restart: the conversation turns the log shows open, each with the
+        generation session it holds (``api/_turns.py``)."""
+        from ._turns import open_turns
+
+        return open_turns(self)
+
+    async def restore_turns(self, turns: Iterable[tuple[str, int]]) -> None:
+        """Give each of ``turns`` (from :meth:`open_turns`) an owner (``api/_turns.py``)."""
         from ._turns import restore_turns
 
-        return restore_turns(self)
+        await restore_turns(self, turns)
 
     def _known(self, name: str) -> dict[str, Any]:
         src = self.registry.known[name]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import trio
 
     from ..serving import Metrics, Registry, ServedModel, ServeConfig
     from ..sessions._conversations import ConversationStore
@@ -30,7 +29,6 @@ class App(Protocol):
     sessions: SessionStore
     conversations: ConversationStore
     guard: Guard
-    session_nursery: trio.Nursery
     accepting: bool
     stopping: Stopping    # SIGTERM/SIGINT as request handlers see it (_lifecycle.py)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
-           "load_turn", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
+           "load_turn", "open_turns", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
 
 log = logging.getLogger("superfluid.conversations")
 
@@ -311,17 +312,23 @@ async def _read_reply(turn: Turn) -> tuple[dict[str, Any] | None, str, dict[str,
     return assistant_message(content, reasoning, reply.calls), reply.finish or "stop", None
 
 
-def restore_turns(app: App) -> set[str]:
-    """After a restart: give every turn the log shows open an owner (loaded by
-    a short task in the daemon's session nursery, then owned by its model's
-    sessions sub-nursery). Returns the generation session ids they hold (the
-    daemon starts no ``--resume-ttl`` watcher for them)."""
-    owned: set[str] = set()
-    for cid, slog in list(app.sessions.journal.sessions.items()):
-        if slog.conversation is not None and slog.open_turn >= 0:
-            owned.add(app.conversations.fold(cid).turns[slog.open_turn]["generation"])
-            app.session_nursery.start_soon(_resume_turn, app, cid, slog.open_turn)
-    return owned
+def open_turns(app: App) -> dict[tuple[str, int], str]:
+    """After a restart: the turns the log shows open, ``(conversation, turn)`` to the
+    generation session each holds (the daemon starts no ``--resume-ttl`` watcher for
+    those: :func:`restore_turns` gives each an owner)."""
+    return {(cid, slog.open_turn): app.conversations.fold(cid).turns[slog.open_turn]["generation"]
+            for cid, slog in list(app.sessions.journal.sessions.items())
+            if slog.conversation is not None and slog.open_turn >= 0}
+
+
+async def restore_turns(app: App, turns: Iterable[tuple[str, int]]) -> None:
+    """Give each open turn an owner: one short task per turn, in a nursery of this
+    call's own, loads its model and hands the turn to that model's sessions
+    sub-nursery (its owner runs there). Returns when every turn was handed on, or
+    could not be (its error landed, or logged: each task is its own boundary)."""
+    async with trio.open_nursery() as restorers:
+        for cid, turn_id in turns:
+            restorers.start_soon(_resume_turn, app, cid, turn_id)
 
 
 async def _resume_turn(app: App, cid: str, turn_id: int) -> None:

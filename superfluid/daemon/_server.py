@@ -1,4 +1,4 @@
-"""Building the daemon: config -> root nursery -> model owners and the listener.
+"""Building the daemon: config -> root nursery -> model actors and the listener.
 
 Nursery tree (daemon)::
 
@@ -8,7 +8,7 @@ Nursery tree (daemon)::
     │   ├── model lifetimes     unloads models idle past their keep-alive (_lifetime.py)
     │   └── model supervisor × N   the model's failure boundary, restarts its actor (nursery/_supervisor.py)
     │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_actor.py)
-    ├── turn restorers          after a restart: load each open turn, hand it to its model's sessions
+    ├── turn restorers          after a restart, in a nursery of their own: load each open turn, hand it on
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
 """
@@ -136,11 +136,14 @@ async def serve(
             await root.start(registry.run)  # the models nursery: supervisors, idle unload (_lifetime.py)
             for i, source in enumerate(config.models):
                 await registry.load(source, make_default=(i == 0))
-            app = App(config, registry, metrics, store, session_nursery=root)
+            app = App(config, registry, metrics, store)
             restored = await store.restore(registry)
-            turns = app.restore_turns()  # conversation turns run to their end: no --resume-ttl for them
+            turns = app.open_turns()  # conversation turns run to their end: no --resume-ttl for them
+            # the restorers' own nursery (one short task a turn; each hands its turn to its model)
+            root.start_soon(app.restore_turns, list(turns))
+            held = set(turns.values())
             for session in restored:
-                if session.id not in turns:
+                if session.id not in held:
                     try:
                         registry.loaded[session.model].actor.start_session(serve_resume_ttl, store, session,
                                                                            job=session.job)
