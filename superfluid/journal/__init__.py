@@ -16,4 +16,4 @@ from ._journal import Journal as Journal
 from ._journal import JournalConfig as JournalConfig
 from ._journal import JournalStatistics as JournalStatistics
 from ._journal import open_journal as open_journal
-from ._session import SessionLog as SessionLog
+from ._sessionlog import SessionLog as SessionLog

@@ -26,7 +26,7 @@ from ..proto._wal import (
     encode_record,
 )
 from ._errors import JournalLocked
-from ._session import SessionLog
+from ._sessionlog import SessionLog
 
 if TYPE_CHECKING:
     from pathlib import Path

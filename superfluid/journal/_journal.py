@@ -80,7 +80,7 @@ from ._errors import JournalClosed, JournalWriteError, SessionStateError
 from ._files import WAL_NAME, Opened, close_quietly, open_log, probe_space, write_and_sync, write_compacted
 
 if TYPE_CHECKING:
-    from ._session import SessionLog
+    from ._sessionlog import SessionLog
 
 __all__ = ["Journal", "JournalConfig", "JournalStatistics", "open_journal"]
 

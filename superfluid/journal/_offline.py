@@ -23,7 +23,7 @@ import attrs
 from ..proto._wal import WalEnd
 from ._errors import WalCorrupt
 from ._files import LOCK_NAME, WAL_NAME, LogState, _replay
-from ._session import SessionLog
+from ._sessionlog import SessionLog
 
 __all__ = ["OfflineLog", "holder", "read_log", "session_summary"]
 
