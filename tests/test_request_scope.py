@@ -114,3 +114,49 @@ async def test_a_client_that_leaves_during_a_tokenize_costs_nothing_more(nursery
     listed = (await d.client.get("/v1/sessions")).json()["data"]
     assert listed == []  # nothing was logged
     d.scope.cancel()
+
+
+async def test_a_request_stuck_where_no_helper_watches_ends_503_on_shutdown(
+        nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait that is not one of the lifecycle's helpers (here a tokenize that never answers) still
+    ends when the daemon stops: the request's own scope is cancelled by the shutdown's deadline and
+    the request is answered 503 server_shutting_down, well before --shutdown-grace cancels the root."""
+    from superfluid.daemon._server import stop
+
+    entered = trio.Event()
+
+    async def stuck_tokenize(*_args: Any, **_kw: Any) -> list[int]:
+        entered.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(_lane, "tokenize", stuck_tokenize)
+    d = await start_daemon(nursery, mock_config())
+    chat = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    answer: list[Any] = []
+
+    async def post() -> None:
+        answer.append(await d.client.post("/v1/chat/completions", json=chat))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(post)
+        with trio.fail_after(10):
+            await entered.wait()
+        apps = [app for app in _apps() if app.stopping.inflight]
+        assert len(apps) == 1
+        root = trio.CancelScope()
+        began = trio.current_time()
+        with root, trio.fail_after(10):
+            await stop(root, apps, grace_s=30.0)
+    [r] = answer
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    assert trio.current_time() - began < 5.0  # the backstop's second, not the 30 s grace
+    d.scope.cancel()
+
+
+def _apps() -> list[Any]:
+    import gc
+
+    from superfluid.api import App
+
+    return [o for o in gc.get_objects() if isinstance(o, App)]

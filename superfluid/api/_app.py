@@ -224,6 +224,9 @@ class App:
                 # body is read): a load, a tokenize or a wait for a gone client stops there
                 async with open_request(receive) as request:
                     await self._route(scope, request.receive, tracked_send)
+                if request.scope.cancelled_caught and request.stopped and not request.gone:
+                    # a wait no helper watched, ended by the shutdown's backstop: typed, if we still can
+                    raise shutting_down()
         except ClientGone:
             return
         except ApiError as exc:

@@ -13,9 +13,13 @@ error frame (then ``[DONE]``) mid-stream or its typed error body before the
 response started. The jobs themselves are not touched: a resumable session's
 generation goes on into the log until the daemon exits and resumes on the next
 start. Only waits made inside a request see it: a conversation turn's owner
-task (it lands the reply) reads on, unaware. :meth:`Stopping.begin` only sets
-flags and an event (:meth:`Stopping.wait_begun`): it never spawns, waits or
-raises; each WebSocket watches that event in a task of its own nursery.
+task (it lands the reply) reads on, unaware. Any other wait inside a request
+(a reservation or a tokenize behind a busy actor, a model load) ends by the
+request's own cancel scope, whose deadline the shutdown sets ``CANCEL_AFTER_S``
+ahead; the request's boundary turns that cancel into the same 503.
+:meth:`Stopping.begin` only sets flags, deadlines and an event
+(:meth:`Stopping.wait_begun`): it never spawns, waits or raises; each
+WebSocket watches that event in a task of its own nursery.
 
 The request scope (:func:`open_request`): every HTTP request's handler runs in
 one cancel scope that is cancelled when the client disconnects, watched from
@@ -51,6 +55,9 @@ __all__ = ["Exchange", "Request", "Stopping", "access_line", "current_exchange",
 log = logging.getLogger("superfluid.access")
 
 SHUTTING_DOWN = "server_shutting_down"
+# SIGTERM: a request still in its scope this long after the shutdown began is cancelled there and
+# answered 503 (streams the helpers reached have ended typed long before; --shutdown-grace is 5 s)
+CANCEL_AFTER_S = 1.0
 
 
 def shutting_down() -> ApiError:
@@ -66,6 +73,8 @@ class Stopping:
         self.started = False
         self.inflight = 0                 # exchanges (HTTP requests and WebSockets) not yet over
         self._jobs: weakref.WeakSet[Job] = weakref.WeakSet()   # jobs some request waits on
+        self._requests: weakref.WeakSet[Request] = weakref.WeakSet()   # open HTTP request scopes
+        self.cancel_after_s = CANCEL_AFTER_S
         self._begun = trio.Event()        # open WebSockets wait on it, each in its own nursery
         self._idle = trio.Event()
         self._idle.set()
@@ -78,7 +87,19 @@ class Stopping:
         self.started = True
         for job in list(self._jobs):
             job.publish()  # wakes its readers; the job itself goes on
+        # the backstop: a wait that does not go through the helpers below (a reservation or a
+        # tokenize behind a busy actor, a load) ends by its request's own cancel scope, and the
+        # request's boundary answers 503 server_shutting_down (api/_app.py)
+        deadline = trio.current_time() + self.cancel_after_s
+        for request in list(self._requests):
+            request.shut(deadline)
         self._begun.set()
+
+    def opened(self, request: Request) -> None:
+        """An HTTP request scope is open (:func:`open_request`): a shutdown bounds it too."""
+        if self.started:
+            request.shut(trio.current_time() + self.cancel_after_s)
+        self._requests.add(request)
 
     async def wait_begun(self) -> None:
         """Until the shutdown begins (at once if it has)."""
@@ -142,6 +163,7 @@ class Request:
         self._nursery = nursery
         self.scope = trio.CancelScope()
         self.gone = False                  # the client disconnected
+        self.stopped = False               # the daemon is stopping: the scope has a deadline
         self._pending: deque[dict[str, Any]] = deque()  # body messages the watcher read (at most one)
         self._watching = False
         self._changed = trio.Event()
@@ -164,6 +186,11 @@ class Request:
                 if message.get("more_body", False):
                     self._watching = False  # the handler reads the rest; the body's end starts the watch again
                     return
+
+    def shut(self, deadline: float) -> None:
+        """The daemon stops: the handler's scope ends by ``deadline`` at the latest."""
+        self.stopped = True
+        self.scope.deadline = min(self.scope.deadline, deadline)
 
     def _wake(self) -> None:
         self._changed.set()
@@ -196,7 +223,9 @@ class Request:
 @asynccontextmanager
 async def open_request(receive: Receive) -> AsyncIterator[Request]:
     """Run the block as one HTTP request's handler (:class:`Request`): it is
-    cancelled (and the block exits quietly) when the client disconnects.
+    cancelled (and the block exits quietly) when the client disconnects, and
+    at the latest ``CANCEL_AFTER_S`` after the daemon began to stop
+    (``request.stopped``: the caller answers 503 ``server_shutting_down``).
 
     Raises:
         whatever the block raised (not wrapped in an exception group).
@@ -206,6 +235,9 @@ async def open_request(receive: Receive) -> AsyncIterator[Request]:
     try:
         async with trio.open_nursery() as nursery:
             request = Request(receive, nursery)
+            stopping = _stopping()
+            if stopping is not None:
+                stopping.opened(request)
             request._watch()
             try:
                 with request.scope:
