@@ -37,21 +37,9 @@ from superfluid.worker._llamacpp import LlamaEngine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import commit, model_file  # noqa: E402
 
+from tests.test_one_reply import _SENTENCES  # noqa: E402  (the one-reply test's maintenance notes)
+
 STEP = 2048
-_SENTENCES = [
-    "The buffer on the intake line was drained and refilled before the morning shift.",
-    "A technician logged a pressure drop of four percent near the second valve.",
-    "Nobody could explain why the north pump hummed louder after the storm.",
-    "The spare gasket arrived late, so the repair waited until Thursday.",
-    "Readings from the east tank stayed flat for the whole week.",
-    "The buffer overflowed once when the sensor froze, and the alarm stayed silent.",
-    "Maria replaced the cracked gauge and wrote the serial number in the margin.",
-    "The night crew reported a smell of burnt rubber that faded by noon.",
-    "Flow through the bypass doubled while the main filter was cleaned.",
-    "An inspector asked for the calibration records of every meter on site.",
-    "The old controller rebooted twice and lost its schedule both times.",
-    "Someone left the hatch on the settling basin open overnight.",
-]
 
 
 def _chatml(messages: list[tuple[str, str]]) -> str:
