@@ -282,7 +282,8 @@ class App:
             await self._unload(send, {"id": m.group(1)})
             return
         if path in ("/metrics", "/v1/metrics") and method == "GET":
-            await send_text(send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+            text = self.metrics.render(current_principal().may_use)  # a key sees only its models' series
+            await send_text(send, 200, text, b"text/plain; version=0.0.4; charset=utf-8")
             return
         handler = _POST_JSON.get(path)
         if handler is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._printable import printable
 from ..models._hub import HubRef, PullError, PullProgress, cached, parse_hub_id, pull
 from ..models._library import Entry, entries, find, remove
 
@@ -126,7 +127,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
               + (" (a file of that name exists)" if os.path.exists(args.id) else ""), file=sys.stderr)
         return 2
     pulled = run_pull(ref, offline=args.offline, revision=args.revision)
-    print(f"{pulled.name} {_mb(pulled.size)} {pulled.path}")
+    print(printable(f"{pulled.name} {_mb(pulled.size)} {pulled.path}"))
     return 0
 
 
@@ -186,10 +187,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if not rows:
         print("no models yet: `superfluid pull org/repo:QUANT`, or `superfluid serve` for the embedded default")
         return 0
-    table = [("NAME", "RUNTIME", "QUANT", "SIZE", "LOADED", "PATH")]
+    table: list[tuple[str, ...]] = [("NAME", "RUNTIME", "QUANT", "SIZE", "LOADED", "PATH")]
     for r in rows:
         loaded = "-" if r["loaded"] is None else ("yes" if r["loaded"] else "no")
-        table.append((r["name"], r["runtime"], r["quant"] or "-", _mb(r["size"]), loaded, r["path"]))
+        table.append(tuple(printable(str(c)) for c in (  # names come from manifests and hubs: shown, never run
+            r["name"], r["runtime"], r["quant"] or "-", _mb(r["size"]), loaded, r["path"])))
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
@@ -213,7 +215,7 @@ def _cmd_rm(args: argparse.Namespace) -> int:
         return 1
     removed = remove(entry)
     what = f" ({len(removed)} file{'s' if len(removed) != 1 else ''}, {_mb(entry.size)})" if removed else " (a name)"
-    print(f"removed {entry.name}{what}")
+    print(printable(f"removed {entry.name}{what}"))
     return 0
 
 
@@ -222,13 +224,13 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         try:
             return command(args)
         except PullError as exc:
-            print(f"superfluid: {exc}", file=sys.stderr)
+            print(f"superfluid: {printable(str(exc))}", file=sys.stderr)
             return 1
         except PullInterrupted as exc:
-            print(f"superfluid: {exc}", file=sys.stderr)
+            print(f"superfluid: {printable(str(exc))}", file=sys.stderr)
             return 130
         except OSError as exc:
-            print(f"superfluid: {exc}", file=sys.stderr)
+            print(f"superfluid: {printable(str(exc))}", file=sys.stderr)
             return 1
 
     return run

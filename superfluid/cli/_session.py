@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._printable import json_printable, printable
 from .._private import FILE_MODE, make_private_dir
 from ..serving import default_sessions_dir
 from ..journal import SessionLog, WalCorrupt
@@ -129,8 +130,9 @@ def _event(record: Any, include_content: bool) -> dict[str, Any]:
 
 def export(args: argparse.Namespace) -> int:
     _log, slog = _load(args)
-    lines = [json.dumps(_event(r, args.include_content), ensure_ascii=False, separators=(",", ":"), default=list)
-             for r in slog.records()]
+    lines = [json_printable(json.dumps(_event(r, args.include_content), ensure_ascii=False, separators=(",", ":"),
+                                       default=list))
+             for r in slog.records()]  # prompts may hold any character: one line each, none reaching the terminal
     data = "".join(line + "\n" for line in lines)
     if args.out is None:
         sys.stdout.write(data)
@@ -151,8 +153,8 @@ def run_session(args: argparse.Namespace) -> int:
     if args.action == "inspect":
         info = inspect(args)
         if args.json:
-            print(json.dumps(info, ensure_ascii=False, indent=2, default=str))
-        else:
-            print("\n".join(_text_lines(info)))
+            print(json_printable(json.dumps(info, ensure_ascii=False, indent=2, default=str)))
+        else:  # the model's name and an error message came from clients: shown, never run by the terminal
+            print("\n".join(printable(line) for line in _text_lines(info)))
         return 0
     return export(args)

@@ -28,6 +28,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from .._printable import printable
 from .._term import QUIT_KEYS, Screen, cbreak, read_keys, sparkline
 
 __all__ = ["add_top_parser", "poll", "render", "top_main"]
@@ -161,11 +162,12 @@ def render(nodes: list[Node], fleet: collections.deque[float], width: int = 120)
     for node in nodes:
         state = Text(node.state, style=styles.get(node.state, "magenta"))
         if node.state != "up":
-            table.add_row(node.address, state, "", "", "", "", "", "", Text(node.detail[:50], style="dim"))
+            detail = printable(node.detail)[:50]  # an error may quote what the server sent
+            table.add_row(printable(node.address), state, "", "", "", "", "", "", Text(detail, style="dim"))
             continue
         kv = f"{_n(node.kv_used)}/{_n(node.kv_total)}" + (f" {node.kv_used / node.kv_total:.0%}" if node.kv_total
                                                            else "")
-        table.add_row(node.address, state, str(node.models), f"{node.lanes:.0f}/{node.lanes_total:.0f}",
+        table.add_row(printable(node.address), state, str(node.models), f"{node.lanes:.0f}/{node.lanes_total:.0f}",
                       f"{node.queue:.0f}", kv, "–" if node.decode is None else f"{node.decode:.1f}",
                       "–" if node.prefill is None else f"{node.prefill:.0f}",
                       Text(sparkline(node.history, max(6, min(30, width - 90))), style="green"))

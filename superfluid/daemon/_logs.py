@@ -6,10 +6,16 @@ waits on a disk; the queue between them is bounded and a record that finds it
 full is dropped and counted (:data:`dropped`). Files rotate by size
 (``ROTATE_BYTES``, ``BACKUPS`` kept) and are created 0600 in a 0700 directory:
 access lines name models and sessions.
+
+Records carry what clients sent (paths, model names, error messages quoting a
+body): every formatter here escapes control characters where it writes
+(``_printable.py``), so no request forges a line or drives the terminal of
+whoever reads the log, whichever call logged it.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import logging
@@ -20,9 +26,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from .._printable import json_printable, printable
 from .._private import FILE_MODE, make_private_dir
 
-__all__ = ["BACKUPS", "LOG_FILE", "ROTATE_BYTES", "JsonFormatter", "close_logging", "configure_logging", "dropped"]
+__all__ = ["BACKUPS", "LOG_FILE", "LINE_FORMAT", "ROTATE_BYTES", "JsonFormatter", "PrintableFormatter", "close_logging",
+           "configure_logging", "dropped"]
+
+LINE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 LOG_FILE = "superfluid.jsonl"
 ROTATE_BYTES = 16 << 20
@@ -30,26 +40,43 @@ BACKUPS = 4
 QUEUE_RECORDS = 10_000
 dropped = 0   # records the file's queue had no room for
 
+_TRACEBACKS = logging.Formatter()
 _listener: logging.handlers.QueueListener | None = None
 _installed: list[logging.Handler] = []
 
 
-class _StderrFormatter(logging.Formatter):
-    """``time LEVEL logger: message``; the startup summary's lines bare."""
+class PrintableFormatter(logging.Formatter):
+    """A text formatter a person can read safely: the message with every control
+    character escaped (a newline in it is ``\\x0a``, not a forged line); a traceback
+    keeps its line breaks, and each line after a record's first is indented, so only
+    a record starts at column 0 even when an exception's message quotes a client."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def __init__(self, fmt: str = LINE_FORMAT, datefmt: str | None = None) -> None:
+        super().__init__(fmt, datefmt)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)  # format() sets it afresh for every handler
+        return super().formatMessage(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record), keep_newlines=True).replace("\n", "\n  ")
+
+
+class _StderrFormatter(PrintableFormatter):
+    """``time LEVEL logger: message``; the startup summary's lines bare."""
 
     def format(self, record: logging.LogRecord) -> str:
         if record.name == "superfluid.summary":
-            return record.getMessage()
+            return printable(record.getMessage())
         return super().format(record)
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a record: ``ts``, ``level``, ``logger``, ``msg``; an access
     line's fields (``method``, ``path``, ``status``, ``qos``, ``model``, tokens,
-    ``duration_ms``, ``ttft_ms``, …) at the top level; ``exc`` for a traceback."""
+    ``duration_ms``, ``ttft_ms``, …) at the top level; ``exc`` for a traceback. Values
+    are exact; every control, separator and bidi character is a JSON escape, so a
+    record is one line however it is split and the file is safe to ``cat``."""
 
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {
@@ -60,7 +87,9 @@ class JsonFormatter(logging.Formatter):
             obj.update(access)
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
-        return json.dumps(obj, ensure_ascii=False, default=str)
+        elif record.exc_text:  # through the file's queue (_BoundedQueueHandler.prepare)
+            obj["exc"] = record.exc_text
+        return json_printable(json.dumps(obj, ensure_ascii=False, default=str))
 
 
 class _PrivateRotatingHandler(logging.handlers.RotatingFileHandler):
@@ -73,6 +102,18 @@ class _PrivateRotatingHandler(logging.handlers.RotatingFileHandler):
 
 
 class _BoundedQueueHandler(logging.handlers.QueueHandler):
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """A copy with the message merged and the traceback kept apart as text
+        (``exc_text``), so the JSON line has it as ``exc`` (the base class folds it into
+        ``msg`` and drops it)."""
+        out = copy.copy(record)
+        out.msg = out.message = record.getMessage()
+        out.args = None
+        if record.exc_info:
+            out.exc_text = _TRACEBACKS.formatException(record.exc_info)
+        out.exc_info = None
+        return out
+
     def enqueue(self, record: logging.LogRecord) -> None:
         global dropped
         try:

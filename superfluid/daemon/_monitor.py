@@ -32,7 +32,9 @@ from rich.text import Text
 
 from .._private import FILE_MODE, make_private_dir
 from .._term import QUIT_KEYS, Screen, cbreak, read_keys, sparkline
+from .._printable import printable
 from ..sched import QosClass
+from ._logs import PrintableFormatter
 
 if TYPE_CHECKING:
     from ..serving import Metrics
@@ -55,7 +57,7 @@ class LogTail(logging.Handler):
     def __init__(self, maxlen: int = LOG_LINES) -> None:
         super().__init__()
         self.lines: collections.deque[tuple[int, str]] = collections.deque(maxlen=maxlen)
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        self.setFormatter(PrintableFormatter(datefmt="%H:%M:%S"))  # a client's path never drives the terminal
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -100,7 +102,7 @@ class _Captured:
             try:
                 make_private_dir(self.log_file.parent)
                 self._file = _PrivateRotatingFile(self.log_file, maxBytes=LOG_FILE_BYTES, backupCount=2)
-                self._file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+                self._file.setFormatter(PrintableFormatter())
                 root.addHandler(self._file)
             except OSError as exc:
                 logging.getLogger("superfluid").warning("monitor: cannot write %s: %s", self.log_file, exc)
@@ -292,7 +294,7 @@ class Monitor:
             kv = (f"KV {_fmt_n(view.kv_used)}/{_fmt_n(view.kv_total)} ({view.kv_used / view.kv_total:.0%})"
                   if view.kv_total else f"KV {_fmt_n(view.kv_used)}")
             queues = "  ".join(f"{SHORT[k]} {n}" for k, n in view.queues.items())
-            out.append(_rule(f"{view.name} ({view.runtime})", width), "bold")
+            out.append(_rule(printable(f"{view.name} ({view.runtime})"), width), "bold")
             out.append(f"lanes {view.busy}/{view.lanes_total}".ljust(14), "bold")
             out.append(f"queue: {queues}   {kv}\n")
             out.append(f"decode {decode:8.1f} tok/s  ")
@@ -315,7 +317,7 @@ class Monitor:
         room = max(3, height - used - 2)
         for level, line in list(self.tail.lines)[-room:]:
             style = "red" if level >= logging.ERROR else "yellow" if level >= logging.WARNING else ""
-            out.append(line[: width - 1] + "\n", style)
+            out.append(printable(line)[: width - 1] + "\n", style)  # one row a record (a traceback's too)
         out.rstrip()
         return out
 

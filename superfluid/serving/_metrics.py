@@ -4,15 +4,21 @@ Every series is per model: a scheduler writes through the view
 ``metrics.for_model(name)`` (made where the scheduler is), which adds the
 ``model`` label, so two models never overwrite each other's gauges. Extra
 labels (``outcome``, ``class``) are keyword arguments of ``inc``/``set``.
+
+``render(may_see)`` keeps only the series of the models a caller may use: a key
+limited to some models learns nothing of the others' load from ``/metrics``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["Metrics", "ModelMetrics", "TTFT_BUCKETS"]
 
@@ -75,8 +81,30 @@ class Metrics:
     def _series(self, name: str, model: str, labels: dict[str, str]) -> MetricWrapperBase:
         return self._families[name].labels(model=model, **labels)
 
-    def render(self) -> str:
-        return prometheus_client.generate_latest(self.registry).decode()
+    def render(self, may_see: Callable[[str], bool] | None = None) -> str:
+        """The text exposition; with ``may_see``, only the series whose ``model`` it
+        accepts (and any without a model). A family left with no series keeps its
+        ``HELP``/``TYPE`` lines, which are the same for every caller."""
+        if may_see is None:
+            return prometheus_client.generate_latest(self.registry).decode()
+        return prometheus_client.generate_latest(_Only(self.registry, may_see)).decode()
+
+
+class _Only(Collector):
+    """A collector view of ``registry`` with only the series of models ``may_see`` accepts."""
+
+    def __init__(self, registry: CollectorRegistry, may_see: Callable[[str], bool]) -> None:
+        self.registry = registry
+        self.may_see = may_see
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                model = sample.labels.get("model")
+                if model is None or self.may_see(model):
+                    kept.samples.append(sample)
+            yield kept
 
 
 class ModelMetrics:
