@@ -55,6 +55,7 @@ G = "tests/test_security_guard.py::"
 A = "tests/test_actor.py::"
 B = "tests/test_boundaries.py::"
 C = "tests/test_sched_core.py::"
+AD = "tests/test_security_admission.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -171,10 +172,45 @@ MUTATIONS = (
              "        while len(self._buckets) > self._limit:\n",
              "        while False:\n",
              (G + "test_rate_limit_buckets_are_bounded",)),
-    Mutation("a stream holds its key's concurrency slot", "superfluid/api/_guard.py",
-             "        if held >= key.max_concurrent:\n",
+    Mutation("a stream holds its key's concurrency slot", "superfluid/api/_admission.py",
+             "        if len(live) >= key.max_concurrent:\n",
              "        if False:\n",
-             (G + "test_a_stream_holds_its_concurrency_slot",)),
+             (G + "test_a_stream_holds_its_concurrency_slot", G + "test_a_websocket_generation_holds_its_keys_slot")),
+    Mutation("a generation's slot is held until its job ends", "superfluid/api/_admission.py",
+             "        return self.held or (self.queued and not self.job.done)\n",
+             "        return self.held\n",
+             (AD + "test_a_resumable_stream_whose_client_left_keeps_its_slot_until_it_ends",
+              AD + "test_conversation_turns_take_the_keys_slot_over_http_and_websocket",
+              AD + "test_a_claim_counts_while_held_or_while_its_job_runs")),
+    Mutation("a conversation turn takes its key's slot", "superfluid/api/_turns.py",
+             "        with admit(app, job) as claim:",
+             "        with app.guard.slots.claim(None, job) as claim:",
+             (AD + "test_conversation_turns_take_the_keys_slot_over_http_and_websocket",)),
+    Mutation("each WebSocket op pays the rate limit", "superfluid/api/_ws.py",
+             "            refusal = self.app.guard.charge(self.scope, principal_of(self.scope))",
+             "            refusal = None",
+             (AD + "test_each_websocket_op_pays_the_rate_limit",)),
+    Mutation("a refused WebSocket upgrade answers its own status", "superfluid/api/_app.py",
+             "                    send = _ws_denial(send)",
+             "                    await send({\"type\": \"websocket.close\", \"code\": 1008})\n                    return",
+             (AD + "test_each_websocket_op_pays_the_rate_limit",)),
+    Mutation("all of 127/8 is one rate bucket", "superfluid/api/_guard.py",
+             "        return \"127.0.0.0/8\" if ip.is_loopback else str(ip)\n",
+             "        return str(ip)\n",
+             (AD + "test_the_per_peer_bucket_is_one_for_loopback_and_one_per_ipv6_64",)),
+    Mutation("keep_alive is an admin's", "superfluid/api/_admission.py",
+             "    return seconds if admin else None\n",
+             "    return seconds\n",
+             (AD + "test_a_non_admin_keys_keep_alive_neither_unloads_nor_pins",
+              AD + "test_keep_alive_is_granted_to_admins_only")),
+    Mutation("a key's conversations have a quota", "superfluid/api/_turns.py",
+             "    if key is None or not (key.max_conversations or key.max_stored_bytes):\n",
+             "    if True:\n",
+             (AD + "test_a_keys_conversations_are_capped_in_number_and_bytes",)),
+    Mutation("a conversation's qos obeys --no-http-qos-header", "superfluid/api/_turns.py",
+             "    if not app.config.http_qos_header:\n        return qos_of(app, scope)\n",
+             "",
+             (AD + "test_a_conversations_qos_is_ignored_under_no_http_qos_header",)),
     Mutation("a key uses only its models", "superfluid/api/_principal.py",
              "        return self.key is None or self.key.models is None or name in self.key.models\n",
              "        return True\n",
@@ -329,8 +365,8 @@ MUTATIONS = (
              "        for request in list(self._requests):\n            pass\n",
              ("tests/test_request_scope.py::test_a_request_stuck_where_no_helper_watches_ends_503_on_shutdown",)),
     Mutation("a request ended by the shutdown's backstop is answered typed", "superfluid/api/_app.py",
-             "                if request.scope.cancelled_caught and request.stopped and not request.gone:\n",
-             "                if False:\n",
+             "            if request.scope.cancelled_caught and request.stopped and not request.gone:\n",
+             "            if False:\n",
              ("tests/test_request_scope.py::test_a_request_stuck_where_no_helper_watches_ends_503_on_shutdown",)),
     Mutation("a failed session task's job ends typed", "superfluid/sched/_job.py",
              "        if finish == \"cancelled\" and self.abort is not None:\n",
@@ -370,18 +406,18 @@ MUTATIONS = (
              'self.metrics.for_model(""), self.committer',
              ("tests/test_fuzz_regressions.py::test_lanes_active_counts_every_models_lanes",)),
     Mutation("a turn's owner starts before the turn is logged", "superfluid/api/_turns.py",
-             "            try:  # the owner first: a turn in the log always has one\n"
-             "                model.actor.start_session(_own_turn, app, handed, job=job)\n"
-             "            except Unavailable as exc:\n"
-             "                raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged\n"
-             "            with hand:  # closed without a turn: the owner has nothing to own\n"
-             "                await store.begin(turn, params)\n",
-             "            await store.begin(turn, params)\n"
-             "            try:\n"
-             "                model.actor.start_session(_own_turn, app, handed, job=job)\n"
-             "            except Unavailable as exc:\n"
-             "                raise ApiError(503, str(exc), code=exc.code) from None\n"
-             "            with hand:\n",
+             "        try:  # the owner first: a turn in the log always has one\n"
+             "            model.actor.start_session(_own_turn, app, handed, job=job)\n"
+             "        except Unavailable as exc:\n"
+             "            raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged\n"
+             "        with hand:  # closed without a turn: the owner has nothing to own\n"
+             "            await store.begin(turn, params)\n",
+             "        await store.begin(turn, params)\n"
+             "        try:\n"
+             "            model.actor.start_session(_own_turn, app, handed, job=job)\n"
+             "        except Unavailable as exc:\n"
+             "            raise ApiError(503, str(exc), code=exc.code) from None\n"
+             "        with hand:\n",
              (B + "test_a_turn_whose_model_stopped_before_it_was_logged_is_refused_with_nothing_logged",)),
     Mutation("the request scope is cancelled when its client leaves", "superfluid/api/_lifecycle.py",
              "        self.gone = True\n        self.scope.cancel()\n",

@@ -5,8 +5,7 @@ routes, model lists, QoS classes, concurrency and rate limits, exposure."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from trio_websocket import ConnectionRejected, open_websocket_url
 from superfluid.cli._main import main
 from superfluid.serving import ApiKey
 from superfluid.daemon._keypolicy import load_keys
+from superfluid.api._admission import Slots
 from superfluid.api._guard import Guard, exposure_refusal
 from superfluid.api._principal import ANONYMOUS, PRINCIPAL, Principal
 from superfluid.sched import QosClass
@@ -267,25 +267,27 @@ def test_a_keys_class_is_its_default_and_max_class_its_ceiling() -> None:
 
 
 @pytest.fixture
-def released(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
-    """Set when a key with a ``max_concurrent`` first gives back a slot it held."""
-    event = trio.Event()
-    held = Guard.slot
+def released(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``await released("bot")``: wait until key ``bot`` holds no generation slot
+    (api/_admission.py: a slot is free once its generation has ended)."""
+    made: list[Slots] = []
+    init = Slots.__init__
 
-    @contextmanager
-    def slot(self: Guard, key: ApiKey | None) -> Iterator[None]:
-        with held(self, key):
-            try:
-                yield
-            finally:
-                if key is not None and key.max_concurrent:
-                    event.set()
+    def record(self: Slots) -> None:
+        init(self)
+        made.append(self)
 
-    monkeypatch.setattr(Guard, "slot", slot)
-    return event
+    monkeypatch.setattr(Slots, "__init__", record)
+
+    async def wait(key: str) -> None:
+        with trio.fail_after(10):
+            while any(slots.held(key) for slots in made):
+                await trio.sleep(0.01)
+
+    return wait
 
 
-async def test_a_stream_holds_its_concurrency_slot(serve: Any, released: trio.Event) -> None:
+async def test_a_stream_holds_its_concurrency_slot(serve: Any, released: Any) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5",
                     api_keys=keys({"name": "bot", "key": AGENT_KEY, "max_concurrent": 1},
                                   {"name": "ops", "key": ADMIN, "admin": True}))
@@ -301,8 +303,8 @@ async def test_a_stream_holds_its_concurrency_slot(serve: Any, released: trio.Ev
                                  headers={"authorization": f"Bearer {ADMIN}"})).status_code == 200
             async for _ in lines:
                 pass
-        # the handler gives the slot back just after its last byte is sent: the client may ask first
-        await released.wait()
+        # the slot comes back when the generation has ended: the client may ask first
+        await released("bot")
         assert (await c.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
 
 
@@ -414,7 +416,8 @@ def test_a_policy_entry_becomes_an_api_key(tmp_path: Path) -> None:
     default, ci = load_keys("sk-cli", path, {"CI_KEY": "sk-ci"})
     assert default.name == "default" and default.admin
     assert ci == ApiKey.from_secret("ci", "sk-ci", klass=QosClass.BACKGROUND, max_class=QosClass.AGENT,
-                                    models=("mock",), rate_limit_rpm=60, max_concurrent=2)
+                                    models=("mock",), rate_limit_rpm=60, max_concurrent=2,
+                                    max_conversations=1000, max_stored_bytes=1 << 30)  # a non-admin's quota
 
 
 @pytest.mark.usefixtures("no_serving")
@@ -458,7 +461,7 @@ async def test_the_official_clients_work_with_the_key_only(serve: Any) -> None:
         await trio.to_thread.run_sync(run)
 
 
-async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: trio.Event) -> None:
+async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: Any) -> None:
     d = await serve("mock?step_ms=20&prefill_us=5", api_keys=keys({"name": "bot", "key": AGENT_KEY,
                                                                    "max_concurrent": 1}))
     url = d.url.replace("http://", "ws://") + "/v1/ws"
@@ -476,8 +479,8 @@ async def test_a_websocket_generation_holds_its_keys_slot(serve: Any, released: 
                   "concurrency_limit_exceeded")
             while (msg := json.loads(await ws.get_message()))["op"] != "done":
                 pass
-        # the first one's slot comes back when its owner task has logged its end, just after ``done``
-        await released.wait()
+        # the first one's slot comes back when its generation has ended: the client may ask first
+        await released("bot")
         assert (await d.client.post("/v1/chat/completions", json=CHAT, headers=bot)).status_code == 200
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..sched import EmbedRefused, Unavailable
 from ._lane import tokenize
+from ._admission import granted_keep_alive
+from ._principal import current_principal
 from ._http import ApiError, Receive, Send, answer_errors, send_json
 
 if TYPE_CHECKING:
@@ -150,7 +152,8 @@ def _keep_alive(app: App, model: ServedModel, body: dict[str, Any]) -> None:
     from ..serving import parse_keep_alive
 
     try:
-        app.registry.keep_alive(model, parse_keep_alive(body.get("keep_alive")))
+        seconds = parse_keep_alive(body.get("keep_alive"))
+        app.registry.keep_alive(model, granted_keep_alive(current_principal().admin, seconds))
     except ValueError as exc:
         raise ApiError(400, str(exc), param="keep_alive") from None
 

@@ -26,8 +26,9 @@ read the answers. So, in this order (``Guard.admit``):
    answers.
 7. **Admin routes** need an admin key: 403 ``admin_required``.
 
-Then, around the route (``Guard.hold``): a key's ``max_concurrent`` generating
-requests (a stream holds its slot while it streams): 429 ``concurrency_limit_exceeded``.
+A WebSocket pays the rate once per op as well (``Guard.charge``). A key's
+``max_concurrent`` is not counted here but where a generation is admitted
+(``Guard.slots``, ``api/_admission.py``), for as long as the generation runs.
 """
 
 from __future__ import annotations
@@ -37,21 +38,21 @@ import math
 import re
 import socket
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from ._admission import Slots
 from ._http import ApiError, Send
-from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key, principal_of
+from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key
 
 if TYPE_CHECKING:
-    from ..serving import ApiKey, ServeConfig
+    from ..serving import ServeConfig
 
 __all__ = ["Guard", "RateLimited", "exposure_refusal", "is_loopback_listener", "parse_allowed_host",
-           "parse_web_origin", "refusal_headers"]
+           "parse_web_origin", "peer_of", "refusal_headers"]
 
 _LABEL = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
 _NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
@@ -67,9 +68,6 @@ _METHODS = b"GET, POST, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE = b"600"
 
 _RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics"})
-_GENERATING = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate"})
-_TURN = re.compile(r"/v1/sessions/[^/]+/generate")
 _ADMIN_ANY_METHOD = frozenset({"/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"})
 _MODEL_PATH = re.compile(r"/v1/models/.+")
 
@@ -221,7 +219,7 @@ class Guard:
         self.origins = frozenset(config.web_origins)
         self.rate_limit_rpm = config.rate_limit_rpm
         self.buckets = _Buckets(clock, max_buckets)
-        self.generating: dict[str, int] = {}  # key name -> generating requests it holds
+        self.slots = Slots()  # each key's max_concurrent generations (api/_admission.py)
 
     def admit(self, scope: dict[str, Any]) -> ApiError | None:
         """Set ``scope``'s principal; the refusal to answer instead of routing, if any."""
@@ -237,7 +235,7 @@ class Guard:
         principal: Principal | None = ANONYMOUS
         if self.keys and not exempt:
             principal = authenticate(self.keys, presented_key(scope))
-        refusal = self._rate(scope, principal)
+        refusal = self.charge(scope, principal)
         if refusal is not None:
             return refusal
         if principal is None:
@@ -284,15 +282,18 @@ class Guard:
         return _refuse(403, f"{shown} refused: only pages on this machine, or those named by --web-origin, "
                             "may call this server", "origin_refused")
 
-    def _rate(self, scope: dict[str, Any], principal: Principal | None) -> RateLimited | None:
-        if scope["path"] in _RATE_EXEMPT:
+    def charge(self, scope: dict[str, Any], principal: Principal | None) -> RateLimited | None:
+        """Take one rate token for a request (``admit``) or a WebSocket op (``api/_ws.py``):
+        from the key's bucket if its policy sets ``rate_limit_rpm``, else from its peer's
+        (``--rate-limit``); the refusal if the bucket is empty."""
+        if scope.get("path") in _RATE_EXEMPT:
             return None
         key = principal.key if principal is not None else None
         if key is not None and key.rate_limit_rpm:
             who, rpm = f"key:{key.name}", key.rate_limit_rpm
         elif self.rate_limit_rpm:
             client = scope.get("client")
-            who, rpm = f"peer:{client[0] if client else ''}", self.rate_limit_rpm  # X-Forwarded-For is not read
+            who, rpm = f"peer:{peer_of(client[0] if client else '')}", self.rate_limit_rpm  # X-Forwarded-For is not read
         else:
             return None
         wait = self.buckets.take(who, rpm)
@@ -347,28 +348,17 @@ class Guard:
                 (b"access-control-allow-headers", ", ".join(granted or sorted(_ALLOWED_HEADERS)).encode()),
                 (b"access-control-max-age", _PREFLIGHT_MAX_AGE)]
 
-    def hold(self, scope: dict[str, Any]) -> AbstractContextManager[None]:
-        """For a generating HTTP request, :meth:`slot` of its key; else nothing."""
-        generating = scope.get("method") == "POST" and (scope["path"] in _GENERATING or _TURN.fullmatch(scope["path"]))
-        return self.slot(principal_of(scope).key) if generating else nullcontext()
 
-    @contextmanager
-    def slot(self, key: ApiKey | None) -> Iterator[None]:
-        """Hold one of ``key``'s ``max_concurrent`` generating slots for the block
-        (nothing to hold with no key, or no limit).
-
-        Raises:
-            ApiError: 429 ``concurrency_limit_exceeded`` when the key holds all its slots.
-        """
-        if key is None or not key.max_concurrent:
-            yield
-            return
-        held = self.generating.get(key.name, 0)
-        if held >= key.max_concurrent:
-            raise ApiError(429, f"this API key already has {held} generating requests (its max_concurrent)",
-                           code="concurrency_limit_exceeded", type="rate_limit_error")
-        self.generating[key.name] = held + 1
-        try:
-            yield
-        finally:
-            self.generating[key.name] -= 1
+def peer_of(address: str) -> str:
+    """The rate-limit bucket of a client address: one for all of ``127.0.0.0/8``
+    (a local client could otherwise take a fresh bucket per address), one per
+    IPv6 ``/64`` (what one host is usually given), else the address itself."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv4Address):
+        return "127.0.0.0/8" if ip.is_loopback else str(ip)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))

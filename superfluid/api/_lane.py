@@ -11,7 +11,7 @@ leaves the lane.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -24,16 +24,18 @@ from ..proto import Sampling
 from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
 from ._http import ApiError
 from ._lifecycle import note_job, wait_beyond, wait_started
+from ._principal import current_principal
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
+    from ._admission import Claim
     from ..sessions._resumable import LiveSession
     from ..sched import Scheduler
     from ._host import App
     from ._tenancy import Partition
 
 __all__ = ["MAX_PROMPT_BYTES", "PROMPT_BYTES_FLOOR", "PROMPT_BYTES_PER_TOKEN", "Follower", "Lane",
-           "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted"]
+           "admit", "enqueue", "open_lane", "prepare", "prompt_limit", "reserve", "retire", "usage_of", "wait_admitted"]
 
 # The prompt-size limit checked before tokenizing (--max-prompt-bytes 0): no tokenizer we serve
 # makes a token of more than a few dozen bytes of text, so a prompt over this many bytes per token
@@ -146,29 +148,48 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
     lane: Lane | None = None
     refused = False
     note_job(model.name, job)
-    try:
+    with admit(app, job) as claim:  # 429 concurrency_limit_exceeded: nothing reserved, nothing logged
         try:
-            await reserve(sched, job)
-        except ApiError:
-            refused = True  # no place was taken: nothing to give back
-            raise
-        session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
-        if resumable:
             try:
-                model.actor.start_session(serve_resume_ttl, app.sessions, session, job=job)
-            except Unavailable as exc:  # unloaded, or between restarts: nothing would watch it
-                with trio.move_on_after(RETIRE_S, shield=True):
-                    try:
-                        await app.sessions.end(job)  # logged cancelled: no restart resumes it
-                    except JournalWriteError:
-                        pass  # the log takes no writes: the next start logs it cancelled
-                raise ApiError(503, str(exc), code=exc.code) from None
-        await sched.queue(job)
-        lane = Lane(job=job, session=session)
-        yield lane
-    finally:
-        if not refused:  # (retire's stop never waits; its logging is shielded and bounded itself)
-            await retire(app, sched, job, keep=lane is not None and lane.keep)  # noqa: ASYNC102
+                await reserve(sched, job)
+            except ApiError:
+                refused = True  # no place was taken: nothing to give back
+                raise
+            session = await open_session(app, job, model=model.name, kind=kind, stops=stops, resumable=resumable)
+            if resumable:
+                try:
+                    model.actor.start_session(serve_resume_ttl, app.sessions, session, job=job)
+                except Unavailable as exc:  # unloaded, or between restarts: nothing would watch it
+                    with trio.move_on_after(RETIRE_S, shield=True):
+                        try:
+                            await app.sessions.end(job)  # logged cancelled: no restart resumes it
+                        except JournalWriteError:
+                            pass  # the log takes no writes: the next start logs it cancelled
+                    raise ApiError(503, str(exc), code=exc.code) from None
+            await enqueue(sched, job, claim)
+            lane = Lane(job=job, session=session)
+            yield lane
+        finally:
+            if not refused:  # (retire's stop never waits; its logging is shielded and bounded itself)
+                await retire(app, sched, job, keep=lane is not None and lane.keep)  # noqa: ASYNC102
+
+
+def admit(app: App, job: Job) -> AbstractContextManager[Claim]:
+    """The one admission point of a generation, on every path (``open_lane``, a
+    conversation turn): one of the calling key's ``max_concurrent`` slots,
+    held by the block and, once :func:`enqueue` gave the job to the scheduler,
+    until the job ends (``api/_admission.py``).
+
+    Raises:
+        ApiError: 429 ``concurrency_limit_exceeded``.
+    """
+    return app.guard.slots.claim(current_principal().key, job)
+
+
+async def enqueue(sched: Scheduler, job: Job, claim: Claim) -> None:
+    """Queue ``job`` (its place reserved): from here its end, however it comes, frees its slot."""
+    await sched.queue(job)
+    claim.queued = True
 
 
 async def reserve(sched: Scheduler, job: Job) -> None:

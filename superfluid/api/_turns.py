@@ -38,7 +38,7 @@ from ..sessions._conversations import Turn, size_of
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ..sched import QosClass, Unavailable, parse_qos
-from ._lane import Follower, check_log, open_session, prepare, reserve, retire
+from ._lane import Follower, admit, check_log, enqueue, open_session, prepare, reserve, retire
 from ._http import ApiError, Receive, Send, send_json
 from ._lifecycle import note_job, wait_beyond
 from ._chat import (
@@ -46,15 +46,18 @@ from ._chat import (
     render_chat, require_grammar, usage_of,
 )
 from ._params import sampling_from, stops_from
-from ._principal import principal_of
+from ._principal import current_principal, principal_of
 from ._sse import SseResponse
 from ._tenancy import Partition, public_id
 
 if TYPE_CHECKING:
+    from ..sched import Job, Scheduler
     from ..serving import ServedModel
+    from ..sessions._conversations import ConversationStore
+    from ._admission import Claim
     from ._host import App
 
-__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_room", "check_sampling", "conversation_log", "landed_summary",
+__all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_quota", "check_room", "check_sampling", "conversation_log", "landed_summary",
            "load_turn", "open_turns", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
 
 log = logging.getLogger("superfluid.conversations")
@@ -104,6 +107,7 @@ def check_room(app: App, cid: str | None, messages: list[dict[str, Any]], *, hea
         if n > cfg.max_message_bytes:
             raise ApiError(413, f"{param} takes {n} bytes; the limit is {cfg.max_message_bytes} "
                            "(--max-message-bytes)", code="message_too_large", param=param)
+    check_quota(app, conversations=int(cid is None), nbytes=head + sum(sizes))
     held = store.size(cid) if cid is not None else head
     count = (store.get(cid).event_count if cid is not None else 1) + len(messages) + events  # type: ignore[union-attr]
     if count > cfg.max_conversation_events:
@@ -112,6 +116,28 @@ def check_room(app: App, cid: str | None, messages: list[dict[str, Any]], *, hea
     if held + sum(sizes) > cfg.max_conversation_bytes:
         raise ApiError(413, f"the conversation would hold {held + sum(sizes)} bytes; the limit is "
                        f"{cfg.max_conversation_bytes} (--max-conversation-bytes)", code="conversation_too_large")
+
+
+def check_quota(app: App, *, conversations: int = 0, nbytes: int = 0) -> None:
+    """Refuse what would take the calling key's tenant past its storage quota
+    (``--key-policy`` ``max_conversations``, ``max_stored_bytes``; SPEC.md §10).
+    A turn asks with nothing: a tenant already at its byte quota starts none.
+
+    Raises:
+        ApiError: 429 ``conversation_quota_exceeded``; 413 ``storage_quota_exceeded``.
+    """
+    principal = current_principal()
+    key = principal.key
+    if key is None or not (key.max_conversations or key.max_stored_bytes):
+        return
+    count, held = app.conversations.usage(principal.tenant)
+    if key.max_conversations and count + conversations > key.max_conversations:
+        raise ApiError(429, f"this API key keeps {count} conversations, its quota (max_conversations "
+                            f"{key.max_conversations}); delete some or let them expire", code="conversation_quota_exceeded",
+                       type="rate_limit_error")
+    if key.max_stored_bytes and (held + nbytes > key.max_stored_bytes or held >= key.max_stored_bytes):
+        raise ApiError(413, f"this API key's conversations would take {held + nbytes} bytes; its quota is "
+                            f"{key.max_stored_bytes} (max_stored_bytes)", code="storage_quota_exceeded")
 
 
 def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str, Any]],
@@ -129,6 +155,8 @@ def _request(model: ServedModel, header: dict[str, Any], messages: list[dict[str
 
 
 def _klass(app: App, scope: dict[str, Any], body: dict[str, Any]) -> QosClass:
+    """The turn's class: its ``qos`` field, as the ``x-superfluid-qos`` header is read
+    (ignored under ``--no-http-qos-header``, above the key's ``max_class`` a 403)."""
     qos = body.get("qos")
     if qos is None:
         return qos_of(app, scope)
@@ -138,6 +166,8 @@ def _klass(app: App, scope: dict[str, Any], body: dict[str, Any]) -> QosClass:
         asked = parse_qos(qos)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="qos") from None
+    if not app.config.http_qos_header:
+        return qos_of(app, scope)
     return principal_of(scope).qos(asked, app.config.default_qos)
 
 
@@ -208,40 +238,47 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
                     parser=rendered.parser)
         # as _lane.open_lane, without the --resume-ttl watcher: the turn's owner holds it to its end
         sched = model.scheduler
-        await reserve(sched, job)  # 429 before the turn is logged
-        try:
-            hand, handed = trio.open_memory_channel[Turn](1)
-            try:  # the owner first: a turn in the log always has one
-                model.actor.start_session(_own_turn, app, handed, job=job)
-            except Unavailable as exc:
-                raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged
-            with hand:  # closed without a turn: the owner has nothing to own
-                await store.begin(turn, params)
-                gone: ApiError | None = None
-                try:
-                    turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
-                                                      resumable=True)
-                    hand.send_nowait(turn)
-                except trio.BrokenResourceError:  # the owner ended: the model went away (an unload raced us)
-                    closed = sched.closed
-                    gone = (ApiError.of_job(closed) if closed is not None else
-                            ApiError(503, f"model '{model.name}' went away", code="model_unloaded"))
-                except BaseException:
-                    with trio.move_on_after(CLEANUP_S, shield=True):
-                        await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
-                    raise
-                if gone is not None:  # nobody owns the logged turn: it ends here, typed
-                    with trio.move_on_after(CLEANUP_S, shield=True):
-                        await store.land(turn, None, "error", _error_body(gone))
-                    raise gone
-            await sched.queue(job)
-            note_job(model.name, job)
-        except BaseException:
-            # gives the place back (or stops the queued job: its owner lands it); retire's
-            # stop never waits and its logging is shielded and bounded itself
-            await retire(app, sched, job)  # noqa: ASYNC102
-            raise
+        with admit(app, job) as claim:  # the key's slot, held until the turn's generation ends
+            await _start(app, store, sched, model, job, turn, params, claim)
     return turn
+
+
+async def _start(app: App, store: ConversationStore, sched: Scheduler, model: ServedModel, job: Job, turn: Turn,
+                 params: dict[str, Any], claim: Claim) -> None:
+    """:func:`start_turn` from the queue place on: reserve, start the owner, log, hand over, queue."""
+    await reserve(sched, job)  # 429 before the turn is logged
+    try:
+        hand, handed = trio.open_memory_channel[Turn](1)
+        try:  # the owner first: a turn in the log always has one
+            model.actor.start_session(_own_turn, app, handed, job=job)
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), code=exc.code) from None  # nothing logged
+        with hand:  # closed without a turn: the owner has nothing to own
+            await store.begin(turn, params)
+            gone: ApiError | None = None
+            try:
+                turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
+                                                  resumable=True)
+                hand.send_nowait(turn)
+            except trio.BrokenResourceError:  # the owner ended: the model went away (an unload raced us)
+                closed = sched.closed
+                gone = (ApiError.of_job(closed) if closed is not None else
+                        ApiError(503, f"model '{model.name}' went away", code="model_unloaded"))
+            except BaseException:
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await store.land(turn, None, "error", {"message": "the turn's generation could not be logged"})
+                raise
+            if gone is not None:  # nobody owns the logged turn: it ends here, typed
+                with trio.move_on_after(CLEANUP_S, shield=True):
+                    await store.land(turn, None, "error", _error_body(gone))
+                raise gone
+        await enqueue(sched, job, claim)
+        note_job(model.name, job)
+    except BaseException:
+        # gives the place back (or stops the queued job: its owner lands it); retire's
+        # stop never waits and its logging is shielded and bounded itself
+        await retire(app, sched, job)  # noqa: ASYNC102
+        raise
 
 
 def _error_body(exc: ApiError) -> dict[str, Any]:

@@ -74,7 +74,6 @@ import json
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -89,6 +88,7 @@ from ._chat import (
     qos_of, render_chat, require_grammar, thinking_kwargs, usage_of,
 )
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
+from ._guard import RateLimited
 from ._principal import principal_of
 from ._conversations import append_messages, create_conversation, events_page, fork_conversation, own_conversation
 from ._sessions import cancel_generation, follower_at, live_session, session_info
@@ -243,6 +243,8 @@ class _Socket:
 
     async def _error(self, exc: ApiError, *, ref: Any = None, session: str | None = None) -> None:
         msg: dict[str, Any] = {"op": "error", "error": exc.body()["error"]}
+        if isinstance(exc, RateLimited):
+            msg["retry_after"] = exc.retry_after
         if session is not None:
             msg["session"] = session
         await self._emit(_with_ref(msg, ref))
@@ -278,6 +280,9 @@ class _Socket:
             msg = decode_json(data, what="message", code="invalid_message")
             ref = msg.get("id")
             sid = msg.get("session") if isinstance(msg.get("session"), str) else None
+            refusal = self.app.guard.charge(self.scope, principal_of(self.scope))  # each op pays, as a request does
+            if refusal is not None:
+                raise refusal
             op = msg.get("op")
             handler = _OPS.get(op) if isinstance(op, str) else None
             if handler is None:
@@ -316,17 +321,13 @@ class _Socket:
         if sid is not None:
             self._check_unused(sid, claims)
             claims.add(sid)
-        slot = ExitStack()  # the key's max_concurrent slot, held until the generation ends (``_own``)
-        slot.enter_context(self.app.guard.slot(principal_of(self.scope).key))
         try:
             model, job, stops = await chat_job(self.app, self.scope, body)
             if sid is not None:
                 job.session = sid
-            # the lane is entered and left in ``_own``'s task; a refusal (429, 503, 507) comes back here
-            session = await self.work.start(self._own, model, job, stops, resumable, slot)
-        except BaseException:
-            slot.close()  # (idempotent: ``_own`` closes it too)
-            raise
+            # the lane (and the key's slot, api/_admission.py) is entered and left in ``_own``'s task;
+            # a refusal (429, 503, 507) comes back here
+            session = await self.work.start(self._own, model, job, stops, resumable)
         finally:
             if sid is not None:
                 claims.discard(sid)
@@ -465,24 +466,23 @@ class _Socket:
                 self._subs_changed.set()
             access_line(exchange)
 
-    async def _own(self, model: ServedModel, job: Job, stops: list[str], resumable: bool, slot: ExitStack, *,
+    async def _own(self, model: ServedModel, job: Job, stops: list[str], resumable: bool, *,
                    task_status: trio.TaskStatus[LiveSession] = trio.TASK_STATUS_IGNORED) -> None:
-        """Hold a generation started on this socket (its lane, and its key's slot)
-        until it ends or the socket closes; started (``task_status``, its session)
-        once the lane is open. The lane is entered and left in this task. A
-        resumable generation whose ``started`` never reached the client is
-        stopped too: nobody has its id to resume it."""
-        with slot:
-            async with open_lane(self.app, model, job, kind="chat", stops=stops, resumable=resumable) as lane:
-                self.owned += 1
-                try:
-                    task_status.started(lane.session)
-                    while not job.done:
-                        await job.wait_beyond(len(job.tokens))
-                finally:
-                    self.owned -= 1
-                    lane.keep = resumable and job.session in self.announced  # leaving retires it unless kept
-                    self.announced.discard(job.session)
+        """Hold a generation started on this socket (its lane) until it ends or the
+        socket closes; started (``task_status``, its session) once the lane is
+        open. The lane is entered and left in this task. A resumable generation
+        whose ``started`` never reached the client is stopped too: nobody has its
+        id to resume it."""
+        async with open_lane(self.app, model, job, kind="chat", stops=stops, resumable=resumable) as lane:
+            self.owned += 1
+            try:
+                task_status.started(lane.session)
+                while not job.done:
+                    await job.wait_beyond(len(job.tokens))
+            finally:
+                self.owned -= 1
+                lane.keep = resumable and job.session in self.announced  # leaving retires it unless kept
+                self.announced.discard(job.session)
 
 
 def _body_of(msg: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,10 @@ Each entry: ``name`` (required), exactly one of ``key`` (the secret) or
 its requests that name none; default ``agent``), ``max_class`` (the highest
 class it may ask; default its ``class``), ``models`` (the models it may use;
 default any), ``rate_limit_rpm`` (its own token bucket; 0: none), ``max_concurrent``
-(generating requests at once; 0: no limit), ``admin`` (default false).
+(generations at once, each counted until it ends; 0: no limit), ``admin`` (default
+false), and the storage quota of its tenant: ``max_conversations`` (default 1,000)
+and ``max_stored_bytes`` (bytes of its conversations in the log; default 1 GiB).
+An admin key has no quota unless its entry sets one; 0 is no limit.
 
 Anything wrong is a :class:`KeyPolicyError` whose message is one line: the CLI
 prints it and exits 2.
@@ -26,9 +29,14 @@ from typing import Any
 from ..sched import QosClass, parse_qos
 from ..serving import ApiKey
 
-__all__ = ["KeyPolicyError", "load_keys"]
+__all__ = ["DEFAULT_MAX_CONVERSATIONS", "DEFAULT_MAX_STORED_BYTES", "KeyPolicyError", "load_keys"]
 
-_FIELDS = {"name", "key", "key_env", "class", "max_class", "models", "rate_limit_rpm", "max_concurrent", "admin"}
+_FIELDS = {"name", "key", "key_env", "class", "max_class", "models", "rate_limit_rpm", "max_concurrent", "admin",
+           "max_conversations", "max_stored_bytes"}
+# a non-admin key's storage quota when its entry names none (F7 of the red-team review: one key could
+# otherwise fill the log with 10,000 conversations of 16 MiB)
+DEFAULT_MAX_CONVERSATIONS = 1000
+DEFAULT_MAX_STORED_BYTES = 1 << 30
 
 
 class KeyPolicyError(ValueError):
@@ -111,7 +119,9 @@ def _entry(entry: Any, where: str, environ: Mapping[str, str]) -> tuple[ApiKey, 
     key = ApiKey.from_secret(
         name, secret, admin=admin, klass=klass, max_class=max_class,
         models=None if models is None else tuple(models),
-        rate_limit_rpm=_count(entry, "rate_limit_rpm", where), max_concurrent=_count(entry, "max_concurrent", where))
+        rate_limit_rpm=_count(entry, "rate_limit_rpm", where), max_concurrent=_count(entry, "max_concurrent", where),
+        max_conversations=_count(entry, "max_conversations", where, 0 if admin else DEFAULT_MAX_CONVERSATIONS),
+        max_stored_bytes=_count(entry, "max_stored_bytes", where, 0 if admin else DEFAULT_MAX_STORED_BYTES))
     return key, secret
 
 
@@ -125,8 +135,8 @@ def _qos(value: Any, field: str, where: str) -> QosClass:
                              "background") from None
 
 
-def _count(entry: dict[str, Any], field: str, where: str) -> int:
-    value = entry.get(field, 0)
+def _count(entry: dict[str, Any], field: str, where: str, default: int = 0) -> int:
+    value = entry.get(field, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise KeyPolicyError(f'{where}: "{field}" must be a whole number >= 0')
     return value

@@ -149,6 +149,12 @@ class ConversationStore:
                 self._sizes[cid] = n
         return n
 
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """How many conversations ``tenant`` keeps in the log, and the bytes they take."""
+        cids = [sid for sid, slog in self.journal.sessions.items()
+                if slog.conversation is not None and slog.tenant == tenant]
+        return len(cids), sum(self.size(cid) for cid in cids)
+
     def _grew(self, records: list[WalRecord]) -> list[WalRecord]:
         for rec in records:
             if rec.session in self._sizes:
