@@ -56,6 +56,7 @@ A = "tests/test_actor.py::"
 B = "tests/test_boundaries.py::"
 C = "tests/test_sched_core.py::"
 AD = "tests/test_security_admission.py::"
+L = "tests/test_security_logs.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -176,6 +177,18 @@ MUTATIONS = (
              "        if len(live) >= key.max_concurrent:\n",
              "        if False:\n",
              (G + "test_a_stream_holds_its_concurrency_slot", G + "test_a_websocket_generation_holds_its_keys_slot")),
+    Mutation("log lines escape what clients sent", "superfluid/daemon/_logs.py",
+             "        record.message = printable(record.message)  # format() sets it afresh for every handler\n",
+             "",
+             (L + "test_an_injected_path_writes_no_escape_or_forged_line_in_either_log",)),
+    Mutation("the JSON log escapes what json.dumps leaves raw", "superfluid/daemon/_logs.py",
+             "        return json_printable(json.dumps(obj, ensure_ascii=False, default=str))",
+             "        return json.dumps(obj, ensure_ascii=False, default=str)",
+             (L + "test_an_injected_path_writes_no_escape_or_forged_line_in_either_log",)),
+    Mutation("/metrics shows a key only its models", "superfluid/serving/_metrics.py",
+             "                if model is None or self.may_see(model):",
+             "                if True:",
+             (L + "test_metrics_show_a_key_only_its_models",)),
     Mutation("a generation's slot is held until its job ends", "superfluid/api/_admission.py",
              "        return self.held or (self.queued and not self.job.done)\n",
              "        return self.held\n",
