@@ -72,6 +72,7 @@ CLEANUP_TIMEOUT_S = 30.0
 LOCK_POLL_S = 0.2
 HEARTBEAT_S = 1.0
 MAX_ARCHIVE_BYTES = 8 << 30
+_OWN_NAMES = frozenset({".download", "install.log", _home.RECORD})  # what an archive's top level may not name
 
 Hook = Callable[[str], Awaitable[None]]
 
@@ -526,7 +527,7 @@ class _Run:
             tree = self.staging / ".download" / "tree"
             tree.mkdir()
             try:
-                await trio.to_thread.run_sync(unpack, path, tree)
+                await trio.to_thread.run_sync(partial(unpack, path, tree, check=trio.from_thread.check_cancelled))
             except UnsafeArchive as exc:
                 raise InstallError(f"unsafe archive {path.name}: {exc}; nothing was installed") from None
             except Exception as exc:  # noqa: BLE001 - tarfile/zipfile raise many types: one line says which
@@ -535,10 +536,16 @@ class _Run:
             if len(top) == 1 and top[0].is_dir() and not (tree / "bin").exists():
                 tree = top[0]  # one top-level directory (name-1.2/...): its content is the install
             for entry in tree.iterdir():
+                if entry.name in _OWN_NAMES:  # the staging directory's own: the log, the download, the record
+                    raise InstallError(f"unsafe archive {path.name}: member {entry.name!r} would replace the "
+                                       "install's own; nothing was installed")
                 dest = self.staging / entry.name
-                if dest.exists() and dest.is_dir() and entry.is_dir() and not any(dest.iterdir()):
-                    dest.rmdir()
-                os.rename(entry, dest)
+                try:
+                    if dest.is_dir() and entry.is_dir() and not any(dest.iterdir()):
+                        dest.rmdir()
+                    os.rename(entry, dest)
+                except OSError as exc:
+                    raise InstallError(f"cannot unpack {path.name}: {entry.name!r}: {exc.strerror}") from None
         worker = self.staging / "bin" / f"superfluid-worker-{self.plan.rid}"
         if not (worker.is_file() and os.access(worker, os.X_OK)):
             raise InstallError(f"the archive has no executable bin/superfluid-worker-{self.plan.rid}")
