@@ -44,11 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def body(case: str) -> bytes:
     head = b'{"model":"mock","max_tokens":1,"messages":[{"role":"user","content":"x"}],'
     if case == "dicts100":
-        return head + b'"zzz":[' + b"{}," * (100 * MB // 3) + b"0]}"
+        return head + b'"zzz":[' + b"{}," * ((100 * MB - 200) // 3) + b"0]}"  # just under the 100 MiB limit
     if case == "str50":
         return head + b'"user":"' + b"a" * (50 * MB) + b'"}'
     if case == "str100":
-        return head + b'"user":"' + b"a" * (100 * MB) + b'"}'
+        return head + b'"user":"' + b"a" * (100 * MB - 200) + b'"}'
     if case == "chat":
         tool = {"type": "function", "function": {"name": "search", "description": "web search " * 20, "parameters": {
             "type": "object", "properties": {f"p{i}": {"type": "string", "description": "a field " * 8}
@@ -59,7 +59,8 @@ def body(case: str) -> bytes:
                       {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
                           "name": "search", "arguments": json.dumps({"p0": "x" * 200, "p1": [1, 2, 3]})}}]},
                       {"role": "tool", "tool_call_id": f"c{i}", "content": json.dumps({"hits": [{"t": "é" * 40}] * 8})}]
-        return json.dumps({"model": "mock", "messages": turns, "tools": [tool] * 8, "temperature": 0.7,
+        tools = [{**tool, "function": {**tool["function"], "name": f"search{i}"}} for i in range(8)]
+        return json.dumps({"model": "mock", "messages": turns, "tools": tools, "temperature": 0.7,
                            "max_tokens": 64, "stop": ["\n\n"], "logit_bias": {str(i): 1 for i in range(64)}}).encode()
     raise SystemExit(f"no body {case!r}")
 
@@ -214,7 +215,8 @@ def daemon_table() -> None:
 
     port = free_port()
     server = Server("json-parse", superfluid_argv("mock?step_ms=10&prefill_us=5", port, "--runtime", "mock",
-                                                  "--max-batch", "16", "--stream-interval-ms", "0"), port)
+                                                  "--max-batch", "16", "--stream-interval-ms", "0",
+                                                  "--agent-stream-interval-ms", "0"), port)
     try:
         server.wait_ready(120)
         pid = server.proc.pid
