@@ -21,6 +21,7 @@ from superfluid.api._chat import ChatRequest, parse_messages, render_chat
 from superfluid.api._params import template_kwargs_from
 from superfluid.chat import ChatTemplate, TemplateRenderError
 from superfluid.chat._template import CHATML
+from superfluid.client import aiter_sse
 from superfluid.proto import Sampling
 
 from .conftest import GEMMA_GGUF, REAL_GGUF, Daemon
@@ -306,3 +307,159 @@ def test_turn_tokens_in_client_fields_are_plain_text_on_real_models(path: Any, t
     plain = engine.tokenize(evil, add_special=False, parse_special=False)
     assert turn_id not in plain and len(plain) > 3
     assert sum(ids[i:i + len(plain)] == plain for i in range(len(ids))) == 3   # persona, name, reasoning
+
+
+# --- issue #41: the bodies that reached a 500 (red-team F10), and Anthropic stop_sequences (F11) ----------------
+
+ANTHROPIC = ROUTES["/v1/messages"]
+NOT_STRINGS = (5, None, [], {}, True, 2**64)
+
+
+async def test_anthropic_text_that_is_not_a_string_is_a_400_naming_it(daemon: Daemon,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """``system[].text`` and a tool result's ``text`` were joined as strings: a TypeError, 500."""
+    caplog.set_level(logging.ERROR)
+    for value in NOT_STRINGS:
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = await daemon.client.post(route, json={**ANTHROPIC, "system": [{"type": "text", "text": value}]})
+            obj = r.json()
+            assert r.status_code == 400 and obj["type"] == "error", (route, r.text)
+            assert "system.0.text must be a string" in obj["error"]["message"], obj
+        result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": value}]}
+        msgs = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                {"role": "user", "content": [result]}]
+        obj = await refused(daemon, "/v1/messages", {**ANTHROPIC, "messages": msgs}, None)
+        assert "messages.2.content.0.content.0.text must be a string" in obj["error"]["message"], obj
+        obj = await refused(daemon, "/v1/messages", {**ANTHROPIC, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": value}]}]}, None)
+        assert "messages.0.content.0.text must be a string" in obj["error"]["message"], obj
+    ok = await daemon.client.post("/v1/messages", json={**ANTHROPIC, "system": [{"type": "text", "text": "be brief"}]})
+    assert ok.status_code == 200, ok.text
+    no_tracebacks(caplog)
+
+
+async def test_a_responses_role_that_is_a_list_or_an_object_is_a_400(daemon: Daemon,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """``input[].role`` was a dictionary key: a list or object was ``unhashable``, 500."""
+    caplog.set_level(logging.ERROR)
+    base = ROUTES["/v1/responses"]
+    for role in ([], ["user"], {}, {"a": 1}, 5, None):
+        await refused(daemon, "/v1/responses", {**base, "input": [{"role": role, "content": "hi"}]}, "input[0].role")
+    await refused(daemon, "/v1/responses", {**base, "input": [{"type": "reasoning", "content": 5},
+                                                              {"role": "user", "content": "hi"}]}, "input[0].content")
+    ok = await daemon.client.post("/v1/responses", json={**base, "input": [{"role": "developer", "content": "be brief"},
+                                                                           {"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+    no_tracebacks(caplog)
+
+
+async def test_ollama_tool_calls_that_is_not_an_array_is_a_400(daemon: Daemon,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """``messages[].tool_calls`` was iterated as given: a number was ``not iterable``, 500."""
+    caplog.set_level(logging.ERROR)
+    for calls in (-1, 1.5, True, 2**64, "x", {"function": {"name": "f"}}):
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "user", "content": "and?"}]
+        obj = await refused(daemon, "/api/chat", {**ROUTES["/api/chat"], "messages": msgs}, None)
+        assert obj == {"error": "messages[1].tool_calls must be an array"}, obj
+    no_tracebacks(caplog)
+
+
+def deep_json(depth: int, leaf: str = "1") -> str:
+    return '{"a":' * depth + leaf + "}" * depth
+
+
+async def test_a_conversation_holds_only_what_its_log_can(daemon: Daemon, caplog: pytest.LogCaptureFixture) -> None:
+    """Its first record logs ``tools``, ``sampling`` and ``chat_template_kwargs`` as sent, a turn its
+    ``logit_bias`` and ``tool_choice``: an integer past 64 bits or nesting past the log's 32 levels
+    was a ValueError as the record was written, 500. Now a 400 naming it, over HTTP and WebSocket, and
+    exactly the log's depth is accepted."""
+    caplog.set_level(logging.ERROR)
+    base = {"model": "mock", "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "n": 2**64}}}
+    obj = await refused(daemon, "/v1/sessions", {**base, "tools": [tool]}, "tools[0].function.parameters.n")
+    assert "does not fit in 64 bits" in obj["error"]["message"], obj
+    await refused(daemon, "/v1/sessions", {**base, "chat_template_kwargs": {"x": [1, -(2**63) - 1]}},
+                  "chat_template_kwargs.x[1]")
+    await refused(daemon, "/v1/sessions", {**base, "sampling": {"logit_bias": {"5": 2**64}}}, "sampling.logit_bias")
+    # tools[0].function.parameters is 3 levels below the record's tools: 29 more levels fit, 30 do not
+    for depth, status in ((29, 201), (30, 400)):
+        raw = json.dumps({**base, "tools": [{"type": "function", "function": {"name": "f", "parameters": "@"}}]})
+        raw = raw.replace('"@"', deep_json(depth))
+        r = await daemon.client.post("/v1/sessions", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == status, (depth, r.text[:300])
+        raw = json.dumps({**base, "chat_template_kwargs": {"x": "@"}}).replace('"@"', deep_json(depth + 2))
+        r = await daemon.client.post("/v1/sessions", content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == status, (depth, r.text[:300])
+        if status == 400:
+            assert r.json()["error"]["param"] == "chat_template_kwargs", r.text[:300]
+            assert "nested more than 32 levels" in r.json()["error"]["message"], r.text[:300]
+    r = await daemon.client.post("/v1/sessions", content=json.dumps({**base, "tools": "@"}).replace(
+        '"@"', deep_json(300)).encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    cid = (await daemon.client.post("/v1/sessions", json=base)).json()["id"]
+    turn = f"/v1/sessions/{cid}/generate"
+    await refused(daemon, turn, {"logit_bias": {"5": 2**64}}, "logit_bias")
+    await refused(daemon, turn, {"tool_choice": {"type": "function", "function": {"name": "f"}, "n": 2**64}},
+                  "tool_choice.n")
+    await refused(daemon, turn, json.dumps({"tool_choice": "@"}).replace('"@"', deep_json(40)).encode(),
+                  "tool_choice")
+    ok = await daemon.client.post(turn, json={"max_tokens": 3, "logit_bias": {"5": 2**64 - 1}})
+    assert ok.status_code == 200, ok.text   # the conversation is usable, and 2^64-1 fits (clamped to 100)
+    url = daemon.url.replace("http://", "ws://") + "/v1/ws"
+    async with open_websocket_url(url) as ws:
+        await ws.send_message(json.dumps({"op": "create", "body": {**base, "chat_template_kwargs": {"x": 2**64}}}))
+        err = json.loads(await ws.get_message())
+        assert err["op"] == "error" and err["error"]["param"] == "chat_template_kwargs.x", err
+        await ws.send_message(json.dumps({"op": "generate", "session": cid, "body": {"logit_bias": {"5": 2**64}}}))
+        err = json.loads(await ws.get_message())
+        assert err["op"] == "error" and err["error"]["param"] == "logit_bias", err
+    no_tracebacks(caplog)
+
+
+async def test_a_copy_name_too_long_for_a_file_name_is_a_400(daemon: Daemon, caplog: pytest.LogCaptureFixture,
+                                                             tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """60 emoji are 200 characters but 720 bytes percent-encoded, past a file name's 255: the
+    library's write was ENAMETOOLONG, a 500 naming the library's path."""
+    from superfluid.models._library import add_copy
+
+    caplog.set_level(logging.ERROR)
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path))
+    model = tmp_path / "tiny.gguf"
+    model.write_bytes(b"GGUF")
+    add_copy(model, "src")
+    for name in ("\U0001F600" * 60, "\u00e9" * 41, "%" * 82):   # 720, 246 and 246 bytes
+        r = await daemon.client.post("/api/copy", json={"source": "src", "destination": name})
+        assert r.status_code == 400, (len(name), r.text)
+        assert r.json()["error"].startswith("destination is too long") and str(tmp_path) not in r.text, r.text
+    for name in ("\U0001F600" * 20, "\u00e9" * 40, "a" * 200):   # 240, 240 and 200 bytes: they fit
+        r = await daemon.client.post("/api/copy", json={"source": "src", "destination": name})
+        assert r.status_code == 200, (len(name), r.text)
+    no_tracebacks(caplog)
+
+
+async def test_anthropic_stop_sequences_stop_generation(daemon: Daemon) -> None:
+    """As OpenAI ``stop`` does, reported as Anthropic does: ``stop_reason: "stop_sequence"`` and
+    ``stop_sequence`` the one that matched (whole and streamed); none matched is ``null``."""
+    base = {"model": "mock", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": "a story"}]}
+    full = (await daemon.client.post("/v1/messages", json=base)).json()
+    text = full["content"][0]["text"]
+    words = text.split()
+    assert len(words) > 4, text
+    stop = " " + words[len(words) // 2]
+    cut = text[: text.index(stop)]
+    body = {**base, "stop_sequences": [" never-generated", stop]}
+    r = (await daemon.client.post("/v1/messages", json=body)).json()
+    assert r["content"][0]["text"] == cut, (r, cut)
+    assert (r["stop_reason"], r["stop_sequence"]) == ("stop_sequence", stop), r
+    async with daemon.client.stream("POST", "/v1/messages", json={**body, "stream": True}) as s:
+        events = [e.json() async for e in aiter_sse(s.aiter_bytes()) if e.data]
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == cut
+    delta = next(e for e in events if e["type"] == "message_delta")["delta"]
+    assert delta == {"stop_reason": "stop_sequence", "stop_sequence": stop}, delta
+    r = (await daemon.client.post("/v1/messages", json={**base, "stop_sequences": [" never-generated"]})).json()
+    assert r["content"][0]["text"] == text and r["stop_sequence"] is None, r
+    assert r["stop_reason"] == full["stop_reason"] != "stop_sequence", r
+    await refused(daemon, "/v1/messages", {**base, "stop_sequences": [5]}, None)
+    await refused(daemon, "/v1/messages", {**base, "stop_sequences": ["x"] * 17}, None)

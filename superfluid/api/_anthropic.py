@@ -21,7 +21,7 @@ from ._http import ApiError, Receive, Send, send_json, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, qos_of, render_chat, thinking_kwargs, tool_from
 from ._sse import SseResponse
 from ._tenancy import partition_of
-from ._params import integer, sampling_from
+from ._params import integer, sampling_from, stops_from
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
@@ -39,14 +39,24 @@ def error_body(exc: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
+def _string(block: dict[str, Any], key: str, where: str) -> str:
+    """A block's text field: a string (absent is empty); anything else is the client's 400, naming it."""
+    value = block.get(key, "")
+    if not isinstance(value, str):
+        raise ApiError(400, f"invalid request: {where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
 def _text_of(content: Any, where: str) -> str:
+    """A string, or the text of an array's ``text`` blocks (``where`` names it in a refusal)."""
     if isinstance(content, str):
         return content
     if content is None:
         return ""
     if not isinstance(content, list):
-        raise ApiError(400, f"invalid request: {where} must be a string or an array of blocks")
-    return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+        raise ApiError(400, f"invalid request: {where} must be a string or an array of blocks", param=where)
+    return "".join(_string(b, "text", f"{where}.{j}") for j, b in enumerate(content)
+                   if isinstance(b, dict) and b.get("type") == "text")
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -59,7 +69,8 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     system = body.get("system")
     if system is not None:
         if isinstance(system, list):
-            system = "\n".join(b.get("text", "") for b in system if isinstance(b, dict) and b.get("type") == "text")
+            system = "\n".join(_string(b, "text", f"system.{j}") for j, b in enumerate(system)
+                               if isinstance(b, dict) and b.get("type") == "text")
         if not isinstance(system, str):
             raise ApiError(400, "invalid request: system must be a string or text blocks", param="system")
         out.append({"role": "system", "content": system})
@@ -76,19 +87,19 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         text: list[str] = []
         thinking: list[str] = []
         calls: list[dict[str, Any]] = []
-        for b in blocks:
+        for j, b in enumerate(blocks):
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
-                text.append(str(b.get("text", "")))
+                text.append(_string(b, "text", f"messages.{i}.content.{j}"))
             elif kind == "thinking":
-                thinking.append(str(b.get("thinking", "")))
+                thinking.append(_string(b, "thinking", f"messages.{i}.content.{j}"))
             elif kind == "tool_use" and m["role"] == "assistant":
                 calls.append({"id": str(b.get("id", "")), "type": "function",
                               "function": {"name": str(b.get("name", "")),
                                            "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
             elif kind == "tool_result":
                 out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")),
-                            "content": _text_of(b.get("content"), f"messages.{i}.content.tool_result")})
+                            "content": _text_of(b.get("content"), f"messages.{i}.content.{j}.content")})
             elif kind in ("image", "document"):
                 raise ApiError(400, f"this model takes text only; {kind} blocks are not supported",
                                code="unsupported_input", param=f"messages.{i}.content")
@@ -136,7 +147,7 @@ def _request(model: ServedModel, body: dict[str, Any], *, counting: bool = False
         messages=parse_messages(body),
         sampling=sampling_from({k: body.get(k) for k in ("temperature", "top_p", "top_k")},
                                n_vocab=int(model.info.get("n_vocab", 1 << 30))),
-        max_tokens=max_tokens, tools=tools, choice=choice,
+        max_tokens=max_tokens, tools=tools, choice=choice, stops=stops_from(body, "stop_sequences"),
         template_kwargs=thinking_kwargs(model.template.source, {}, enable=enable))
 
 
@@ -160,13 +171,37 @@ async def messages(app: App, scope: dict[str, Any], receive: Receive, send: Send
         req = _request(model, body)
         mid = f"msg_superfluid_{next(_ids)}"
         async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
-            await (_stream if stream else _whole)(send, reply, mid)
+            await (_stream if stream else _whole)(send, reply, mid, req.stops)
 
     await answer_errors(send, run, error_body)
 
 
-def _stop_reason(finish: str | None) -> str:
-    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(finish or "", "end_turn")
+def _stop_reason(reply: Reply, stops: list[str]) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``: which of the client's
+    ``stop_sequences`` ended the reply, if one did (a tool-call marker that
+    ended it is ``end_turn``)."""
+    matched = _matched_stop(reply, stops) if reply.finish == "stop" else None
+    if matched is not None:
+        return "stop_sequence", matched
+    return {"length": "max_tokens", "tool_calls": "tool_use"}.get(reply.finish or "", "end_turn"), None
+
+
+def _stop_fields(reply: Reply, stops: list[str]) -> dict[str, Any]:
+    reason, sequence = _stop_reason(reply, stops)
+    return {"stop_reason": reason, "stop_sequence": sequence}
+
+
+def _matched_stop(reply: Reply, stops: list[str]) -> str | None:
+    """The client stop sequence found where the released text ends. The reply's
+    text stream cuts at the first stop string it finds and keeps no record of
+    which, so it is read off the generated text there (the first listed, of
+    several starting at that point)."""
+    stream = reply.follower.text
+    if not stream.stopped:
+        return None
+    generated = b"".join(reply.job.pieces[: reply.follower.cursor]).decode("utf-8", errors="replace")
+    rest = generated[len(stream.text):]
+    return next((s for s in stops if rest.startswith(s)), None)
 
 
 def _usage(reply: Reply) -> dict[str, Any]:
@@ -180,7 +215,7 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
             "input": call.input}
 
 
-async def _whole(send: Send, reply: Reply, mid: str) -> None:
+async def _whole(send: Send, reply: Reply, mid: str, stops: list[str]) -> None:
     blocks: list[dict[str, Any]] = []
     while True:
         events, _rows, done = await reply.next()
@@ -199,10 +234,10 @@ async def _whole(send: Send, reply: Reply, mid: str) -> None:
         blocks.append({"type": "text", "text": ""})
     await send_json(send, 200, {
         "id": mid, "type": "message", "role": "assistant", "model": reply.model.name, "content": blocks,
-        "stop_reason": _stop_reason(reply.finish), "stop_sequence": None, "usage": _usage(reply)})
+        **_stop_fields(reply, stops), "usage": _usage(reply)})
 
 
-async def _stream(send: Send, reply: Reply, mid: str) -> None:
+async def _stream(send: Send, reply: Reply, mid: str, stops: list[str]) -> None:
     sse = SseResponse(send, done=False, error=_error_frame)
 
     async def emit(kind: str, obj: dict[str, Any], more: bool = True) -> None:
@@ -255,8 +290,7 @@ async def _stream(send: Send, reply: Reply, mid: str) -> None:
             if done:
                 break
         await close()
-        await emit("message_delta", {"delta": {"stop_reason": _stop_reason(reply.finish), "stop_sequence": None},
-                                     "usage": _usage(reply)})
+        await emit("message_delta", {"delta": _stop_fields(reply, stops), "usage": _usage(reply)})
         await emit("message_stop", {}, more=False)
     except ApiError as exc:
         await sse.fail(exc)

@@ -32,7 +32,7 @@ from ..proto import Sampling
 from ..sched import QosClass, parse_qos
 from ._lane import Follower, open_lane, prepare, usage_of, wait_admitted
 from ._http import ApiError, header
-from ._params import integer
+from ._params import check_loggable, integer
 from ._principal import principal_of
 from ._tenancy import Partition
 
@@ -384,8 +384,11 @@ def parse_tool_choice(value: Any, tools: list[Tool], *, param: str = "tool_choic
     """``auto|none|required|{type:function,function:{name}}`` (also ``{type:function,name}``); ``None`` is ``auto``.
 
     Raises:
-        ApiError: any other value, a forced choice without tools, or naming an undeclared tool.
+        ApiError: any other value, a forced choice without tools, or naming an undeclared tool;
+            one nested deeper than 8 levels or holding an integer beyond 64 bits (a conversation's
+            turn logs it as sent).
     """
+    check_loggable(value, param, depth=8)
     choice = ToolChoice()
     if value in ("none", "required"):
         choice = ToolChoice(value)

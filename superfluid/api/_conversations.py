@@ -42,7 +42,7 @@ from ..proto._wal import body_conversation
 from ._lane import check_log
 from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
 from ._chat import parse_messages, parse_tools
-from ._params import template_kwargs_from
+from ._params import check_loggable, template_kwargs_from
 from ._sessions import cancel_generation
 from ._principal import principal_of
 from ._tenancy import chosen_id, public_id, resolve
@@ -135,8 +135,14 @@ async def create_conversation(app: App, scope: dict[str, Any], body: dict[str, A
     check_sampling(model, sampling, "sampling.")
     kwargs = template_kwargs_from(body)
     messages = parse_messages(body) if body.get("messages") not in (None, []) else []
-    head = body_conversation(model=model.name, system=system, tools=[t.to_openai() for t in tools] if tools else None,
-                             sampling=sampling, template_kwargs=kwargs, tenant=principal_of(scope).tenant)
+    logged_tools = [t.to_openai() for t in tools] if tools else None
+    for param, value in (("tools", logged_tools), ("sampling", sampling), ("chat_template_kwargs", kwargs)):
+        check_loggable(value, param)   # as the conversation's first record holds it
+    try:
+        head = body_conversation(model=model.name, system=system, tools=logged_tools, sampling=sampling,
+                                 template_kwargs=kwargs, tenant=principal_of(scope).tenant)
+    except ValueError as exc:  # anything else its record cannot hold
+        raise ApiError(400, f"invalid request: {exc}") from None
     check_room(app, None, messages, header=head)
     try:
         await app.conversations.create(cid, head, messages)

@@ -226,8 +226,11 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string")
         msg: dict[str, Any] = {"role": m["role"], "content": content}
+        raw_calls = m.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be an array", param=f"messages[{i}].tool_calls")
         calls = []
-        for k, c in enumerate(m.get("tool_calls") or ()):
+        for k, c in enumerate(raw_calls):
             fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ApiError(400, f"messages[{i}].tool_calls[{k}].function.name is required")
@@ -481,6 +484,17 @@ async def _stream_pull(app: App, send: Send, plan: Any, progress: Any) -> None:
     await line({"status": "success"}, more=False)
 
 
+# a copy is the library record <percent-encoded name>.json, written through <name>.<pid>.tmp
+# (models/_library.py): with that suffix it must fit one file name, 255 bytes (ext4, APFS, ...)
+RECORD_STEM_MAX = 255 - len(".4194304.tmp")
+
+
+def _record_stem(name: str) -> bytes:
+    from urllib.parse import quote
+
+    return quote(name, safe="").encode()
+
+
 def _library_entry(app: App, name: str) -> Any:
     """The pulled, copied or cached model ``name`` names (``:latest`` allowed), or None."""
     from ..models._library import find
@@ -543,6 +557,9 @@ async def api_copy(app: App, scope: dict[str, Any], receive: Receive, send: Send
         source, dest = body.get("source"), body.get("destination")
         if not isinstance(source, str) or not source or not isinstance(dest, str) or not dest:
             raise ApiError(400, "source and destination are required")
+        if len(_record_stem(dest)) > RECORD_STEM_MAX:
+            raise ApiError(400, f"destination is too long: percent-encoded it takes {len(_record_stem(dest))} bytes, "
+                                f"more than {RECORD_STEM_MAX}", param="destination")
         principal_of(scope).check_model(source)
         principal_of(scope).check_model(dest)
         if dest in app.registry.known or dest in app.registry.loaded:

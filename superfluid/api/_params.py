@@ -12,7 +12,7 @@ from ..chat import TEMPLATE_NAMES
 from ..proto import Sampling
 from ._http import ApiError
 
-__all__ = ["integer", "number", "sampling_from", "stops_from", "template_kwargs_from"]
+__all__ = ["check_loggable", "integer", "number", "sampling_from", "stops_from", "template_kwargs_from"]
 
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -20,6 +20,8 @@ MAX_LOGIT_BIAS = 1024
 MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+LOG_DEPTH = 32                       # the session log's nesting limit (proto/_wal_fields.py ``plain``)
+LOG_INTS = range(-(2**63), 2**64)    # the integers its msgpack records hold
 
 
 def _finite(value: float) -> bool:
@@ -83,6 +85,30 @@ def template_kwargs_from(body: dict[str, Any], key: str = "chat_template_kwargs"
     return kwargs
 
 
+def check_loggable(value: Any, param: str, *, depth: int = LOG_DEPTH) -> None:
+    """Refuse a client value that a session-log record cannot hold: an integer
+    outside 64 bits, or nesting more than ``depth`` levels below ``value``. The
+    log would raise as the record is written (a 500); here it is the client's 400.
+
+    Raises:
+        ApiError: 400 naming the first such path (iteratively: ``value`` may be deep).
+    """
+    stack: list[tuple[str, Any, int]] = [(param, value, 0)]
+    while stack:
+        path, v, level = stack.pop()
+        shown = path if len(path) <= 200 else f"{path[:200]}…"
+        if level > depth:
+            raise ApiError(400, f"invalid request: {shown} is nested more than {depth} levels deep "
+                                "(the session log's limit)", param=param)
+        if type(v) is int and v not in LOG_INTS:
+            raise ApiError(400, f"invalid request: {shown} is an integer that does not fit in 64 bits",
+                           param=shown)
+        if isinstance(v, dict):
+            stack += [(f"{path}.{k}", x, level + 1) for k, x in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(f"{path}[{i}]", x, level + 1) for i, x in reversed(list(enumerate(v)))]
+
+
 def _logit_bias(body: dict[str, Any], n_vocab: int) -> list[tuple[int, float]]:
     raw = body.get("logit_bias")
     if raw is None:
@@ -96,8 +122,10 @@ def _logit_bias(body: dict[str, Any], n_vocab: int) -> list[tuple[int, float]]:
         if not (k.isascii() and k.isdigit() and len(k) <= 10) or not int(k) < n_vocab:
             raise ApiError(400, f"invalid request: logit_bias key {k[:40]!r} is not a token id of this model "
                                 f"(0 to {n_vocab - 1})", param="logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
-            raise ApiError(400, f"invalid request: logit_bias[{k}] must be a finite number", param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v) or (
+                isinstance(v, int) and v not in LOG_INTS):  # (a conversation's turn logs the value as sent)
+            raise ApiError(400, f"invalid request: logit_bias[{k}] must be a finite number (an integer within "
+                                "64 bits)", param="logit_bias")
         bias.append((int(k), float(max(-100, min(100, v)))))
     return bias
 

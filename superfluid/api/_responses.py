@@ -109,9 +109,11 @@ def input_messages(value: Any, history: list[dict[str, Any]] | None = None) -> l
             raise ApiError(400, f"invalid request: input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
+            role = "system" if role == "developer" else role   # (a list or object role is refused below)
             if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"invalid request: input[{i}].role {role!r} is not supported", param="input")
+                raise ApiError(400, f"invalid request: input[{i}].role {str(role)[:80]!r} is not supported",
+                               param=f"input[{i}].role")
             msg: dict[str, Any] = {"role": role, "content": _parts_text(item.get("content"), f"input[{i}]")}
             if role == "assistant" and reasoning:
                 msg["reasoning_content"], reasoning = reasoning, ""
@@ -130,7 +132,10 @@ def input_messages(value: Any, history: list[dict[str, Any]] | None = None) -> l
             out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                         "content": output if isinstance(output, str) else _parts_text(output, f"input[{i}]")})
         elif kind == "reasoning":
-            reasoning += "".join(str(c.get("text", "")) for c in item.get("content") or () if isinstance(c, dict))
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise ApiError(400, f"invalid request: input[{i}].content must be an array", param=f"input[{i}].content")
+            reasoning += "".join(str(c.get("text", "")) for c in parts if isinstance(c, dict))
         else:
             raise ApiError(400, f"input item type {kind!r} is not supported", code="unsupported_parameter",
                            param="input")
