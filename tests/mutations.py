@@ -57,6 +57,7 @@ B = "tests/test_boundaries.py::"
 C = "tests/test_sched_core.py::"
 AD = "tests/test_security_admission.py::"
 L = "tests/test_security_logs.py::"
+RA = "tests/test_security_archive.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -260,10 +261,18 @@ MUTATIONS = (
              "            elif got != artifact.sha256:\n",
              "            elif False:\n",
              ("tests/test_runtime_install.py::test_wrong_sha256_installs_nothing",)),
-    Mutation("an archive member may not land outside the install", "superfluid/runtime/_archive.py",
-             "        if not _inside(m.name):\n",
-             "        if False:\n",
-             ("tests/test_runtime_install.py::test_unsafe_archives_fail_the_install",)),
+    Mutation("an archive member may not climb out with '..'", "superfluid/runtime/_archive.py",
+             '    if ".." in parts:\n', "    if False:\n",
+             ("tests/test_runtime_install.py::test_unsafe_archives_fail_the_install",
+              RA + "test_refused_tar_members_write_nothing_outside")),
+    Mutation("an archive makes no link, device or special file", "superfluid/runtime/_archive.py",
+             "                if why is not None:\n", "                if False:\n",
+             (RA + "test_cve_2025_4517_symlink_chain_writes_nothing_outside",
+              RA + "test_refused_tar_members_write_nothing_outside")),
+    Mutation("an archive has at most LIMITS.members members", "superfluid/runtime/_archive.py",
+             "        if self.members > self.limits.members:\n", "        if False:\n",
+             (RA + "test_too_many_members_is_refused_without_unpacking_them_all",
+              RA + "test_a_refused_archive_leaves_home_as_it_was")),
     Mutation("plain http only from a loopback host", "superfluid/runtime/_install.py",
              "    if parts.scheme == \"http\" and _loopback(parts.hostname):\n",
              "    if parts.scheme == \"http\":\n",
