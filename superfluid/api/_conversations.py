@@ -47,7 +47,7 @@ from ._sessions import cancel_generation
 from ._principal import principal_of
 from ._tenancy import chosen_id, public_id, resolve
 from ._turns import (
-    SAMPLING_FIELDS, busy_error, check_room, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
+    SAMPLING_FIELDS, busy_error, check_quota, check_room, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
 )
 
 if TYPE_CHECKING:
@@ -201,6 +201,7 @@ async def fork_conversation(app: App, scope: dict[str, Any], cid: str, body: dic
     if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= slog.last_event_id:
         raise ApiError(400, f"invalid request: at must be an event id in 0..{slog.last_event_id}", param="at")
     new = _new_id(app, scope, body.get("id"))
+    check_quota(app, conversations=1, nbytes=app.conversations.size(cid))  # (at most what the fork copies)
     try:
         await app.conversations.fork(cid, at, new)
     except SessionStateError:

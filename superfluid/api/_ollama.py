@@ -23,6 +23,7 @@ from .. import __version__
 from .._errors import first_leaf
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
+from ._admission import granted_keep_alive
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
 from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
 from ._tenancy import Partition, partition_of
@@ -260,7 +261,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
     async def run(send: Send) -> None:
         _check_fields(body, _CHAT_FIELDS)
         partition = partition_of(scope, body)
-        keep_alive = _keep_alive(body)
+        keep_alive = granted_keep_alive(principal_of(scope).admin, _keep_alive(body))
         model = await app.resolve_model(_name(app, body.get("model")))
         app.registry.keep_alive(model, keep_alive)
         messages = _messages(body.get("messages") or [])
@@ -282,7 +283,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
     async def run(send: Send) -> None:
         _check_fields(body, _GENERATE_FIELDS)
         partition = partition_of(scope, body)
-        keep_alive = _keep_alive(body)
+        keep_alive = granted_keep_alive(principal_of(scope).admin, _keep_alive(body))
         model = await app.resolve_model(_name(app, body.get("model")))
         app.registry.keep_alive(model, keep_alive)
         if body.get("suffix"):
