@@ -58,6 +58,7 @@ C = "tests/test_sched_core.py::"
 AD = "tests/test_security_admission.py::"
 L = "tests/test_security_logs.py::"
 RA = "tests/test_security_archive.py::"
+BD = "tests/test_security_bodies.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -178,6 +179,17 @@ MUTATIONS = (
              "        if len(live) >= key.max_concurrent:\n",
              "        if False:\n",
              (G + "test_a_stream_holds_its_concurrency_slot", G + "test_a_websocket_generation_holds_its_keys_slot")),
+    Mutation("a body's element count is checked before it parses", "superfluid/api/_http.py",
+             "    if count > MAX_BODY_ELEMENTS:\n", "    if False:\n",
+             (BD + "test_a_body_with_too_many_elements_is_413_and_prose_commas_are_not_elements",)),
+    Mutation("a big body parses off the event loop", "superfluid/api/_http.py",
+             "    if len(box[0]) <= INLINE_PARSE_BYTES:\n", "    if True:\n",
+             (BD + "test_a_big_body_parses_in_a_thread_and_gives_its_bytes_back",
+              BD + "test_a_wait_for_the_parse_slot_is_cancellable_and_an_abandoned_parse_gives_its_bytes_back")),
+    Mutation("a body cancelled before its parse gives its bytes back", "superfluid/api/_http.py",
+             "        if box:  # cancelled while it waited for the slot: no thread will release it\n",
+             "        if False:\n",
+             (BD + "test_a_wait_for_the_parse_slot_is_cancellable_and_an_abandoned_parse_gives_its_bytes_back",)),
     Mutation("a conversation holds only what its log can", "superfluid/api/_conversations.py",
              "        check_loggable(value, param)   # as the conversation's first record holds it\n",
              "        pass\n",

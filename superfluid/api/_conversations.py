@@ -40,7 +40,7 @@ import trio
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation
 from ._lane import check_log
-from ._http import ApiError, Receive, Send, decode_json, header, read_body, send_json
+from ._http import ApiError, Receive, Send, header, read_json, send_json
 from ._chat import parse_messages, parse_tools
 from ._params import check_loggable, template_kwargs_from
 from ._sessions import cancel_generation
@@ -223,8 +223,7 @@ def _query_int(scope: dict[str, Any], name: str, default: int, lo: int, hi: int)
 
 
 async def _optional_json(scope: dict[str, Any], receive: Receive) -> dict[str, Any]:
-    raw = await read_body(scope, receive)
-    return decode_json(raw) if raw.strip() else {}
+    return await read_json(scope, receive, empty={})
 
 
 def _whole() -> trio.CancelScope:
@@ -244,7 +243,7 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     if cid is None:
         if method != "POST":
             raise ApiError(405, f"method {method} not allowed on /v1/sessions")
-        body = decode_json(await read_body(scope, receive))
+        body = await read_json(scope, receive)
         with _whole():
             info = await create_conversation(app, scope, body)
         await send_json(send, 201, info)
@@ -260,7 +259,7 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
             return False  # a generation session (or none the caller owns): GET /v1/sessions/{id}, …/stream, …
         cid = own
     if tail == "/messages":
-        body = decode_json(await read_body(scope, receive))
+        body = await read_json(scope, receive)
         with _whole():
             done = await append_messages(app, cid, body)
         await send_json(send, 200, done)
