@@ -12,6 +12,9 @@ from __future__ import annotations
 # --- where the daemon listens ---
 HOST = "127.0.0.1"
 PORT = 8453
+BACKLOG = 4096                   # the listen backlog (the kernel caps it at net.core.somaxconn)
+MAX_CONNECTIONS_PER_CLIENT = 256  # connections one client IP holds open at once (loopback not counted)
+HEADER_TIMEOUT_S = 10.0          # a connection's request head must be complete this long after its accept
 
 # --- one model's engine (daemon flags, WorkerSpec, the worker's argv) ---
 MAX_BATCH = 8                    # lanes per model

@@ -222,8 +222,8 @@ class App:
             with self.guard.hold(scope):  # a key's max_concurrent generating requests
                 # one scope for the whole request, cancelled when the client leaves (watched once the
                 # body is read): a load, a tokenize or a wait for a gone client stops there
-                async with open_request(receive) as request:
-                    await self._route(scope, request.receive, tracked_send)
+                async with open_request(receive, tracked_send) as request:
+                    await self._route(scope, request.receive, request.send)
                 if request.scope.cancelled_caught and request.stopped and not request.gone:
                     # a wait no helper watched, ended by the shutdown's backstop: typed, if we still can
                     raise shutting_down()

@@ -27,6 +27,9 @@ the moment its body has been read (hypercorn never cancels the app; it only
 queues ``http.disconnect``). A client that leaves during a model load, a
 tokenize or a wait costs nothing more: the lane it held retires as it exits
 (a resumable stream whose client has its id is kept, ``api/_lane.py``).
+Once the response's last message has been handed to the server, a disconnect
+no longer cancels anything: it is the server ending the exchange, not the
+client leaving (:meth:`Request.send`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import trio
 
 from .._errors import leaves
 
-from ._http import ApiError, Receive
+from ._http import ApiError, Receive, Send
 
 if TYPE_CHECKING:
     from ..sched import Job
@@ -152,17 +155,20 @@ def set_exchange(exchange: Exchange | None) -> None:
 class Request:
     """One HTTP request's handler scope (:func:`open_request`).
 
-    ``scope`` is cancelled once the client disconnects. ``receive`` is the
-    handler's ASGI receive: the body's messages in order, then (once the
-    client is gone) ``http.disconnect``. Only one task reads the connection at
-    a time: the watcher (from the start, and again once the body has been
-    read) or the handler (reading a body of several messages)."""
+    ``scope`` is cancelled once the client disconnects while the response is
+    not over. ``receive`` is the handler's ASGI receive: the body's messages in
+    order, then (once the client is gone) ``http.disconnect``; ``send`` its
+    ASGI send. Only one task reads the connection at a time: the watcher (from
+    the start, and again once the body has been read) or the handler (reading
+    a body of several messages)."""
 
-    def __init__(self, receive: Receive, nursery: trio.Nursery) -> None:
+    def __init__(self, receive: Receive, nursery: trio.Nursery, send: Send | None = None) -> None:
         self._receive = receive
+        self._send = send
         self._nursery = nursery
         self.scope = trio.CancelScope()
-        self.gone = False                  # the client disconnected
+        self.gone = False                  # the client disconnected (or the server ended the exchange)
+        self.responded = False             # the response's last message went to the server
         self.stopped = False               # the daemon is stopping: the scope has a deadline
         self._pending: deque[dict[str, Any]] = deque()  # body messages the watcher read (at most one)
         self._watching = False
@@ -178,7 +184,10 @@ class Request:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                self._left()
+                if self.responded:
+                    self._ended()
+                else:
+                    self._left()
                 return
             if message["type"] == "http.request":
                 self._pending.append(message)  # the handler's, when it reads its body
@@ -201,6 +210,28 @@ class Request:
         self.scope.cancel()
         self._wake()
 
+    def _ended(self) -> None:
+        """The server ended the exchange after the response (:meth:`send`): nothing to cancel."""
+        self.gone = True
+        self._wake()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """The handler's ASGI send (``open_request(receive, send)``).
+
+        The response's last message ends the exchange, and hypercorn ends it
+        inside this very call, in this task: it queues ``http.disconnect`` for
+        the app (the watcher takes it at once), then closes the connection
+        (``Connection: close``, HTTP/1.0) or starts its keep-alive timer. Were
+        that disconnect taken for the client leaving, the cancelled scope would
+        cancel hypercorn's own close at its next checkpoint, and the socket would
+        stay open until the client closed it: a client reading to EOF would hang.
+        So the exchange counts as answered before the message goes out."""
+        if self._send is None:
+            raise RuntimeError("open_request(receive) was given no send")
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.responded = True
+        await self._send(message)
+
     async def receive(self) -> dict[str, Any]:
         while True:
             if self._pending:
@@ -221,20 +252,25 @@ class Request:
 
 
 @asynccontextmanager
-async def open_request(receive: Receive) -> AsyncIterator[Request]:
+async def open_request(receive: Receive, send: Send | None = None) -> AsyncIterator[Request]:
     """Run the block as one HTTP request's handler (:class:`Request`): it is
-    cancelled (and the block exits quietly) when the client disconnects, and
-    at the latest ``CANCEL_AFTER_S`` after the daemon began to stop
-    (``request.stopped``: the caller answers 503 ``server_shutting_down``).
+    cancelled (and the block exits quietly) when the client disconnects before
+    the response's end went out through ``request.send``, and at the latest
+    ``CANCEL_AFTER_S`` after the daemon began to stop (``request.stopped``: the
+    caller answers 503 ``server_shutting_down``).
 
     Raises:
         whatever the block raised (not wrapped in an exception group).
 
-    Cancellation: the watcher task ends with the block.
+    Cancellation: the watcher task ends with the block. When an outer scope is
+    cancelled while the block raises, the block's exception comes out alone: the
+    watcher's ``Cancelled`` beside it is dropped, and the next checkpoint raises
+    the outer cancel again (an exception group here was logged by hypercorn as a
+    traceback).
     """
     try:
         async with trio.open_nursery() as nursery:
-            request = Request(receive, nursery)
+            request = Request(receive, nursery, send)
             stopping = _stopping()
             if stopping is not None:
                 stopping.opened(request)
@@ -246,6 +282,9 @@ async def open_request(receive: Receive) -> AsyncIterator[Request]:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         failures = leaves(group)
+        errors = [exc for exc in failures if not isinstance(exc, trio.Cancelled)]
+        if len(errors) == 1:
+            failures = errors  # the block's own, beside the watcher's Cancelled from an outer cancel
         if len(failures) > 1:
             raise
         raise failures[0] from None  # noqa: ASYNC123 - the block's own exception; the group is the watcher's nursery

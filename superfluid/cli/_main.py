@@ -81,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"address to listen on; overrides --host and --port (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST, help="address to listen on")
     s.add_argument("--port", type=int, default=D.PORT, help="TCP port to listen on (0: any free port)")
+    s.add_argument("--backlog", type=_positive(int), default=D.BACKLOG,
+                   help="connections the kernel queues for accept; a burst beyond it is dropped or reset "
+                        f"(default {D.BACKLOG}; Linux caps it at net.core.somaxconn)")
+    s.add_argument("--max-connections-per-client", type=_count, default=D.MAX_CONNECTIONS_PER_CLIENT, metavar="N",
+                   help="connections one client IP may hold open at once; one more is answered 429 "
+                        "too_many_connections and closed; loopback clients are not counted "
+                        f"(default {D.MAX_CONNECTIONS_PER_CLIENT}; 0: no cap)")
+    s.add_argument("--header-timeout", type=_positive(float), default=D.HEADER_TIMEOUT_S, metavar="SEC",
+                   help="seconds a connection has to send a complete request head, from its accept or from "
+                        "the end of its previous response (so also how long an idle keep-alive connection "
+                        f"stays); then it is closed (default {D.HEADER_TIMEOUT_S:g})")
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
@@ -290,6 +301,16 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
     return parse
 
 
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
+    return number
+
+
 def _nonneg_float(value: str) -> float:
     try:
         number = float(value)
@@ -464,7 +485,8 @@ def _serve(args: argparse.Namespace) -> int:
     if mistake is not None:
         raise CliError(mistake, USAGE)
     config = ServeConfig(
-        models=sources, host=host, port=port, sessions=args.sessions,
+        models=sources, host=host, port=port, sessions=args.sessions, backlog=args.backlog,
+        max_connections_per_client=args.max_connections_per_client, header_timeout_s=args.header_timeout,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
         stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,

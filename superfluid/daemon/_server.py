@@ -10,7 +10,7 @@ Nursery tree (daemon)::
     │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_actor.py)
     ├── turn restorers          after a restart, in a nursery of their own: load each open turn, hand it on
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
-    └── HTTP listener           hypercorn on trio -> per-connection tasks -> request scopes
+    └── HTTP listener           our accept loop (_listener.py) -> hypercorn's connections -> request scopes
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
+from ._listener import MAX_HEAD_BYTES, raise_nofile, serve_http
 from ._summary import summary_lines
 from ._monitor import run_monitor
 from .._cpu import CpuYield, unyielding
@@ -90,8 +90,38 @@ async def stop(root: trio.CancelScope, apps: list[App], grace_s: float, why: str
     root.cancel()
 
 
-def _not_running_on(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Running on ")
+def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+    """hypercorn's settings for the daemon's listener (``_listener.serve_http``)."""
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"{config.host}:{config.port}"]
+    hconfig.backlog = config.backlog
+    hconfig.graceful_timeout = config.drain_timeout_s
+    hconfig.accesslog = None
+    # our own logger object: hypercorn then adds no handler of its own (each of its lines was printed twice)
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
+    # hypercorn's keep-alive timer runs from a connection's accept, and from the end of each response, until
+    # a complete request head has arrived: it is the header timeout (a slowloris is closed when it fires)
+    hconfig.keep_alive_timeout = config.header_timeout_s
+    # a head still arriving is refused (431) by h11 past this; a complete one by _listener.head_limited
+    hconfig.h11_max_incomplete_size = MAX_HEAD_BYTES
+    # the WebSocket limit, enforced while a message is read (1009), not after 16 MiB are buffered
+    hconfig.websocket_max_message_size = WS_LIMITS.max_message
+    # hypercorn's read_timeout would bound every read of a connection, and a client that
+    # streams a long reply or follows a WebSocket legitimately sends nothing for minutes:
+    # the body deadline (--body-timeout, api/_http.py) and --ws-idle-timeout bound those
+    hconfig.read_timeout = None
+    return hconfig
+
+
+def _open_files() -> None:
+    """Raise the open-files limit as far as the hard limit allows, and say once where it stands
+    (every connection takes a descriptor: at the usual soft 1,024, a few hundred idle clients
+    left accept failing with EMFILE)."""
+    before, after = raise_nofile()
+    if after != before:
+        log.info("open files: at most %d (the soft limit was %d; raised toward the hard limit)", after, before)
+    else:
+        log.info("open files: at most %d (the hard limit allows no more); each connection takes one", after)
 
 
 def journal_config() -> JournalConfig:
@@ -121,6 +151,7 @@ async def serve(
     Cancellation: cancelling stops the listener and shuts every worker down
     (protocol Shutdown, then SIGTERM/SIGKILL with bounded grace).
     """
+    _open_files()
     metrics = Metrics()
     drain = trio.Event()
     cpu = CpuYield(enabled=config.cpu_yield)
@@ -150,28 +181,13 @@ async def serve(
                     except Unavailable:
                         pass  # its model failed meanwhile: its close ended the job typed
             app_holder.append(app)
-            hconfig = HypercornConfig()
-            hconfig.bind = [f"{config.host}:{config.port}"]
-            hconfig.graceful_timeout = config.drain_timeout_s
-            hconfig.accesslog = None
-            # our own logger object: hypercorn then adds no handler of its own (each of its lines
-            # was printed twice), and its "Running on" is dropped: the summary has the one such line
-            hconfig.errorlog = logging.getLogger("hypercorn.error")
-            hconfig.errorlog.addFilter(_not_running_on)
-            hconfig.keep_alive_timeout = 75
-            # a request head (line and headers) over 16 KiB is refused by h11 as it arrives
-            hconfig.h11_max_incomplete_size = 16 * 1024
-            # the WebSocket limit, enforced while a message is read (1009), not after 16 MiB are buffered
-            hconfig.websocket_max_message_size = WS_LIMITS.max_message
-            # hypercorn's read_timeout would bound every read of a connection, and a client that
-            # streams a long reply or follows a WebSocket legitimately sends nothing for minutes:
-            # the body deadline (--body-timeout, api/_http.py) and --ws-idle-timeout bound those
-            hconfig.read_timeout = None
+            hconfig = hypercorn_config(config)
 
             async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-                # On drain, hypercorn stops accepting and waits up to graceful_timeout
+                # On drain, the listener stops accepting and waits up to graceful_timeout
                 # for in-flight requests; when it returns, everything else shuts down.
-                await hypercorn_serve(app, hconfig, shutdown_trigger=drain.wait, task_status=task_status)
+                await serve_http(app, hconfig, per_client=config.max_connections_per_client,
+                                 shutdown_trigger=drain.wait, task_status=task_status)
                 root.cancel_scope.cancel()
 
             binds = await root.start(serve_listener)
