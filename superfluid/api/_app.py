@@ -188,11 +188,13 @@ class App:
             if scope["type"] == "http":
                 send = self.guard.cors(scope, send)
             if refusal is not None:
+                exchange.status = refusal.status
                 if scope["type"] == "websocket":
                     await receive()  # websocket.connect
-                    await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
-                else:
-                    exchange.status = refusal.status
+                    if "websocket.http.response" not in scope.get("extensions", {}):
+                        await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
+                        return
+                    send = _ws_denial(send)  # the refusal itself (401, 403, 429 with Retry-After), as over HTTP
                 await send_json(send, refusal.status, _error_body(scope["path"], refusal), refusal_headers(refusal))
                 return
             set_current_principal(principal_of(scope))
@@ -219,14 +221,13 @@ class App:
             await send(message)
 
         try:
-            with self.guard.hold(scope):  # a key's max_concurrent generating requests
-                # one scope for the whole request, cancelled when the client leaves (watched once the
-                # body is read): a load, a tokenize or a wait for a gone client stops there
-                async with open_request(receive, tracked_send) as request:
-                    await self._route(scope, request.receive, request.send)
-                if request.scope.cancelled_caught and request.stopped and not request.gone:
-                    # a wait no helper watched, ended by the shutdown's backstop: typed, if we still can
-                    raise shutting_down()
+            # one scope for the whole request, cancelled when the client leaves (watched once the
+            # body is read): a load, a tokenize or a wait for a gone client stops there
+            async with open_request(receive, tracked_send) as request:
+                await self._route(scope, request.receive, request.send)
+            if request.scope.cancelled_caught and request.stopped and not request.gone:
+                # a wait no helper watched, ended by the shutdown's backstop: typed, if we still can
+                raise shutting_down()
         except ClientGone:
             return
         except ApiError as exc:
@@ -407,3 +408,13 @@ class App:
 
         tokens = await tokenize(model, [(text, False)], add_special=False)
         await send_json(send, 200, {"tokens": tokens, "count": len(tokens)})
+
+
+def _ws_denial(send: Send) -> Send:
+    """``send`` for an HTTP answer to a WebSocket handshake (ASGI's
+    ``websocket.http.response`` extension, which hypercorn implements)."""
+
+    async def deny(message: dict[str, Any]) -> None:
+        await send({**message, "type": "websocket." + message["type"]})
+
+    return deny

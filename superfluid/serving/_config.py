@@ -41,7 +41,9 @@ class ApiKey:
     max_class: QosClass = attrs.field(default=attrs.Factory(lambda self: self.klass, takes_self=True))
     models: tuple[str, ...] | None = None  # the models it may use; None: any
     rate_limit_rpm: int = 0               # its own token bucket (requests a minute); 0: the per-peer one
-    max_concurrent: int = 0               # generating requests at once; 0: no limit
+    max_concurrent: int = 0               # generations at once, each until it ends; 0: no limit
+    max_conversations: int = 0            # conversations its tenant keeps in the log; 0: no limit
+    max_stored_bytes: int = 0             # bytes of its tenant's conversations in the log; 0: no limit
 
     @classmethod
     def from_secret(cls, name: str, secret: str, **kw: object) -> ApiKey:
