@@ -59,6 +59,7 @@ AD = "tests/test_security_admission.py::"
 L = "tests/test_security_logs.py::"
 RA = "tests/test_security_archive.py::"
 BD = "tests/test_security_bodies.py::"
+CN = "tests/test_security_connections.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -179,6 +180,17 @@ MUTATIONS = (
              "        if len(live) >= key.max_concurrent:\n",
              "        if False:\n",
              (G + "test_a_stream_holds_its_concurrency_slot", G + "test_a_websocket_generation_holds_its_keys_slot")),
+    Mutation("a response's end is not the client leaving", "superfluid/api/_lifecycle.py",
+             "                if self.responded:\n                    self._ended()\n                else:\n                    self._left()\n",
+             "                self._left()\n",
+             (CN + "test_connection_close_and_http_1_0_answers_end_with_eof",
+              CN + "test_the_end_of_the_exchange_is_not_the_client_leaving")),
+    Mutation("the listen backlog is --backlog", "superfluid/daemon/_server.py",
+             "    hconfig.backlog = config.backlog\n", "",
+             (CN + "test_a_burst_of_1024_streams_all_complete_with_the_shipped_listener",)),
+    Mutation("a client holds at most --max-connections-per-client", "superfluid/daemon/_listener.py",
+             "            if counted and not self.peers.admit(peer):", "            if False:",
+             (CN + "test_a_client_over_its_connection_cap_gets_a_typed_429",)),
     Mutation("a body's element count is checked before it parses", "superfluid/api/_http.py",
              "    if count > MAX_BODY_ELEMENTS:\n", "    if False:\n",
              (BD + "test_a_body_with_too_many_elements_is_413_and_prose_commas_are_not_elements",)),

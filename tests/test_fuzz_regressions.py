@@ -502,11 +502,9 @@ async def test_lanes_active_counts_every_models_lanes(nursery: trio.Nursery) -> 
     d.scope.cancel()
 
 
-# --- not fixed ---------------------------------------------------------------------------------------
-
-@pytest.mark.xfail(reason="hypercorn 0.18 (trio): a connection the client closes while it is idle in keep-alive "
-                          "stays open (CLOSE_WAIT, one fd) until keep_alive_timeout (75 s here)", strict=False)
 async def test_client_closed_connections_release_their_fds(nursery: trio.Nursery) -> None:
+    """hypercorn alone kept a keep-alive connection its client closed in CLOSE_WAIT (one fd) until
+    keep_alive_timeout; the daemon's listener (daemon/_listener.py) closes it at once."""
     d = await start_daemon(nursery, mock_config())
     port = int(d.url.rsplit(":", 1)[1])
 
