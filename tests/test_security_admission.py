@@ -305,3 +305,26 @@ def test_principal_qos_refuses_above_max_class() -> None:
     key = ApiKey.from_secret("bot", BOT, klass=QosClass.BACKGROUND)
     with pytest.raises(Exception, match="may not ask"):
         Principal(name="bot", tenant="bot", key=key).qos(QosClass.INTERACTIVE, QosClass.AGENT)
+
+
+# -- smaller items of the review (F11) --------------------------------------------------------------------------------
+
+async def test_health_tells_what_is_loaded_only_to_a_key(serve: Any) -> None:
+    d = await serve("mock?step_ms=1&prefill_us=5", api_keys=keys())
+    anonymous = (await d.client.get("/health")).json()
+    assert anonymous == {"status": "ok"}, anonymous
+    keyed = (await d.client.get("/health", headers=AS_BOT)).json()
+    assert keyed["status"] == "ok" and keyed["models_loaded"] == 1, keyed
+    keyless = await serve("mock?step_ms=1&prefill_us=5")
+    assert (await keyless.client.get("/health")).json()["models_known"] == 1  # no keys: the local user sees all
+
+
+async def test_websocket_get_describes_a_conversation_as_http_does(serve: Any) -> None:
+    d = await serve("mock?step_ms=1&prefill_us=5")
+    cid = (await d.client.post("/v1/sessions", json={"model": "mock", "messages": CHAT["messages"]})).json()["id"]
+    over_http = (await d.client.get(f"/v1/sessions/{cid}")).json()
+    async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws") as ws:
+        await ws.send_message(json.dumps({"op": "get", "id": 1, "session": cid}))
+        msg = json.loads(await ws.get_message())
+    assert msg["op"] == "session" and msg["session"] == over_http, (msg, over_http)
+    assert over_http["kind"] == "conversation" and over_http["model"] == "mock"

@@ -13,7 +13,7 @@ from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json,
 from ._lane import log_refusal
 from ._lifecycle import Exchange, Stopping, access_line, open_request, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
-from ._principal import current_principal, principal_of, set_current_principal
+from ._principal import authenticate, current_principal, presented_key, principal_of, set_current_principal
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._session_list import list_sessions
@@ -254,6 +254,8 @@ class App:
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):
             models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}
+            if self.config.api_keys and authenticate(self.config.api_keys, presented_key(scope)) is None:
+                models = {}  # /health needs no key; what is loaded is told only to one
             reason = self.sessions.journal.degraded
             if reason is not None:  # nothing can be generated: the log takes no writes
                 await send_json(send, 503, {"status": "degraded", "reason": reason, **models})

@@ -90,7 +90,9 @@ from ._chat import (
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._guard import RateLimited
 from ._principal import principal_of
-from ._conversations import append_messages, create_conversation, events_page, fork_conversation, own_conversation
+from ._conversations import (
+    append_messages, conversation_info, create_conversation, events_page, fork_conversation, own_conversation,
+)
 from ._sessions import cancel_generation, follower_at, live_session, session_info
 from ._tenancy import chosen_id, partition_of, public_id, resolve
 from ._turns import landed_summary, start_turn
@@ -409,7 +411,12 @@ class _Socket:
         await self._emit(_with_ref({"op": "cancelled", "session": sid}, ref))
 
     async def _op_get(self, msg: dict[str, Any], ref: Any) -> None:
-        info = session_info(self.app, self.scope, _session_of(msg))
+        sid = _session_of(msg)
+        own = resolve(self.app, self.scope, sid)
+        if own is not None and self.app.conversations.get(own) is not None:
+            info = conversation_info(self.app, own)  # as GET /v1/sessions/{id} describes a conversation
+        else:
+            info = session_info(self.app, self.scope, sid)
         await self._emit(_with_ref({"op": "session", "session": info}, ref))
 
     # -- tasks -----------------------------------------------------------------------------------------------------
