@@ -6,6 +6,7 @@ Usage (from the repository root)::
     python -m tests.mutations -k disconnect   # the mutations whose name contains "disconnect"
     python -m tests.mutations --list          # names, files and tests, nothing run
     python -m tests.mutations --no-baseline   # skip the unmutated run of the tests
+    python -m tests.mutations -j 2            # two mutations at once, each in its own copy of the tree
 
 Each mutation removes one rule SPEC.md states (a line or a few, replaced by an exact snippet) and
 names the tests SPEC.md cites for that rule. The working tree (tracked and untracked files, ignored
@@ -24,8 +25,10 @@ applied and was caught. CI runs it after the test suite (.ci/run, about 5 minute
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -574,6 +577,26 @@ def pytest(scratch: Path, args: list[str], timeout: float, env: dict[str, str] |
     return {0: "passed", 1: "failed"}.get(code, f"error (exit {code})")
 
 
+def judge(m: Mutation, scratch: Path, b: Baseline | None, timeout: float) -> tuple[str, float]:
+    """Apply ``m`` in ``scratch``, run its tests, restore the file: the verdict and the seconds it took."""
+    t1 = time.monotonic()
+    path = scratch / m.file
+    original = path.read_text() if path.exists() else ""
+    n = original.count(m.old)
+    if n != 1:
+        return f"NOT APPLIED ({n})", time.monotonic() - t1
+    if b is not None and b.outcome != "passed":
+        return f"BASELINE {b.outcome.upper()}", time.monotonic() - t1
+    limit = timeout if b is None else min(timeout, 30.0 + 4 * b.seconds)
+    path.write_text(original.replace(m.old, m.new))
+    try:
+        outcome = pytest(scratch, ["-x", *m.tests], limit)
+    finally:
+        path.write_text(original)
+    verdict = {"failed": "caught", "timeout": "caught (timeout)", "passed": "SURVIVED"}.get(outcome, f"ERROR {outcome}")
+    return verdict, time.monotonic() - t1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.mutations", description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="select", default="", help="only mutations whose name contains this (default: all)")
@@ -582,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="most seconds for one mutated run; past it counts as caught (default: 300; with a "
                              "baseline, 30 s plus 4 times the tests' baseline time, if less)")
+    parser.add_argument("-j", "--jobs", type=int, default=1,
+                        help="mutations judged at once, each in its own copy of the tree (default: 1)")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if args.select.lower() in m.name.lower()]
     if args.list:
@@ -595,41 +620,38 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     counts: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="superfluid-mutations-") as tmp:
-        scratch = Path(tmp) / "tree"
-        copy_tree(scratch)
+        scratches: queue.SimpleQueue[Path] = queue.SimpleQueue()  # one tree per job: a mutation owns its tree
+        for j in range(args.jobs):
+            copy_tree(Path(tmp) / f"tree{j}")
+            scratches.put(Path(tmp) / f"tree{j}")
         base: dict[str, Baseline] = {}
         if not args.no_baseline:
             union = list(dict.fromkeys(t for m in chosen for t in m.tests))
             report, output = Path(tmp) / "baseline.jsonl", Path(tmp) / "baseline.out"
-            ran = pytest(scratch, ["-p", "tests.mutations", *union], 3600.0, {_REPORT: str(report)}, output)
+            ran = pytest(Path(tmp) / "tree0", ["-p", "tests.mutations", *union], 3600.0, {_REPORT: str(report)},
+                         output)
             base = baselines(report, chosen)
             print(f"baseline: {len(union)} cited tests unmutated in one run: {ran} "
                   f"({time.monotonic() - t0:.0f} s)", flush=True)
             if ran != "passed":
                 print("\n".join(output.read_text(errors="replace").splitlines()[-40:]), flush=True)
         print(f"{'#':>2}  {'verdict':<16} {'secs':>5}  {'mutation':<{width}}  file", flush=True)
-        for i, m in enumerate(chosen, 1):
-            path = scratch / m.file
-            t1 = time.monotonic()
-            original = path.read_text() if path.exists() else ""
-            n = original.count(m.old)
-            b = base.get(m.name)
-            if n != 1:
-                verdict = f"NOT APPLIED ({n})"
-            elif b is not None and b.outcome != "passed":
-                verdict = f"BASELINE {b.outcome.upper()}"
-            else:
-                timeout = args.timeout if b is None else min(args.timeout, 30.0 + 4 * b.seconds)
-                path.write_text(original.replace(m.old, m.new))
-                try:
-                    outcome = pytest(scratch, ["-x", *m.tests], timeout)
-                finally:
-                    path.write_text(original)
-                verdict = {"failed": "caught", "timeout": "caught (timeout)", "passed": "SURVIVED"}.get(
-                    outcome, f"ERROR {outcome}")
-            key = verdict.split(" (")[0] if verdict.startswith("caught") else verdict.split(" ")[0]
-            counts[key] = counts.get(key, 0) + 1
-            print(f"{i:>2}  {verdict:<16} {time.monotonic() - t1:5.1f}  {m.name:<{width}}  {m.file}", flush=True)
+
+        def run(m: Mutation) -> tuple[str, float]:
+            scratch = scratches.get()
+            try:
+                return judge(m, scratch, base.get(m.name), args.timeout)
+            finally:
+                scratches.put(scratch)
+
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(run, m): (i, m) for i, m in enumerate(chosen, 1)}
+            for future in concurrent.futures.as_completed(futures):
+                i, m = futures[future]
+                verdict, secs = future.result()
+                key = verdict.split(" (")[0] if verdict.startswith("caught") else verdict.split(" ")[0]
+                counts[key] = counts.get(key, 0) + 1
+                print(f"{i:>2}  {verdict:<16} {secs:5.1f}  {m.name:<{width}}  {m.file}", flush=True)
     caught = counts.get("caught", 0)
     rest = ", ".join(f"{v} {k.lower()}" for k, v in sorted(counts.items()) if k != "caught")
     print(f"{caught} of {len(chosen)} mutations caught{'; ' + rest if rest else ''} "
