@@ -5,8 +5,11 @@ while ``json.loads`` ran on the trio loop. Now: a body holds at most
 ``MAX_BODY_ELEMENTS`` brackets, commas and strings (413 ``too_many_elements``,
 counted before any object is built), a body over ``INLINE_PARSE_BYTES`` parses in
 a worker thread (one at a time, the wait cancellable), and the bytes of bodies
-held at once are capped (503 ``server_busy``). ``bench/json_parse.py`` measures
-the strict targets; the bounds here are generous.
+held at once are capped (503 ``server_busy``). A string literal over
+``LONG_STRING`` bytes is decoded a piece of about a window at a time (one C call
+decoding a 100 MB string held the GIL, and so every stream, for a quarter of a
+second), to exactly what the whole body's parse gives, refusals included.
+``bench/json_parse.py`` measures the strict targets; the bounds here are generous.
 """
 
 from __future__ import annotations
@@ -79,6 +82,99 @@ def test_deep_nesting_huge_numbers_and_surrogates_are_still_typed_400s(parser: s
     assert decode_json('{"m":"é"}'.encode("utf-16")) == {"m": "é"}  # what json.loads accepted, still accepted
     assert _refusal(b"[1]").message.endswith("must be a JSON object")
     assert _refusal(b"{").status == 400
+
+
+# --- long strings: decoded a piece at a time, to what the whole body's parse gives ----------------------------------
+
+_UNIT = 'a\\n\\"\\\\é中\U0001f600\\ud83d\\ude00\\u00e9\\/\\t z'.encode()  # escapes, a pair, 2-4 byte UTF-8
+
+
+def _answer(raw: bytes) -> tuple[Any, ...]:
+    try:
+        return ("parsed", json.dumps(decode_json(raw)))
+    except ApiError as exc:
+        return (exc.status, exc.message, exc.code, exc.param)
+
+
+def _whole(raw: bytes) -> tuple[Any, ...]:
+    """What ``decode_json`` answers parsing ``raw`` in one call (no string counts as long)."""
+    real = _http.LONG_STRING
+    _http.LONG_STRING = 1 << 62
+    try:
+        return _answer(raw)
+    finally:
+        _http.LONG_STRING = real
+
+
+def _pieces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Windows of 64 bytes, strings over 48 long: every cut lands somewhere new as the text shifts."""
+    monkeypatch.setattr(_http, "_WINDOW", 64)
+    monkeypatch.setattr(_http, "LONG_STRING", 48)
+    sizes: list[int] = []
+    real = _http._string_text
+
+    def spy(piece: bytes) -> Any:
+        sizes.append(len(piece))
+        return real(piece)
+
+    monkeypatch.setattr(_http, "_string_text", spy)
+    return sizes
+
+
+def test_a_long_string_decodes_in_pieces_to_what_json_loads_gives(parser: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = _pieces(monkeypatch)
+    for shift in range(len(_UNIT) + 8):  # a cut at every offset of escapes, pairs and multi-byte characters
+        text = b"x" * shift + _UNIT * 12 + b"\\\\" * 90 + _UNIT * 3  # (a run of 180 backslashes is longer than a window)
+        raw = (b'{"model":"mock","m":["' + text + b'",{"' + text + b'":1,"k":"' + text + b'","' + text + b'":2}],'
+               b'"k":[3]}')  # a long key twice: the last value wins, in the first one's place; "k" twice too
+        got = decode_json(raw)
+        assert json.dumps(got) == json.dumps(json.loads(raw)), shift
+    assert len(sizes) > 4 * 10 * (len(_UNIT) + 8) and max(sizes) <= 64 + 64  # 4 literals, 10+ pieces each
+    for encoding in ("utf-16", "utf-32-be"):  # what json.loads accepts: as UTF-8 first, a window at a time
+        other = raw.decode().encode(encoding)
+        sizes.clear()
+        assert json.dumps(decode_json(other)) == json.dumps(json.loads(other)) and len(sizes) > 40
+
+
+@pytest.mark.parametrize("defect", [b"\\udc00", b"\\ud800x", b"\\ud83d\\ud83d", b"\xff", b"\xe4\xb8", b"\\x", b"\\u12G4",
+                                    b"\x01", b'"', b'"\n  x', b"\\"])
+def test_a_bad_long_string_is_refused_as_the_whole_body_would_be(
+        parser: str, monkeypatch: pytest.MonkeyPatch, defect: bytes) -> None:
+    """The same status, message (line, column and character included) and param: a lone
+    surrogate is the same 400 naming where, bad UTF-8 the same byte position."""
+    _pieces(monkeypatch)
+    for at in (0, 30, 61, 64, 100, 250):
+        text = (_UNIT * 20)[:at] + defect + _UNIT * 10
+        for raw in (b'{"model":"mock",\n "messages":[{"role":"user","content":"' + text + b'"}]}',
+                    b'{"a":"' + _UNIT * 9 + b'",\n"b":"' + text,  # never closed
+                    b'{"a": [1, "' + _UNIT * 9 + b'" "x"], "b":"' + text + b'"}'):  # a syntax error first
+            want = _whole(raw)
+            assert want[0] == 400 and _answer(raw) == want, (defect, at, raw[:80])
+            if at == 61 and defect not in (b"\xff", b"\xe4\xb8"):  # and in UTF-16, cut short too
+                other = raw.decode().encode("utf-16-le")
+                for body in (other, other[:-1]):
+                    assert _answer(body) == _whole(body), (defect, body[-20:])
+
+
+def test_no_parse_call_reads_more_than_a_window_of_a_long_string(parser: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4 MiB string (escapes and all) is decoded by calls of at most a window each: no
+    call holds the GIL for the whole string, whatever thread it runs in."""
+    longest = [0]
+
+    def spying(real: Any) -> Any:
+        def call(data: Any, *args: Any, **kwargs: Any) -> Any:
+            longest[0] = max(longest[0], len(data))
+            return real(data, *args, **kwargs)
+        return call
+
+    text = _UNIT * (4 * MB // len(_UNIT))
+    raw = b'{"model":"mock","messages":[{"role":"user","content":"' + text + b'"}]}'
+    want = json.loads(raw)
+    monkeypatch.setattr(_http.json, "loads", spying(json.loads))
+    if _http.msgspec is not None:
+        monkeypatch.setattr(_http.msgspec.json, "decode", spying(_http.msgspec.json.decode))
+    assert decode_json(raw) == want
+    assert 0 < longest[0] <= _http._WINDOW + 64, longest[0]
 
 
 class _Receive:
@@ -206,10 +302,12 @@ async def test_a_huge_body_costs_under_three_times_its_size_and_stalls_no_stream
     try:
         with trio.fail_after(60):
             await wait_healthy(url, proc)
+        prose = b'lorem \\n ipsum, \\"dolor\\" caf\\u00e9 \\\\ sit; '  # escapes and all: one literal, decoded in pieces
         bodies = [HEAD + b'"zzz":[' + b"{}," * (30 * MB // 3) + b"0]}",  # refused by its count
-                  HEAD + b'"zzz":"' + b"a" * (30 * MB) + b'"}']           # parsed, in a thread
+                  HEAD + b'"zzz":"' + b"a" * (30 * MB) + b'"}',           # parsed, in a thread
+                  b'{"model":"mock","messages":[{"role":"user","content":"' + prose * (30 * MB // len(prose)) + b'"}]}']
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            for raw, answer in zip(bodies, (413, 200), strict=True):
+            for raw, answer in zip(bodies, (413, 200, 413), strict=True):
                 worst, stop = [0.0], trio.Event()
                 rss0 = _reset_peak(proc.pid)
                 with trio.fail_after(60):

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
+import codecs
+import ctypes
+import itertools
 import json
 import math
 import re
+import secrets
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import attrs
@@ -334,41 +340,76 @@ def decode_json(raw: bytes | bytearray, *, what: str = "body", code: str | None 
 
 def _decode(box: list[bytes | bytearray], what: str, code: str | None) -> dict[str, Any]:
     """:func:`decode_json` of the body in ``box``, which it empties so the raw
-    bytes are freed once they are text (the peak is two copies, not three)."""
-    raw = box.pop()
+    bytes are freed once they are text (the peak is two copies, not three).
+
+    A body holding string literals over :data:`LONG_STRING` bytes parses as
+    :func:`_decode_long` says (a UTF-16 or UTF-32 one turned into UTF-8 first, a
+    window at a time): one C call decoding a 100 MB string holds the GIL, and so
+    every other stream, for a quarter of a second or more.
+    """
+    raw = box[0]
     count = _elements(raw, MAX_BODY_ELEMENTS)
     if count > MAX_BODY_ELEMENTS:
         raise ApiError(413, f"invalid request: the {what} holds more than {MAX_BODY_ELEMENTS} JSON elements "
                             "(brackets, commas and strings outside strings)", code=code or "too_many_elements")
+    encoding = json.detect_encoding(raw) if len(raw) > LONG_STRING else ""
+    if encoding.startswith("utf-16") or encoding.startswith("utf-32"):  # as UTF-8, a window at a time
+        try:
+            box[0] = raw = _as_utf8(raw, encoding) or raw
+        except _BadBytes as exc:
+            raise _not_json(what, code, str(exc)) from None
+        encoding = json.detect_encoding(raw)
+    spans = _long_strings(raw, LONG_STRING) if encoding in ("utf-8", "utf-8-sig") else []
+    del raw
+    if spans:
+        obj, unrepresentable, maybe_surrogate = _decode_long(box, spans, what, code)
+    else:
+        try:
+            obj, unrepresentable, maybe_surrogate = _parse(box)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise _not_json(what, code, _reason(exc)) from None
+    return _checked(obj, unrepresentable, maybe_surrogate, what, code)
+
+
+def _parse(box: list[bytes | bytearray]) -> tuple[Any, bool, bool]:
+    """The JSON in ``box`` (emptied: the bytes go once they are text) and
+    whether it may hold an unrepresentable number and a lone surrogate: msgspec
+    if it accepts it, else the stdlib (which accepts what msgspec refuses with a
+    reason: :func:`_checked` then names it). Raises what ``json.loads`` raises."""
+    raw = box.pop()
     if msgspec is not None:
         try:  # refuses every number, surrogate and encoding the stdlib path below refuses (and says why)
-            obj = msgspec.json.decode(raw)
+            return msgspec.json.decode(raw), False, False
         except (msgspec.DecodeError, RecursionError):
             pass
-        else:
-            if not isinstance(obj, dict):
-                raise ApiError(400, f"invalid request: {what} must be a JSON object", code=code)
-            return obj
-    unrepresentable: list[str] = []
+    text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # what json.loads does with bytes
+    del raw
+    maybe_surrogate = not text.isascii() or _ESCAPED_SURROGATE.search(text) is not None
+    flagged: list[str] = []
+    obj = json.loads(text, parse_int=_flagging(_parse_int, flagged), parse_float=_flagging(_parse_float, flagged),
+                     parse_constant=_flagging(_Unrepresentable, flagged))
+    return obj, bool(flagged), maybe_surrogate
 
-    def number(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-        def hook(literal: str) -> Any:
-            value = parse(literal)
-            if isinstance(value, _Unrepresentable):
-                unrepresentable.append(literal)
-            return value
-        return hook
 
-    try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # what json.loads does with bytes
-        del raw
-        maybe_surrogate = not text.isascii() or _ESCAPED_SURROGATE.search(text) is not None
-        obj = json.loads(text, parse_int=number(_parse_int), parse_float=number(_parse_float),
-                         parse_constant=number(_Unrepresentable))
-        del text
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
-        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise ApiError(400, f"invalid request: {what} is not valid JSON ({reason})", code=code) from None
+def _flagging(parse: Callable[[str], Any], flagged: list[str]) -> Callable[[str], Any]:
+    def hook(literal: str) -> Any:
+        value = parse(literal)
+        if isinstance(value, _Unrepresentable):
+            flagged.append(literal)
+        return value
+    return hook
+
+
+def _reason(exc: Exception) -> str:
+    return "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+
+
+def _not_json(what: str, code: str | None, reason: str) -> ApiError:
+    return ApiError(400, f"invalid request: {what} is not valid JSON ({reason})", code=code)
+
+
+def _checked(obj: Any, unrepresentable: bool, maybe_surrogate: bool, what: str, code: str | None) -> dict[str, Any]:
+    """``obj`` if it is an object with no unrepresentable number and no lone surrogate; else the 400 naming where."""
     if not isinstance(obj, dict):
         raise ApiError(400, f"invalid request: {what} must be a JSON object", code=code)
     bad = _path_of(obj, lambda v: isinstance(v, _Unrepresentable)) if unrepresentable else None
@@ -387,6 +428,355 @@ def _decode(box: list[bytes | bytearray], what: str, code: str | None) -> dict[s
 
 
 _ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+# --- long strings, decoded a piece at a time -------------------------------------------------------------------
+
+LONG_STRING = 64 << 10  # a string literal longer than this (bytes) is decoded apart from the rest, in pieces
+
+
+def _decode_long(box: list[bytes | bytearray], spans: list[tuple[int, int]], what: str,
+                 code: str | None) -> tuple[Any, bool, bool]:
+    """:func:`_parse` of a body whose long string literals are ``spans`` (their
+    text, between the quotes), with no C call over more than about
+    :data:`_WINDOW` bytes: the rest of the body (the skeleton, each literal's
+    text replaced by a mark carrying a nonce drawn for this parse, so no client
+    string can pass for one) parses first; then each literal, a piece at a time
+    (cut where no escape, escaped surrogate pair or UTF-8 sequence spans the
+    cut, so the pieces decode to what the whole would); the raw bytes go before
+    the pieces are joined and put back where their marks are. Any refusal is
+    the one :func:`_parse` of the whole body would give (:func:`_first_error`).
+    """
+    raw = box.pop()
+    if raw[:3] == b"\xef\xbb\xbf":  # (utf-8-sig: json.loads drops the BOM, and counts from after it)
+        raw = raw[3:]
+        spans = [(s - 3, e - 3) for s, e in spans]
+    nonce = secrets.token_hex(16)
+    marks = [f"{nonce}.{i}" for i in range(len(spans))]
+    skeleton, prev = bytearray(), 0
+    for (start, end), mark in zip(spans, marks, strict=True):
+        skeleton += raw[prev:start]
+        skeleton += mark.encode()
+        prev = end
+    skeleton += raw[prev:]
+    try:
+        obj, unrepresentable, maybe_surrogate = _parse([bytes(skeleton)])
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise _first_error(raw, spans, marks, skeleton, what, code) from None
+    pieces: list[list[str]] = []
+    for start, end in spans:
+        cuts = _cuts(raw, start, end)
+        texts: list[str] = []
+        for a, b in itertools.pairwise(cuts):
+            text = _string_text(raw[a:b])
+            if text is None:
+                raise _first_error(raw, spans, marks, skeleton, what, code)
+            texts.append(text[0])
+            maybe_surrogate = maybe_surrogate or text[1]
+        pieces.append(texts)
+    del raw, skeleton  # before the joins: the peak is the pieces and one literal, not the body too
+    _trim()
+    values = {mark: _joined(texts) for mark, texts in zip(marks, pieces, strict=True)}
+    _trim()
+    return _put_back(obj, values), unrepresentable, maybe_surrogate
+
+
+def _trim() -> None:
+    """Give the heaps' free pages back to the system (glibc; elsewhere nothing).
+
+    Freeing a block of a few MiB to 32 MiB (a piece, or a body) makes glibc
+    serve later ones from its heaps rather than mapping them, and freed heap
+    memory stays resident: a body freed in the event loop's heap is no room for
+    the string joined in this thread's, so without a trim once the body is gone
+    the daemon's peak held both (2.7 to 3.7 times a 30 MB body, measured, not
+    2.1 to 2.3), and once the pieces are gone its RSS stayed 60-75 MB higher."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def _joined(texts: list[str]) -> str:
+    """``"".join(texts)``, emptying ``texts`` as it goes, with no call copying
+    more than a piece: ``+=`` on a string no one else holds grows it in place
+    (CPython), unless a piece is of a wider kind than all before it (Latin-1,
+    UCS-2, UCS-4): then that one call copies what came before."""
+    if not texts:
+        return ""
+    joined, texts[0] = texts[0], ""
+    for i in range(1, len(texts)):
+        joined += texts[i]
+        texts[i] = ""
+    texts.clear()
+    return joined
+
+
+def _string_text(piece: bytes | bytearray) -> tuple[str, bool] | None:
+    """The text of a piece of a string literal as the whole body's parser would
+    decode it, and whether it may hold a lone surrogate (for :func:`_checked`
+    to name); ``None`` if the stdlib refuses it."""
+    quoted = b'"' + piece + b'"'
+    if msgspec is not None:
+        try:
+            value = msgspec.json.decode(quoted)
+        except msgspec.DecodeError:
+            pass
+        else:
+            return (value, False) if isinstance(value, str) else None
+    try:
+        value = json.loads(quoted.decode("utf-8", "surrogatepass"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return (value, not value.isascii()) if isinstance(value, str) else None
+
+
+def _put_back(obj: Any, values: dict[str, str]) -> Any:
+    """``obj`` with each mark (a key of ``values``) replaced by its string,
+    as a value or a key (a dict with one is rebuilt in order, so duplicate keys
+    still end as ``json.loads`` ends them: first place, last value)."""
+    if isinstance(obj, str):
+        return values.get(obj, obj)
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if any(k in values for k in node):
+                items = list(node.items())
+                node.clear()
+                for k, v in items:
+                    node[values.get(k, k)] = v
+            for k, v in node.items():
+                if isinstance(v, str):
+                    if v in values:
+                        node[k] = values[v]
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if isinstance(v, str):
+                    if v in values:
+                        node[i] = values[v]
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+    return obj
+
+
+def _long_strings(raw: bytes | bytearray, longer_than: int) -> list[tuple[int, int]]:
+    """Where the string literals of ``raw`` longer than ``longer_than`` bytes
+    are: ``(start, end)`` of their text, ``end`` the closing quote (or the end
+    of ``raw``, for one never closed). A window at a time: escaped backslashes
+    and quotes are blanked (same length), then the quotes left alternate
+    opening and closing; no window ends inside a run of backslashes."""
+    spans: list[tuple[int, int]] = []
+    inside, start = False, 0  # within a string? where the text since the last quote starts
+    for a, b in _windows(raw):
+        if raw.find(b'"', a, b) < 0:  # (find is memchr: most windows of a long string hold no quote)
+            continue
+        window = raw[a:b]
+        if raw.find(b"\\", a, b) >= 0:
+            window = window.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+        parts = window.split(b'"')
+        if len(parts) == 1:
+            continue
+        lengths = list(map(len, parts))
+        quote = a + lengths[0]
+        if inside and quote - start > longer_than:
+            spans.append((start, quote))
+        inside, start = not inside, quote + 1
+        if max(lengths[1:-1], default=0) > longer_than:
+            for n in lengths[1:-1]:
+                if inside and n > longer_than:
+                    spans.append((start, start + n))
+                inside, start = not inside, start + n + 1
+        else:
+            inside ^= len(lengths) % 2 == 1  # one flip per quote after the first
+            start = b - lengths[-1]
+    if inside and len(raw) - start > longer_than:
+        spans.append((start, len(raw)))
+    return spans
+
+
+def _windows(raw: bytes | bytearray) -> Iterator[tuple[int, int]]:
+    """``raw`` cut in windows of about :data:`_WINDOW` bytes, none ending inside
+    a backslash escape (``\\\\`` or ``\\"``): each starts where an escape may."""
+    a, end = 0, len(raw)
+    while a < end:
+        b = min(a + _WINDOW, end)
+        if b < end and raw[b - 1] == 0x5C:
+            run = a + len(raw[a:b].rstrip(b"\\"))  # where the run of backslashes ending at b starts
+            b = max(run + ((b - run) & ~1), a + 2)  # after whole pairs (a run's first backslash starts an escape)
+        yield a, b
+        a = b
+
+
+_HIGH_ESCAPE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_LOW_ESCAPE = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _cuts(raw: bytes | bytearray, start: int, end: int) -> list[int]:
+    """Where to cut the text ``raw[start:end]`` of a string literal into pieces
+    of about :data:`_WINDOW` bytes: ``start``, the cuts, ``end``."""
+    cuts = [start]
+    while end - cuts[-1] > _WINDOW:
+        cuts.append(_cut(raw, cuts[-1], cuts[-1] + _WINDOW, end))
+    if cuts[-1] < end:
+        cuts.append(end)
+    return cuts
+
+
+def _cut(raw: bytes | bytearray, lo: int, at: int, end: int) -> int:
+    """A point in ``(lo, end)`` near ``at`` where a string's text can be cut
+    (``lo`` is one): the nearest :func:`_cuttable` one at or before ``at``
+    (within 64 bytes); inside a long run of backslashes, after whole pairs;
+    else the nearest after ``at``, or ``end``. In valid text one of these is
+    within a few bytes; only text that is not UTF-8 is cut 64 bytes on
+    regardless (any cut gives the same refusal: :func:`_utf8_error`)."""
+    for p in range(at, max(lo, at - 64), -1):
+        if _cuttable(raw, lo, p):
+            return p
+    run = lo + len(raw[lo:at].rstrip(b"\\"))  # where the backslashes ending at ``at`` start (lo if before it)
+    if at - run >= 2:
+        return run + ((at - run) & ~1)  # (a run's first backslash starts an escape, and so every other one)
+    for p in range(at + 1, min(at + 64, end)):
+        if _cuttable(raw, lo, p):
+            return p
+    return min(at + 64, end)  # (the end of the text is one)
+
+
+def _cuttable(raw: bytes | bytearray, lo: int, p: int) -> bool:
+    """Whether a string's text can be cut before ``p`` (``lo < p``, ``lo`` one
+    such point): a run of backslashes starts at ``p`` (not a low surrogate's
+    escape just after a high one's), or no backslash is within the 6 bytes
+    before it (an escape is at most 6) and no UTF-8 sequence goes on at it."""
+    if raw[p] == 0x5C:
+        return raw[p - 1] != 0x5C and not (p - 6 >= lo and _HIGH_ESCAPE.fullmatch(raw, p - 6, p) is not None
+                                           and _LOW_ESCAPE.match(raw, p) is not None)
+    return 0x5C not in raw[max(lo, p - 6):p] and not 0x80 <= raw[p] < 0xC0
+
+
+# --- the refusal of a body parsed in pieces: the one the whole body's parse gives ---------------------------------
+
+_NOT_CONTINUATION = bytes(b for b in range(256) if not 0x80 <= b < 0xC0)
+
+
+def _first_error(raw: bytes | bytearray, spans: list[tuple[int, int]], marks: list[str], skeleton: bytes | bytearray,
+                 what: str, code: str | None) -> ApiError:
+    """The 400 ``json.loads`` of the whole of ``raw`` would give, found a window
+    or a piece at a time: the first invalid UTF-8 (it decodes the whole body
+    first), else the first syntax error in the text, at the line, column and
+    character it would name (a literal's text has no newline before its first
+    error: a raw one is one)."""
+    reason = _utf8_error(raw)
+    if reason is not None:
+        return _not_json(what, code, reason)
+    text = skeleton.decode("utf-8", "surrogatepass")
+    starts: list[int] = []  # per literal: its text's first character in raw
+    shifts: list[int] = []  # and how many more characters the literals before it hold than their marks
+    chars, last, shift = 0, 0, 0
+    for (start, end), mark in zip(spans, marks, strict=True):
+        chars += _characters(raw, last, start)
+        starts.append(chars)
+        shifts.append(shift)
+        length = _characters(raw, start, end)
+        chars, last, shift = chars + length, end, shift + length - len(mark)
+    shifts.append(shift)
+    placed = [c - s for c, s in zip(starts, shifts, strict=False)]  # each mark's first character in the skeleton
+
+    def original(k: int) -> int:
+        """The character of raw at the skeleton's character ``k`` (not inside a mark)."""
+        i = bisect.bisect_right(placed, k)
+        return k + shifts[i]
+
+    def where(k: int, pos: int) -> str:
+        n = text.rfind("\n", 0, k)
+        column = pos - (original(n) if n >= 0 else -1)
+        return f"line {text.count(chr(10), 0, k) + 1} column {column} (char {pos})"
+
+    try:
+        json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_Unrepresentable)
+        skeleton_error: json.JSONDecodeError | RecursionError | None = None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        skeleton_error = exc
+    limit = len(raw) + 1  # the literals whose text json.loads reads before the skeleton's error
+    if isinstance(skeleton_error, json.JSONDecodeError):  # (one never closed: its text, from its opening quote)
+        limit = original(skeleton_error.pos) + skeleton_error.msg.startswith("Unterminated string")
+    for i, (start, end) in enumerate(spans):
+        if starts[i] > limit:
+            break
+        cuts, offset = _cuts(raw, start, end), 0
+        for a, b in itertools.pairwise(cuts):
+            try:
+                piece = raw[a:b].decode("utf-8", "surrogatepass")
+                json.loads(f'"{piece}"' if b < len(raw) else f'"{piece}')  # (one never closed ends the text)
+            except UnicodeDecodeError:  # (a cut inside a sequence: only in text that is not UTF-8, refused above)
+                break
+            except json.JSONDecodeError as exc:
+                pos = starts[i] + offset + exc.pos - 1 if exc.pos else starts[i] - 1  # (pos 0: never closed)
+                return _not_json(what, code, f"{exc.msg}: {where(placed[i], pos)}")
+            offset += len(piece)
+    if isinstance(skeleton_error, json.JSONDecodeError):
+        pos = original(skeleton_error.pos)
+        return _not_json(what, code, f"{skeleton_error.msg}: {where(skeleton_error.pos, pos)}")
+    return _not_json(what, code, _reason(skeleton_error or ValueError("it is not JSON")))
+
+
+def _characters(raw: bytes | bytearray, a: int, b: int) -> int:
+    """How many characters the valid UTF-8 ``raw[a:b]`` holds (a window at a time)."""
+    return b - a - sum(len(raw[i:min(i + _WINDOW, b)].translate(None, _NOT_CONTINUATION))
+                       for i in range(a, b, _WINDOW))
+
+
+def _utf8_error(raw: bytes | bytearray) -> str | None:
+    """``str()`` of the error ``raw.decode("utf-8", "surrogatepass")`` raises (a window at a time), or ``None``."""
+    try:
+        for _ in _decoded(raw, "utf-8"):
+            pass
+    except _BadBytes as exc:
+        return str(exc)
+    return None
+
+
+def _as_utf8(raw: bytes | bytearray, encoding: str) -> bytearray | None:
+    """A UTF-16 or UTF-32 body as UTF-8 (a window at a time: ``json.loads``
+    decodes it in one call), or ``None`` if its text starts with a BOM still
+    (``json.loads`` refuses that: :func:`_parse` does, given the body as it
+    came). Raises :class:`_BadBytes`."""
+    utf8 = bytearray()
+    for text in _decoded(raw, encoding):
+        if not utf8 and text.startswith("\ufeff"):
+            return None
+        utf8 += text.encode("utf-8", "surrogatepass")
+    return utf8
+
+
+class _BadBytes(Exception):
+    """A body that is not text in its encoding; ``str()`` is what decoding it whole would say."""
+
+
+def _decoded(raw: bytes | bytearray, encoding: str) -> Iterator[str]:
+    """``raw.decode(encoding, "surrogatepass")``, a window at a time. Raises
+    :class:`_BadBytes`, at the position in ``raw`` (not in a window)."""
+    decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
+    for a in range(0, len(raw), _WINDOW):
+        held = len(decoder.getstate()[0])  # bytes of a character the last window cut
+        try:
+            text = decoder.decode(raw[a:a + _WINDOW], final=a + _WINDOW >= len(raw))
+        except UnicodeDecodeError as exc:
+            start, end = a - held + exc.start, a - held + exc.end
+            if exc.end == exc.start + 1:
+                raise _BadBytes(f"'{exc.encoding}' codec can't decode byte 0x{exc.object[exc.start]:02x} "
+                                f"in position {start}: {exc.reason}") from None
+            raise _BadBytes(f"'{exc.encoding}' codec can't decode bytes in position {start}-{end - 1}: "
+                            f"{exc.reason}") from None
+        yield text
 
 
 async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
