@@ -6,7 +6,8 @@ Usage::
 
 Default settings over llama.cpp with one KV stream per sequence run the executor in exact mode
 (``LlamaEngine.grid``; SPEC.md §5 "Determinism"): prompts prefilled in whole 64-position cells on
-the absolute grid with the last cell in a step of its own, reuse cut back to whole prompt cells,
+the absolute grid with the last step (the last cell, with the full cell before it when it is
+partial) in a pass of its own, reuse cut back to whole prompt cells short of that step,
 committed tokens replayed one per round. With ``grid`` off the same executor behaves as the commit
 before did (plain chunks, any reused prefix), so the two are measured in one process on one
 engine, alternating, ``--repeats`` times; each line gives the better of the repeats.

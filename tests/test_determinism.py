@@ -136,9 +136,10 @@ def _prompt_rows(eng: _Recorder, n_prompt: int) -> list[tuple[int, int]]:
 
 def test_default_prompt_cells_end_on_the_grid_and_the_last_one_goes_alone() -> None:
     """Without --deterministic, over a grid engine, a step takes as many whole cells as its
-    budget allows (at least one), never a part, and the cell holding the last prompt token goes
-    in a step of its own: whatever the budgets and whatever a short earlier request left in the
-    cache, that cell is computed in one shape, and the draws are the same."""
+    budget allows (at least one), never a part, and the last step (the cell holding the last prompt
+    token, with the full cell before it when that one is partial: 64 + 23 rows, flash attention's
+    tiled kernel) goes alone: whatever the budgets and whatever a short earlier request left in
+    the cache, that step is computed in one shape, and the draws are the same."""
     outs, lasts = [], []
     for shared, budgets in ((0, [2048]), (0, [7, 300]), (1, [100]), (10, [2048]), (63, [1, 5000]),
                             (GRID + 5, [130]), (4 * GRID, [2048])):
@@ -152,13 +153,14 @@ def test_default_prompt_cells_end_on_the_grid_and_the_last_one_goes_alone() -> N
         assert all(p % GRID == 0 and (n % GRID == 0 or p + n == len(LONG)) for p, n in rows), rows
         lasts.append(rows[-1])
         outs.append(got)
-    assert set(lasts) == {(9 * GRID, 23)}
+    assert set(lasts) == {(8 * GRID, GRID + 23)}
     assert all(o == outs[0] for o in outs)
 
 
 def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host_memory() -> None:
     """A finished lane keeps its whole prompt cells (not its generated tokens, decoded in another
-    shape); a copy from a running lane and a host-memory import are cut to whole cells too."""
+    shape); a copy from a running lane and a host-memory import are cut to whole cells too, and
+    none reaches into the new prompt's last step."""
     ex, _eng = _grid_executor(host=64 << 20)
 
     def drain() -> None:
@@ -168,9 +170,9 @@ def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host
     _run(ex, [_admit(0, LONG, max_new=4)], iter([2048] * 100))
     assert max(len(slot.tokens) for slot in ex.slots) == 9 * GRID
     warm = ex.admit(_admit(1, LONG, max_new=4))
-    assert warm.cached == 9 * GRID
+    assert warm.cached == 8 * GRID   # its last step is cells 8 and 9
     follow = ex.admit(_admit(2, LONG + [WORD0 + 7] * 40, max_new=4))   # copied from lane 1's sequence
-    assert follow.cached == 9 * GRID and follow.seq != warm.seq
+    assert follow.cached == 8 * GRID and follow.seq != warm.seq
     drain()
     # host memory: the only sequence overwritten by another prompt, then asked again; the new
     # prompt parts from the entry mid-cell
@@ -180,7 +182,7 @@ def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host
     _run(ex, [_admit(0, LONG, max_new=4)], iter([2048] * 100))
     _run(ex, [_admit(1, [WORD0 + 45] * (3 * GRID), max_new=1)], iter([2048] * 100))
     assert len(ex.host) == 1
-    back = ex.admit(_admit(2, LONG[: 5 * GRID + 30] + [WORD0 + 3] * 10, max_new=2))
+    back = ex.admit(_admit(2, LONG[: 5 * GRID + 30] + [WORD0 + 3] * (GRID + 10), max_new=2))
     assert back.cached == 5 * GRID and ex.host.stats["hits"] == 1
 
 
@@ -193,7 +195,7 @@ def test_default_resumed_lane_replays_its_committed_tokens_one_per_round() -> No
     rest = _run(ex, [_admit(0, LONG, full[:5], max_new=12)], iter([2048] * 100))[0]
     assert full[:5] + rest == full
     assert all(p + n <= len(LONG) or n == 1 for _s, p, n in eng.rows)
-    assert _prompt_rows(eng, len(LONG))[-1] == (9 * GRID, 23)
+    assert _prompt_rows(eng, len(LONG))[-1] == (8 * GRID, GRID + 23)
 
 
 def test_an_engine_without_the_grid_keeps_plain_chunks_and_reuse() -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from superfluid.proto import Admit, Sampling
-from superfluid.worker._executor import PREFILL_CHUNK, Executor, counter_seed
+from superfluid.worker._executor import GRID, PREFILL_CHUNK, Executor, counter_seed, last_step
 from superfluid.worker._hostcache import HOST_MIN_TOKENS
 from superfluid.worker._mock import N_VOCAB, WORD0, MockEngine
 from superfluid.worker._prefix import BLOCK, chain
@@ -644,3 +644,107 @@ def test_a_chats_prompt_step_carries_no_agents_chunks() -> None:
     assert res.prefill_tokens == len(chat) and [e[0] for e in res.emits] == [0]
     assert {t: ex.lanes[t].n_past for t in (1, 2)} == before
     check_invariants(ex)
+
+
+# ---- exact mode: the prompt's last prefill step (issue 51) ------------------------------------
+
+
+class _StepRecorder(MockEngine):
+    """A mock that says, as llama.cpp with one KV stream per sequence does, that a row's result
+    depends on its pass's shape (``grid``: the executor runs in exact mode), and records each
+    pass as its rows' (seq, pos0, n_tokens)."""
+
+    grid = True
+
+    def __init__(self, spec: str, *, n_seq: int) -> None:
+        super().__init__(spec, n_seq=n_seq)
+        self.steps: list[list[tuple[int, int, int]]] = []
+
+    def decode(self, rows: list[Any], abort: Any = None) -> list[Any]:
+        self.steps.append([(r.seq, r.pos0, len(r.tokens)) for r in rows])
+        return super().decode(rows, abort)
+
+
+def _grid_ex(n_seq: int = 2, host: int = 0) -> tuple[Executor, _StepRecorder]:
+    engine = _StepRecorder("mock?step_ms=0&prefill_us=0&n_ctx=4096&eos_every=1000000", n_seq=n_seq)
+    ex = Executor(engine, max_lanes=1, host_cache_bytes=host)
+    assert ex.exact and not ex.deterministic
+    return ex, engine
+
+
+def _last_prompt_step(eng: _StepRecorder, seq: int, end: int) -> list[tuple[int, int, int]]:
+    """The pass that computed ``seq``'s last prompt token (its logits gave the first draw)."""
+    return next(step for step in reversed(eng.steps) if any(s == seq and p + n == end for s, p, n in step))
+
+
+def _serve(ex: Executor, eng: _StepRecorder, prompt: list[int], lane: int, budget: int = 2048
+           ) -> tuple[int, list[tuple[int, int, int]], list[Row]]:
+    """One lane alone: (tokens it reused, the pass of its last prompt token, its rows)."""
+    eng.steps.clear()
+    ln = ex.admit(make_admit(lane, prompt, max_new=3))
+    rows = drain(ex, budget=budget)[lane]
+    return ln.cached, _last_prompt_step(eng, ln.seq, len(prompt)), rows
+
+
+@pytest.mark.parametrize("end", [1, 20, 63, 64, 5 * GRID, 5 * GRID + 1, 5 * GRID + 20, 5 * GRID + 63])
+def test_a_prompts_last_step_has_one_shape_cold_warm_and_after_a_longer_prompt(end: int) -> None:
+    """Exact mode: the prompt's last prefill step is the cell holding its last token plus, when
+    that cell is partial and has one, the full cell before it (64 + r rows: llama.cpp's tiled
+    flash attention kernel, not the slow one for under 64 query rows), in a pass of its own;
+    a full last cell or a one-cell prompt alone. Cold (under any budget), warm (the same prompt
+    again) and after a longer prompt that holds it all in the cache, that pass has the same
+    shape, and reuse stops at its start."""
+    prompt = [WORD0 + (i * 7) % 50 for i in range(end)]
+    start = last_step(end)
+    r = end % GRID
+    assert start == (end - GRID - r if r and end > GRID else (end - 1) // GRID * GRID)
+    ex, eng = _grid_ex()
+    cold, step, rows = _serve(ex, eng, prompt, 0)
+    seq = step[0][0]
+    expected = [(seq, start, end - start)]
+    assert cold == 0 and step == expected
+    assert end - start == (GRID + r if r and end > GRID else min(end, GRID) if r else GRID)
+    # a smaller budget changes how many whole cells share the earlier steps, not the last one
+    ex2, eng2 = _grid_ex()
+    _cached, small, rows_small = _serve(ex2, eng2, prompt, 0, budget=7)
+    assert small == [(small[0][0], start, end - start)] and rows_small == rows
+    warm, step, rows_warm = _serve(ex, eng, prompt, 1)
+    assert warm == start and step == [(step[0][0], start, end - start)] and rows_warm == rows
+    # the cache holds more than the prompt (a longer prompt that contains it): still cut at the step
+    ex3, eng3 = _grid_ex()
+    _serve(ex3, eng3, prompt + [WORD0 + 49] * (2 * GRID + 5), 0)
+    after, step, rows_after = _serve(ex3, eng3, prompt, 1)
+    assert after == start and step == [(step[0][0], start, end - start)] and rows_after == rows
+
+
+def test_a_copy_and_a_host_import_stop_at_the_new_prompts_last_step() -> None:
+    """A prefix copied from another sequence, or imported from host memory, is cut at the
+    start of the new prompt's last step too (every place a reuse is cut to whole cells)."""
+    base = [WORD0 + (i * 3) % 50 for i in range(6 * GRID + 20)]
+    ex, eng = _grid_ex(n_seq=3)
+    ex.max_lanes = 2
+    _serve(ex, eng, base, 0)                       # one sequence holds its 6 whole cells
+    ex.admit(make_admit(1, base, max_new=50))      # the same prompt, live on that sequence
+    copy = ex.admit(make_admit(2, base[: 5 * GRID + 30], max_new=2))   # copied from it
+    assert copy.seq != ex.lanes[1].seq and copy.cached == last_step(5 * GRID + 30) == 4 * GRID
+    drain(ex)
+    # host memory: the only sequence, overwritten by another prompt, then asked again
+    ex, eng = _grid_ex(n_seq=1, host=64 << 20)
+    _serve(ex, eng, base, 0)
+    _serve(ex, eng, [WORD0 + 45] * (3 * GRID), 1)
+    assert len(ex.host) == 1
+    tail = base[: 5 * GRID + 7]
+    cached, step, _rows = _serve(ex, eng, tail, 2)
+    assert ex.host.stats["hits"] == 1
+    assert cached == last_step(len(tail)) == 4 * GRID and step == [(0, 4 * GRID, GRID + 7)]
+
+
+def test_deterministic_mode_keeps_its_last_cell_alone() -> None:
+    """Deterministic mode (flash attention off) keeps one cell a step, the last (partial) one
+    alone, and a warm lane reuses every whole cell before it."""
+    engine = _StepRecorder("mock?step_ms=0&prefill_us=0&n_ctx=4096&eos_every=1000000", n_seq=2)
+    ex = Executor(engine, max_lanes=1, deterministic=True)
+    prompt = [WORD0 + i % 50 for i in range(3 * GRID + 20)]
+    for lane, cached in ((0, 0), (1, 3 * GRID)):
+        got, step, _rows = _serve(ex, engine, prompt, lane)
+        assert got == cached and step == [(step[0][0], 3 * GRID, 20)]

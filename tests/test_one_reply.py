@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from superfluid.models._files import model_name
+from superfluid.worker._executor import last_step
 
 from .conftest import REAL_GGUF
 from superfluid.proto import SseDecoder
@@ -35,7 +36,6 @@ pytestmark = [pytest.mark.real, pytest.mark.slow]
 MODEL = model_name(str(REAL_GGUF), "llamacpp")
 MAX_TOKENS = 128
 HEAD_EVENTS = 6
-GRID = 64
 
 
 def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -160,7 +160,9 @@ async def test_a_conversation_sent_alone_gets_one_reply_cold_warm_after_others_a
     cut = rendered.index(-1)
     prompt, filler = rendered[:cut], rendered[cut + 1:]
     assert len(prompt) >= 4000
-    whole = (len(prompt) - 1) // GRID * GRID   # what a warm resend reuses: whole cells short of the last token
+    # what a warm resend reuses: whole cells short of the prompt's last step (its last cell and,
+    # when that one is partial, the full cell before it: one pass of at least 64 rows)
+    whole = last_step(len(prompt))
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     sessions = tmp_path / "sessions"

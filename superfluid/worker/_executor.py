@@ -29,14 +29,21 @@ one KV stream per sequence (``engine.grid``: llama.cpp per-sequence KV):
 * Prompt tokens are prefilled in grid cells: chunks whose boundaries are the
   multiples of ``GRID`` absolute positions (the prompt's last cell ends at its
   end). A step takes whole cells, never a part sized by its budget, and the
-  cell holding the last prompt token goes in a step of its own (llama.cpp
-  computes a short last cell in other kernels alone than inside a bigger
-  micro-batch, and a warm lane computes it alone).
+  prompt's *last step* (:func:`last_step`) goes alone: the cell holding the
+  last prompt token, with the full cell before it when that cell is partial
+  and has one. llama.cpp computes a short last cell in other kernels alone
+  than inside a bigger micro-batch, so its shape must not depend on what was
+  reused; and a step of at least ``GRID`` query rows takes flash attention's
+  tiled kernel (a 20-row step against a 5,000-token KV took 2.0 s on 2 cores,
+  the same rows beside a full cell a fraction of that).
 * Tokens after ``n_prompt`` (a resumed lane's committed tokens) are replayed
   one per decode round, as they were first computed, not prefilled (not while
   speculating: a drafting round computes several at once anyway).
 * A lane reuses (or copies, or imports) only whole grid cells of an earlier
-  prompt; a finished lane's KV is kept only up to its last whole prompt cell
+  prompt, and none of its own prompt's last step (so a warm lane computes that
+  step in the cold lane's shape); a finished lane's KV is kept only up to its
+  last whole prompt cell (the full cell inside its last step included: whole
+  cells give the same rows whatever number of cells shares their pass)
   (a shared pool, which cannot drop a suffix, keeps none), so a follow-up turn
   prefills the previous reply again (decoded one token a pass, its KV differs
   from a prefill's).
@@ -44,7 +51,9 @@ one KV stream per sequence (``engine.grid``: llama.cpp per-sequence KV):
 Deterministic mode (``deterministic=True``) also makes a lane's logits
 independent of the other lanes beside it (on a runtime whose rows do not depend
 on the other rows of a batch; see ``LlamaEngine``): each step takes one cell of
-each prompt, and every sequence is asked at admission (whole-cell matches).
+each prompt, its last (partial) cell alone as in any other step (flash attention
+is off there, so no short step is slow), and every sequence is asked at
+admission (whole-cell matches, up to the last cell).
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ from ._prefix import BLOCK, BlockIndex, chain
 from ..proto import SpecConfig
 from ._spec import PLAIN, Gates, LaneSpec
 
-__all__ = ["Executor", "Lane", "StepResult"]
+__all__ = ["Executor", "Lane", "StepResult", "last_step"]
 
 PREFILL_CHUNK = 512
 MIN_COPY = 4    # a prefix this long elsewhere is copied in (a copy costs about 3 prompt tokens of prefill)
@@ -167,6 +176,19 @@ class _WindowMax:
         return q[0][1]
 
 
+def last_step(end: int) -> int:
+    """Exact mode: where the last prefill step of a prompt ending at ``end`` starts.
+
+    It holds the cell holding the last prompt token and, when that cell is
+    partial and has a full cell before it, that cell too: ``GRID + r`` rows
+    (``r = end % GRID``) rather than ``r`` alone, so the step takes flash
+    attention's tiled kernel. A full last cell, or a one-cell prompt, is a
+    step alone. A lane reuses no token at or past this position.
+    """
+    last = (end - 1) // GRID * GRID
+    return last - GRID if end % GRID and last >= GRID else last
+
+
 def counter_seed(seed: int, k: int) -> int:
     """The RNG seed for generated token ``k`` of a lane seeded with ``seed``."""
     digest = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=4).digest()
@@ -227,13 +249,19 @@ class Executor:
         tokens = list(msg.tokens)
         if len(tokens) >= self.info.n_ctx_seq:
             raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
+        replay = self.exact and self.gates is None
         seq, matched, src = self._pick_slot(tokens, msg.cache_salt)
-        if self.exact and not self.deterministic:
-            matched, src = self._whole_cells(tokens, msg.cache_salt, seq, matched, src)
+        # exact mode reuses nothing of the prompt's last step, so a warm lane computes it in the
+        # cold one's shape (deterministic mode's whole-cell matches stop before its last cell,
+        # its last step)
+        grid_steps = self.exact and not self.deterministic
+        reuse = last_step(msg.n_prompt if replay else len(tokens)) if grid_steps else len(tokens) - 1
+        if grid_steps:
+            matched, src = self._whole_cells(tokens, msg.cache_salt, seq, matched, src, reuse)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
         self._preserve(seq, keep=0 if src is not None else matched, src=src)
-        imported = self._import(seq, tokens, msg.cache_salt, better_than=matched)
+        imported = self._import(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
         if imported is not None:
             matched = imported
         elif src is not None and src != seq:
@@ -250,7 +278,7 @@ class Executor:
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
             sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
-            cached=min(matched, msg.n_prompt), replay=self.exact and self.gates is None,
+            cached=min(matched, msg.n_prompt), replay=replay,
             spec=LaneSpec() if self._may_draft(msg.sampling) else None,
         )
         if self.gates is not None:
@@ -426,16 +454,17 @@ class Executor:
         return n // GRID * GRID
 
     def _whole_cells(self, tokens: list[int], salt: str, seq: int, matched: int,
-                     src: int | None) -> tuple[int, int | None]:
+                     src: int | None, limit: int) -> tuple[int, int | None]:
         """Exact mode over the prefix index: the pick's reuse cut back to the whole
-        prompt cells its source holds; a copy only while it still brings ``MIN_COPY``
-        more. Returns (tokens reusable, source seq)."""
+        prompt cells its source holds, and to ``limit`` (the start of the new prompt's
+        last step); a copy only while it still brings ``MIN_COPY`` more. Returns
+        (tokens reusable, source seq)."""
         slot = self.slots[seq]
         raw = matched if src is None else self._reusable(slot, tokens, len(tokens) - 1, salt)
-        own = self._cells(min(raw, slot.exact))
+        own = min(self._cells(min(raw, slot.exact)), limit)
         if src is None:
             return own, None
-        copied = self._cells(min(matched, self.slots[src].exact))
+        copied = min(self._cells(min(matched, self.slots[src].exact)), limit)
         return (copied, src) if copied - own >= MIN_COPY else (own, None)
 
     def _reusable(self, slot: _Slot, tokens: list[int], limit: int, salt: str) -> int:
@@ -558,17 +587,19 @@ class Executor:
         if data:
             self.host.put(slot.tokens, data, slot.salt)
 
-    def _import(self, seq: int, tokens: list[int], salt: str, *, better_than: int) -> int | None:
+    def _import(self, seq: int, tokens: list[int], salt: str, *, better_than: int, limit: int) -> int | None:
         """Seed ``seq`` from the host cache if an entry of ``salt`` covers at least
-        ``HOST_MIN_TOKENS`` more of ``tokens`` than ``better_than``. Returns
-        the tokens now in ``seq`` (0 if the import failed and left it empty),
+        ``HOST_MIN_TOKENS`` more of ``tokens`` (at most ``limit``) than ``better_than``.
+        Returns the tokens now in ``seq`` (0 if the import failed and left it empty),
         or None if nothing was tried (``seq`` untouched)."""
         found = self.host.best(tokens, len(tokens) - 1, salt, whole=self.shared)
         if found is None:
             return None
         key, n = found
         if self.exact:
-            n = self._cells(n)   # entries hold whole prompt cells; the prompt may part from one mid-cell
+            # entries hold whole prompt cells; the prompt may part from one mid-cell, and its
+            # last step is computed in one shape
+            n = min(self._cells(n), limit)
         if n < better_than + HOST_MIN_TOKENS:
             return None
         entry = self.host.take(key)
@@ -654,10 +685,10 @@ class Executor:
 
     def _cells_take(self, ln: Lane, cap: int) -> int:
         """Exact mode: the prompt tokens of ``ln``'s next prefill step under ``cap``: whole
-        grid cells (at least one) up to, not into, the cell holding its last prompt token,
-        and that cell alone once it is next."""
+        grid cells (at least one) up to, not into, its last step (:func:`last_step`), and
+        that step alone once it is next (``cap`` does not split it: it is at most two cells)."""
         end = ln.prefill_end
-        last = (end - 1) // GRID * GRID
+        last = last_step(end)
         if ln.n_past >= last:
             return end - ln.n_past
         return min(last, max((ln.n_past // GRID + 1) * GRID, (ln.n_past + cap) // GRID * GRID)) - ln.n_past

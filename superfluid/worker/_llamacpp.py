@@ -33,7 +33,10 @@ Contract (the :class:`~superfluid.worker._engine.Engine` and
   differs from the same cell inside a bigger micro-batch (the tiled flash
   attention path starts at 64 query rows; a repacked weight's gemm takes rows
   in fours), and a token decoded alone differs from one prefilled. So the
-  executor runs in exact mode over it (``_executor.py``). The cells a stream
+  executor runs in exact mode over it (``_executor.py``), whose last prompt
+  step takes a partial last cell with the full cell before it: under 64 query
+  rows, flash attention's non-tiled kernel is slow against a long KV (20 rows
+  over 5,200 cells: 2.0 s on 2 cores). The cells a stream
   holds sit in order from cell 0 (a stream is emptied or cut from a position,
   and llama.cpp fills it from the first free cell), so a row also attends
   over the same cells whatever the stream held before. A shared pool places
@@ -300,7 +303,8 @@ class LlamaEngine:
         self.aborts = not shared   # only one stream per sequence can drop a pass's tail
         # a row's result depends on the pass's shape (a short last cell computed alone or inside a
         # bigger micro-batch rounds differently): the executor prefills on the fixed grid (exact
-        # mode) wherever it can reuse whole cells, i.e. with one stream per sequence
+        # mode, the last step at least one whole cell plus the partial one) wherever it can reuse
+        # whole cells, i.e. with one stream per sequence
         self.grid = not shared
         self.drafts = True if not shared else (
             "llama.cpp keeps this model's sliding-window or recurrent KV in one shared pool, which cannot "
