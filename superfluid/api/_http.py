@@ -443,10 +443,13 @@ def _decode_long(box: list[bytes | bytearray], spans: list[tuple[int, int]], wha
     text replaced by a mark carrying a nonce drawn for this parse, so no client
     string can pass for one) parses first; then each literal, a piece at a time
     (cut where no escape, escaped surrogate pair or UTF-8 sequence spans the
-    cut, so the pieces decode to what the whole would); the raw bytes go before
-    the pieces are joined and put back where their marks are. Any refusal is
-    the one :func:`_parse` of the whole body would give (:func:`_first_error`).
+    cut, so the pieces decode to what the whole would), each piece appended to
+    the literal's string as it is decoded (the peak is the body and the
+    strings, as for one parse of the whole); the strings go where their marks
+    are. Any refusal is the one :func:`_parse` of the whole body would give
+    (:func:`_first_error`).
     """
+    _map_big_blocks()
     raw = box.pop()
     if raw[:3] == b"\xef\xbb\xbf":  # (utf-8-sig: json.loads drops the BOM, and counts from after it)
         raw = raw[3:]
@@ -463,60 +466,50 @@ def _decode_long(box: list[bytes | bytearray], spans: list[tuple[int, int]], wha
         obj, unrepresentable, maybe_surrogate = _parse([bytes(skeleton)])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise _first_error(raw, spans, marks, skeleton, what, code) from None
-    pieces: list[list[str]] = []
-    for start, end in spans:
-        cuts = _cuts(raw, start, end)
-        texts: list[str] = []
-        for a, b in itertools.pairwise(cuts):
-            text = _string_text(raw[a:b])
-            if text is None:
+    values: dict[str, str] = {}
+    for (start, end), mark in zip(spans, marks, strict=True):
+        joined = ""
+        for a, b in itertools.pairwise(_cuts(raw, start, end)):
+            piece = _string_text(raw[a:b])
+            if piece is None:
                 raise _first_error(raw, spans, marks, skeleton, what, code)
-            texts.append(text[0])
-            maybe_surrogate = maybe_surrogate or text[1]
-        pieces.append(texts)
-    del raw, skeleton  # before the joins: the peak is the pieces and one literal, not the body too
-    _trim()
-    values = {mark: _joined(texts) for mark, texts in zip(marks, pieces, strict=True)}
-    _trim()
+            text, lone = piece
+            del piece
+            joined += text  # in place (CPython: the only reference), so one piece is copied, not the string so far
+            del text
+            maybe_surrogate = maybe_surrogate or lone
+        values[mark] = joined
+        del joined
+    del raw, skeleton
     return _put_back(obj, values), unrepresentable, maybe_surrogate
 
 
-def _trim() -> None:
-    """Give the heaps' free pages back to the system (glibc; elsewhere nothing).
+def _map_big_blocks() -> None:
+    """Have glibc map every block of a MiB or more (elsewhere: nothing), once.
 
-    Freeing a block of a few MiB to 32 MiB (a piece, or a body) makes glibc
-    serve later ones from its heaps rather than mapping them, and freed heap
-    memory stays resident: a body freed in the event loop's heap is no room for
-    the string joined in this thread's, so without a trim once the body is gone
-    the daemon's peak held both (2.7 to 3.7 times a 30 MB body, measured, not
-    2.1 to 2.3), and once the pieces are gone its RSS stayed 60-75 MB higher."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    A literal's string grows a piece at a time in place (``realloc``), which
+    for a mapped block moves pages, copying nothing. glibc, by default, raises
+    the size it maps from after freeing such a block (a piece), up to 32 MiB,
+    and serves smaller ones from its heaps, where growing a string means
+    copying it: calls of 30 to 75 ms, measured, while it held the GIL, and heap
+    holes that kept the daemon's RSS 60-75 MB higher after a 100 MB string."""
+    global _BIG_BLOCKS_MAPPED
+    if not _BIG_BLOCKS_MAPPED:
+        _BIG_BLOCKS_MAPPED = True
+        if _MALLOPT is not None:
+            _MALLOPT(_M_MMAP_THRESHOLD, 1 << 20)  # (process-wide; glibc's own default is 128 KiB, raised as above)
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc(name: str) -> Callable[[int, int], int] | None:
     try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+        return getattr(ctypes.CDLL(None), name)  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()
-
-
-def _joined(texts: list[str]) -> str:
-    """``"".join(texts)``, emptying ``texts`` as it goes, with no call copying
-    more than a piece: ``+=`` on a string no one else holds grows it in place
-    (CPython), unless a piece is of a wider kind than all before it (Latin-1,
-    UCS-2, UCS-4): then that one call copies what came before."""
-    if not texts:
-        return ""
-    joined, texts[0] = texts[0], ""
-    for i in range(1, len(texts)):
-        joined += texts[i]
-        texts[i] = ""
-    texts.clear()
-    return joined
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_MALLOPT = _libc("mallopt")
+_BIG_BLOCKS_MAPPED = False
 
 
 def _string_text(piece: bytes | bytearray) -> tuple[str, bool] | None:
