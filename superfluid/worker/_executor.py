@@ -34,8 +34,9 @@ one KV stream per sequence (``engine.grid``: llama.cpp per-sequence KV):
   and has one. llama.cpp computes a short last cell in other kernels alone
   than inside a bigger micro-batch, so its shape must not depend on what was
   reused; and a step of at least ``GRID`` query rows takes flash attention's
-  tiled kernel (a 20-row step against a 5,000-token KV took 2.0 s on 2 cores,
-  the same rows beside a full cell a fraction of that).
+  tiled kernel (against a 5,204-token KV on 2 cores: the 20-row last cell alone
+  2.3 s, the 84-row last step 1.2 s, one token alone 0.11 s; measured together,
+  bench-results/35bae36/).
 * Tokens after ``n_prompt`` (a resumed lane's committed tokens) are replayed
   one per decode round, as they were first computed, not prefilled (not while
   speculating: a drafting round computes several at once anyway).
