@@ -41,7 +41,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from .test_fuzz_routes import ThreadDaemon, typed_error
+from .test_fuzz_routes import quiet_daemon, typed_error
 
 pytestmark = pytest.mark.fuzz
 
@@ -245,27 +245,17 @@ def served() -> Iterator[tuple[httpx.Client, str, Errors]]:
     errors = Errors()
     root = logging.getLogger()
     root.addHandler(errors)
-    access = logging.getLogger("superfluid.access")
-    level = access.level
-    access.setLevel(logging.WARNING)
-    d = ThreadDaemon()
-    d.thread.start()
     try:
-        d.ready.wait(60)
-        assert d.url, f"the daemon did not start: {d.error!r}"
-        with httpx.Client(base_url=d.url, timeout=60) as client:
+        with quiet_daemon() as url, httpx.Client(base_url=url, timeout=60) as client:
             r = client.post("/v1/sessions", json=CONVERSATION)
             assert r.status_code == 201, r.text
             yield client, r.json()["id"], errors
     finally:
-        d.stop()
-        access.setLevel(level)
         root.removeHandler(errors)
         if saved is None:
             os.environ.pop("SUPERFLUID_HOME", None)
         else:
             os.environ["SUPERFLUID_HOME"] = saved
-    assert d.error is None, f"the daemon crashed: {d.error!r}"
 
 
 SENT: dict[str, Any] = {"bodies": 0, "routes": set(), "statuses": {}}

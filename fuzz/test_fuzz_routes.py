@@ -35,6 +35,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -240,11 +241,13 @@ class ThreadDaemon:
         self.thread.join(30)
 
 
-@pytest.fixture(scope="module")
-def daemon_url() -> Iterator[str]:
-    # the daemon's thread writes a request's access line after the client has its response, so a
-    # line could land while pytest moves between two tests' captures (CI printed half a logging
-    # error there): this module's daemon logs only warnings and errors
+@contextmanager
+def quiet_daemon() -> Iterator[str]:
+    """A :class:`ThreadDaemon`'s URL for the block; it must not have crashed by the end.
+
+    The daemon's thread writes a request's access line after the client has its response, so a
+    line could land while pytest moves between two tests' captures (CI printed half a logging
+    error there): the daemon logs only warnings and errors meanwhile."""
     access = logging.getLogger("superfluid.access")
     level = access.level
     access.setLevel(logging.WARNING)
@@ -258,6 +261,12 @@ def daemon_url() -> Iterator[str]:
         d.stop()
         access.setLevel(level)
     assert d.error is None, f"the daemon crashed: {d.error!r}"
+
+
+@pytest.fixture(scope="module")
+def daemon_url() -> Iterator[str]:
+    with quiet_daemon() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

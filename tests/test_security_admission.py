@@ -11,7 +11,6 @@ under ``--no-http-qos-header``. Mock runtime, in-process daemons.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -28,7 +27,8 @@ from superfluid.daemon._keypolicy import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_
 from superfluid.sched import QosClass
 from superfluid.serving import ApiKey, ModelSource
 
-from .conftest import Daemon, mock_config, start_daemon
+from .conftest import Daemon, mock_config
+from . import test_security_guard
 
 BOT, OPS = "sk-bot-0123456789", "sk-ops-0123456789"
 AS_BOT = {"authorization": f"Bearer {BOT}"}
@@ -37,31 +37,12 @@ CHAT = {"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_t
 LONG = {**CHAT, "max_tokens": 400, "ignore_eos": True}
 SLOW = "mock?step_ms=20&prefill_us=5"
 
-
-@pytest.fixture
-async def serve(nursery: trio.Nursery) -> AsyncIterator[Any]:
-    started: list[Daemon] = []
-
-    async def start(spec: str = SLOW, **fields: Any) -> Daemon:
-        d = await start_daemon(nursery, attrs.evolve(mock_config(spec, max_batch=8), **fields))
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        await d.client.aclose()
-        d.scope.cancel()
+serve = test_security_guard.serve  # the fixture: ``await serve(spec, **fields)``, a mock daemon stopped at the end
+error = test_security_guard.error  # a typed refusal's error object, its status and code checked
 
 
 def keys(bot: dict[str, Any] | None = None) -> tuple[ApiKey, ...]:
     return (ApiKey.from_secret("bot", BOT, **(bot or {})), ApiKey.from_secret("ops", OPS, admin=True))
-
-
-def error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert r.status_code == status, (r.status_code, r.text)
-    err = r.json()["error"]
-    assert err["code"] == code, err
-    return err
 
 
 async def first_chunk(d: Daemon, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Headers:
@@ -83,7 +64,7 @@ async def lanes_active(d: Daemon) -> float:
 # -- max_concurrent: one admission point, held until the generation ends ----------------------------------------------
 
 async def test_a_resumable_stream_whose_client_left_keeps_its_slot_until_it_ends(serve: Any) -> None:
-    d = await serve(api_keys=keys({"max_concurrent": 2}))
+    d = await serve(SLOW, api_keys=keys({"max_concurrent": 2}))
     resumable = {**AS_BOT, "x-superfluid-resumable": "true"}
     with trio.fail_after(30):
         sids = [(await first_chunk(d, "/v1/chat/completions", {**LONG, "stream": True}, resumable))
@@ -102,7 +83,7 @@ async def test_a_resumable_stream_whose_client_left_keeps_its_slot_until_it_ends
 
 
 async def test_conversation_turns_take_the_keys_slot_over_http_and_websocket(serve: Any) -> None:
-    d = await serve(api_keys=keys({"max_concurrent": 1}))
+    d = await serve(SLOW, api_keys=keys({"max_concurrent": 1}))
     c = d.client
 
     async def conversation() -> str:
@@ -164,7 +145,7 @@ def test_a_claim_counts_while_held_or_while_its_job_runs() -> None:
 
 async def test_each_websocket_op_pays_the_rate_limit(serve: Any, mock_clock: trio.testing.MockClock) -> None:
     mock_clock.rate = 1.0
-    d = await serve("mock?step_ms=1&prefill_us=5", api_keys=keys({"rate_limit_rpm": 3}))
+    d = await serve(api_keys=keys({"rate_limit_rpm": 3}))
     url = d.url.replace("http://", "ws://") + "/v1/ws"
     with trio.fail_after(30):
         async with open_websocket_url(url, extra_headers=[(b"authorization", AS_BOT["authorization"].encode())]) as ws:
@@ -213,7 +194,7 @@ def test_the_per_peer_bucket_is_one_for_loopback_and_one_per_ipv6_64() -> None:
 
 async def test_a_non_admin_keys_keep_alive_neither_unloads_nor_pins(serve: Any) -> None:
     side = ModelSource(spec="mock?step_ms=1&prefill_us=5", runtime="mock", name="side")
-    d = await serve("mock?step_ms=1&prefill_us=5", api_keys=keys(), idle_timeout_s=300.0,
+    d = await serve(api_keys=keys(), idle_timeout_s=300.0,
                     models=(*mock_config().models, side))
     c = d.client
 
@@ -290,7 +271,7 @@ def test_a_non_admin_key_gets_a_storage_quota_by_default(tmp_path: Any) -> None:
 # -- a conversation's qos is the header's, under --no-http-qos-header too ---------------------------------------------
 
 async def test_a_conversations_qos_is_ignored_under_no_http_qos_header(serve: Any) -> None:
-    d = await serve("mock?step_ms=1&prefill_us=5", http_qos_header=False, default_qos=QosClass.BACKGROUND,
+    d = await serve(http_qos_header=False, default_qos=QosClass.BACKGROUND,
                     api_keys=keys({"klass": QosClass.BACKGROUND}))
     c = d.client
     cid = (await c.post("/v1/sessions", json={"model": "mock", "messages": CHAT["messages"]}, headers=AS_BOT)).json()["id"]
@@ -310,17 +291,17 @@ def test_principal_qos_refuses_above_max_class() -> None:
 # -- smaller items of the review (F11) --------------------------------------------------------------------------------
 
 async def test_health_tells_what_is_loaded_only_to_a_key(serve: Any) -> None:
-    d = await serve("mock?step_ms=1&prefill_us=5", api_keys=keys())
+    d = await serve(api_keys=keys())
     anonymous = (await d.client.get("/health")).json()
     assert anonymous == {"status": "ok"}, anonymous
     keyed = (await d.client.get("/health", headers=AS_BOT)).json()
     assert keyed["status"] == "ok" and keyed["models_loaded"] == 1, keyed
-    keyless = await serve("mock?step_ms=1&prefill_us=5")
+    keyless = await serve()
     assert (await keyless.client.get("/health")).json()["models_known"] == 1  # no keys: the local user sees all
 
 
 async def test_websocket_get_describes_a_conversation_as_http_does(serve: Any) -> None:
-    d = await serve("mock?step_ms=1&prefill_us=5")
+    d = await serve()
     cid = (await d.client.post("/v1/sessions", json={"model": "mock", "messages": CHAT["messages"]})).json()["id"]
     over_http = (await d.client.get(f"/v1/sessions/{cid}")).json()
     async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws") as ws:
