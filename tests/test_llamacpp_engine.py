@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from superfluid.proto import Admit, Sampling
-from superfluid.worker._executor import DEMOTE_MIN, GRID, Executor
+from superfluid.worker._executor import DEMOTE_MIN, Executor, last_step
 from superfluid.worker._hostcache import HOST_MIN_TOKENS
 
 from .test_speculation import _same_or_near_tie
@@ -160,25 +160,27 @@ def test_split_batches_keep_outputs(smol_det: Any) -> None:
 
 
 def whole_cells(n_prompt: int) -> int:
-    """What a warm resend of an ``n_prompt``-token prompt reuses: whole cells short of its last token."""
-    return (n_prompt - 1) // GRID * GRID
+    """What a warm resend of an ``n_prompt``-token prompt reuses: the whole cells before its last
+    prefill step (``last_step``: the cell holding its last token, with the full cell before it
+    when that one is partial)."""
+    return last_step(n_prompt)
 
 
 def test_prefix_cache_reuses_finished_sequence(smol: Any) -> None:
     ex = fresh(smol)
-    toks = prompt(smol, " ".join(PROMPTS * 4))
+    toks = prompt(smol, " ".join(PROMPTS * 8))
     first = admit(ex, 0, toks)
     assert first.cached == 0
     out1 = tokens_of(drain(ex)[0])
     second = admit(ex, 1, toks)
     assert second.cached == whole_cells(len(toks)) > 0
-    assert tokens_of(drain(ex)[1]) == out1   # its last cell computed alone, as the cold one's was
+    assert tokens_of(drain(ex)[1]) == out1   # its last step computed alone, as the cold one's was
 
 
 def test_prefix_copied_from_running_lane(smol: Any) -> None:
     ex = fresh(smol)
-    text = " ".join([PROMPTS[2]] * 16)
-    toks = prompt(smol, text)  # more than a whole cell: copied, not prefilled again
+    text = " ".join([PROMPTS[2]] * 32)
+    toks = prompt(smol, text)  # more than its last step: copied, not prefilled again
     admit(ex, 0, toks, max_new=8)
     out: dict[int, list[Any]] = {}
     for _ in range(3):
