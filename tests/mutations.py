@@ -257,7 +257,7 @@ MUTATIONS = (
              "            refusal = None",
              (AD + "test_each_websocket_op_pays_the_rate_limit",)),
     Mutation("a refused WebSocket upgrade answers its own status", "superfluid/api/_app.py",
-             "                    send = _ws_denial(send)",
+             "                    send = ws_denial(send)",
              "                    await send({\"type\": \"websocket.close\", \"code\": 1008})\n                    return",
              (AD + "test_each_websocket_op_pays_the_rate_limit",)),
     Mutation("all of 127/8 is one rate bucket", "superfluid/api/_guard.py",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
 import trio
 
-from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text
+from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json, send_json, send_text, ws_denial
 from ._lane import log_refusal
 from ._lifecycle import Exchange, Stopping, access_line, open_request, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
@@ -194,7 +194,7 @@ class App:
                     if "websocket.http.response" not in scope.get("extensions", {}):
                         await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
                         return
-                    send = _ws_denial(send)  # the refusal itself (401, 403, 429 with Retry-After), as over HTTP
+                    send = ws_denial(send)  # the refusal itself (401, 403, 429 with Retry-After), as over HTTP
                 await send_json(send, refusal.status, _error_body(scope["path"], refusal), refusal_headers(refusal))
                 return
             set_current_principal(principal_of(scope))
@@ -410,13 +410,3 @@ class App:
 
         tokens = await tokenize(model, [(text, False)], add_special=False)
         await send_json(send, 200, {"tokens": tokens, "count": len(tokens)})
-
-
-def _ws_denial(send: Send) -> Send:
-    """``send`` for an HTTP answer to a WebSocket handshake (ASGI's
-    ``websocket.http.response`` extension, which hypercorn implements)."""
-
-    async def deny(message: dict[str, Any]) -> None:
-        await send({**message, "type": "websocket." + message["type"]})
-
-    return deny

@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover - a dependency; the same answers, slower
 if TYPE_CHECKING:
     from ..sched import JobError
 
-__all__ = ["ApiError", "BODIES", "MAX_BODY", "MAX_BODY_ELEMENTS", "Receive", "Send", "decode_json", "read_json", "send_json", "send_text"]
+__all__ = ["ApiError", "BODIES", "MAX_BODY", "MAX_BODY_ELEMENTS", "Receive", "Send", "decode_json", "read_json", "send_json", "send_text",
+           "ws_denial"]
 
 MAX_BODY = 100 * 1024 * 1024
 BODY_TIMEOUT = "superfluid.body_timeout_s"  # scope key: the App sets --body-timeout on every request
@@ -770,6 +771,17 @@ def _decoded(raw: bytes | bytearray, encoding: str) -> Iterator[str]:
             raise _BadBytes(f"'{exc.encoding}' codec can't decode bytes in position {start}-{end - 1}: "
                             f"{exc.reason}") from None
         yield text
+
+
+def ws_denial(send: Send) -> Send:
+    """``send`` for an HTTP answer to a WebSocket handshake, before it is accepted (ASGI's
+    ``websocket.http.response`` extension, which hypercorn implements): ``send_json``
+    through it refuses the handshake with a status and a body of our own."""
+
+    async def deny(message: dict[str, Any]) -> None:
+        await send({**message, "type": "websocket." + message["type"]})
+
+    return deny
 
 
 async def send_json(send: Send, status: int, obj: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -46,7 +46,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr
 
-from ..api._http import ApiError
+from ..api._http import ApiError, send_json, ws_denial
 
 __all__ = ["MAX_HEAD_BYTES", "PeerCounts", "head_bytes", "head_limited", "is_loopback", "raise_nofile",
            "serve_http"]
@@ -156,18 +156,13 @@ def head_limited(app: ASGIApp, limit: int = MAX_HEAD_BYTES) -> ASGIApp:
             return
         exc = ApiError(431, f"request_header_too_large: the request line and headers come to {head_bytes(scope)} "
                             f"bytes; at most {limit} are read", code="request_header_too_large")
-        body = json.dumps(exc.body(), separators=(",", ":")).encode()
-        prefix = ""
         if scope["type"] == "websocket":
             await receive()  # websocket.connect
             if "websocket.http.response" not in scope.get("extensions", {}):
                 await send({"type": "websocket.close", "code": 1008})  # before accept: HTTP 403
                 return
-            prefix = "websocket."
-        await send({"type": prefix + "http.response.start", "status": 431,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                                (b"connection", b"close")]})
-        await send({"type": prefix + "http.response.body", "body": body})
+            send = ws_denial(send)
+        await send_json(send, 431, exc.body(), [(b"connection", b"close")])
 
     return asgi
 
