@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load a model even when its weights and KV cache exceed available memory "
                         "($SUPERFLUID_MEMORY_AVAILABLE pretends an amount, for tests)")
     _add_speculation(s)
+    from ._fleet import add_fleet_parsers, add_head_flags
+
+    add_head_flags(s, _hostport)
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                    help="llama.cpp: a request's output does not depend on what else runs beside it, on load, "
                         "on the prefix cache or on a worker restart (see SPEC.md 'Determinism'; costs "
@@ -213,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ._runtimes import add_parsers as add_runtime_parsers
 
     add_runtime_parsers(sub)
+    add_fleet_parsers(sub, _hostport)
     return parser
 
 
@@ -475,8 +479,12 @@ def _serve(args: argparse.Namespace) -> int:
     from ..runtime._home import cleanup_all
 
     cleanup_all()  # what an install killed midway left (staging directories), before choosing installs
+    from ._fleet import head_config
+
+    fleet = head_config(args, _hostport)
     try:
-        sources = tuple(_sources(args))
+        # a fleet head given no model serves its nodes' models only
+        sources = tuple(_sources(args)) if (args.model or args.models or not fleet) else ()
     except PullInterrupted as exc:
         raise CliError(str(exc), 130) from None
     except PullError as exc:
@@ -502,7 +510,7 @@ def _serve(args: argparse.Namespace) -> int:
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
         aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
-        speculate=args.speculate, spec_gates=_speculation(args),
+        speculate=args.speculate, spec_gates=_speculation(args), **fleet,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

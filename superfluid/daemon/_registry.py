@@ -56,10 +56,13 @@ from ..models._files import cache_dir, model_name, resolve_runtime
 from ..models._gguf import GgufError, available_memory, memory_need
 from ..nursery import ModelActor, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
-from ..serving import InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels
+from ..fleet._head import NodeSource
+from ..serving import FOREVER, InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels
+from ..serving._placement import FleetGroup
 
 if TYPE_CHECKING:
     from .._cpu import CpuYield
+    from ..fleet._remote import NodeConnection
     from ..sched._loop import Committer
 
 __all__ = ["InsufficientMemory", "ModelRegistry", "TooManyModels"]
@@ -118,6 +121,7 @@ class ModelRegistry:
         self._loading: dict[str, _Loading] = {}
         # name -> set when its actor task has ended (an unloaded model's worker may still be shutting down)
         self._actors: dict[str, trio.Event] = {}
+        self._groups: dict[str, FleetGroup] = {}   # a fleet model's nodes, by model name (attach_node)
         for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
         self.aliases: dict[str, str] = dict(config.aliases)
@@ -165,7 +169,8 @@ class ModelRegistry:
                 return False
             del self.loaded[name]
             idle = trio.current_time() - model.last_used
-            model.actor.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
+            for actor in model.actors:
+                actor.stop(f"model '{name}' was unloaded (idle)", code="model_unloaded")
             log.info("model %s unloaded after %.3gs idle (a request naming it loads it again)", name, idle)
             gone = self._actors.get(name)
         if gone is not None:
@@ -344,20 +349,27 @@ class ModelRegistry:
         self.known[source.name] = source
         return model
 
-    async def _run_actor(self, actor: ModelActor, gone: trio.Event, *,
+    async def _run_actor(self, actor: ModelActor, gone: trio.Event, key: str = "", *,
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # noqa: ASYNC128 - passed on
         """The model's task in the models nursery: its supervisor, and the name's release when it ends."""
+        key = key or actor.name
         try:
             await supervise(actor, partial(self._scheduler, actor.name), on_give_up=self._gave_up,
                             task_status=task_status)
         finally:
-            if self._actors.get(actor.name) is gone:
-                del self._actors[actor.name]
+            if self._actors.get(key) is gone:
+                del self._actors[key]
             gone.set()
 
     def _gave_up(self, actor: ModelActor) -> None:
         """A restart storm: the model is unloaded (a request naming it loads it again)."""
         model = self.loaded.get(actor.name)
+        if model is not None and model.group is not None:   # a fleet node: the model's other nodes go on
+            model.group.members = {k: a for k, a in model.group.members.items() if a is not actor}
+            if model.group.members and model.actor is actor:
+                model.actor = next(iter(model.group.members.values()))
+            if model.group.members:
+                return
         if model is not None and model.actor is actor:
             del self.loaded[actor.name]
             if self.default == actor.name:
@@ -379,12 +391,76 @@ class ModelRegistry:
             del self.loaded[name]
             if self.default == name:
                 self.default = next(iter(self.loaded))
-            model.actor.stop(f"model '{name}' was unloaded", code="model_unloaded")
+            for actor in model.actors:
+                actor.stop(f"model '{name}' was unloaded", code="model_unloaded")
             log.info("model %s unloaded", name)
             gone = self._actors.get(name)
         if gone is not None:
             await gone.wait()
         return True
+
+    # -- fleet nodes (SPEC.md §14) ----------------------------------------------------------
+
+    async def attach_node(self, conn: NodeConnection) -> str:
+        """A node's authenticated link: give it to the node's actor (a node seen before), or
+        start one for it (a new node; its worker's handshake runs over this link). Returns
+        why the link is refused ("" when taken)."""
+        hello = conn.hello
+        name = hello.model
+        async with self._lock:
+            model = self.loaded.get(name)
+            if model is not None and model.group is None:
+                return f"model {name!r} is served by the head itself; give the node another --model-name"
+            if name in self._groups:
+                member = self._groups[name].members.get(hello.identity)
+                if member is not None and member.remote is not None:
+                    await conn.accept()
+                    member.remote.offer(conn)
+                    return ""
+            group = self._groups.get(name)
+            if group is None:   # (one per name, made under the lock: two first nodes at once share it)
+                group = self._groups[name] = FleetGroup(policy=self.config.fleet_policy,
+                                                        pool_high=self.config.fleet_pool_high)
+            key = f"{name}@{hello.identity}"
+            if key in self._actors:
+                return f"node {hello.identity} of model {name!r} is starting or shutting down; try again"
+            self._actors[key] = gone = trio.Event()
+        cfg = self.config
+        source = NodeSource(hello.identity, group, start_timeout_s=cfg.worker_start_timeout_s)
+        spec = WorkerSpec(runtime=hello.runtime, model=name, max_batch=hello.lanes, max_context=hello.n_ctx,
+                          start_timeout_s=cfg.worker_start_timeout_s)
+        policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
+        actor = ModelActor(name, spec, self._scheduler(name), policy=policy, remote=source)
+        await conn.accept()
+        source.offer(conn)
+        try:
+            if self._models is None:
+                raise RuntimeError("the model registry is not running (ModelRegistry.run)")
+            await self._models.start(self._run_actor, actor, gone, key)
+        except Exception as exc:  # noqa: BLE001 - the node's first worker did not start: the link ends, logged
+            if not gone.is_set():
+                del self._actors[key]
+                gone.set()
+            conn.channel.abort()
+            conn.closed.set()
+            log.warning("fleet: node %s (model %s) did not start: %s", hello.identity, name, exc)
+            return ""
+        async with self._lock:
+            group.members[hello.identity] = actor
+            model = self.loaded.get(name)
+            if model is None:
+                model = ServedModel(name=name, runtime=hello.runtime, path=f"fleet:{name}", actor=actor,
+                                    created=int(time.time()), size=0, last_used=trio.current_time(),
+                                    keep_alive_s=FOREVER, group=group)
+                self.loaded[name] = model
+                self.known.setdefault(name, ModelSource(spec=name, runtime=hello.runtime, name=name))
+                if self.default is None:
+                    self.default = name
+        group.up()
+        lanes = int((actor.ack.limits if actor.ack else {}).get("max_lanes", hello.lanes))
+        log.info("fleet: node %s at %s serves %s: context window %d tokens, %d lanes", hello.identity, conn.address,
+                 name, int(actor.info.get("n_ctx_seq", 0)), lanes)
+        return ""
 
     def _scheduler(self, name: str) -> Scheduler:
         cfg = self.config

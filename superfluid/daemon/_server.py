@@ -130,6 +130,31 @@ def journal_config() -> JournalConfig:
     return JournalConfig(full_fsync=os.environ.get("SUPERFLUID_FULLFSYNC") == "1", in_thread=unyielding)
 
 
+async def _start_fleet(root: trio.Nursery, config: ServeConfig, registry: ModelRegistry) -> None:
+    """The head's fleet tasks in the root nursery (SPEC.md §14): the nodes' listener (advertised
+    by mDNS), the dialers of --fleet nodes."""
+    from ..fleet._head import dial_nodes, serve_fleet_listener
+
+    link = {"key": config.fleet_key, "attach": registry.attach_node, "lease_s": config.fleet_lease_s}
+    if config.fleet_listen is not None:
+        host, port = config.fleet_listen
+        bound = await root.start(functools.partial(serve_fleet_listener, host, port, **link))
+        if config.fleet_mdns:
+            root.start_soon(_advertise, bound, host)
+    if config.fleet_dial:
+        await root.start(functools.partial(dial_nodes, list(config.fleet_dial), **link))
+
+
+async def _advertise(port: int, host: str) -> None:
+    """mDNS for ``node join`` with no address; a network with no multicast only loses that."""
+    from ..fleet._mdns import DiscoveryError, advertise
+
+    try:
+        await advertise(port, host="" if host in ("", "0.0.0.0", "::") else host)
+    except DiscoveryError as exc:
+        log.warning("fleet: not advertised by mDNS (%s); nodes join with the head's address", exc)
+
+
 async def serve(
     config: ServeConfig, *, handle_signals: bool = True, monitor: bool = False,
     announce: Callable[[list[str]], None] | None = None,
@@ -181,6 +206,8 @@ async def serve(
                     except Unavailable:
                         pass  # its model failed meanwhile: its close ended the job typed
             app_holder.append(app)
+            if config.fleet:
+                await _start_fleet(root, config, registry)
             hconfig = hypercorn_config(config)
 
             async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:

@@ -16,3 +16,7 @@ from ._worker import WorkerLoadFailed as WorkerLoadFailed
 from ._worker import WorkerSpawnFailed as WorkerSpawnFailed
 from ._worker import WorkerSpec as WorkerSpec
 from ._worker import open_worker as open_worker
+from ._worker import worker_argv as worker_argv
+from ._kill import graceful_kill as graceful_kill
+from ._kill import kill_now as kill_now
+from ._actor import RemoteSource as RemoteSource

@@ -40,7 +40,8 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
@@ -52,10 +53,29 @@ from ._worker import WorkerLoadFailed, WorkerSpawnFailed, WorkerSpec, open_worke
 if TYPE_CHECKING:
     from ..sched import Job
 
-__all__ = ["ModelFailed", "ModelActor"]
+__all__ = ["ModelActor", "ModelFailed", "RemoteSource"]
 
 log = logging.getLogger("superfluid.actor")
 SESSIONS_GRACE_S = 2.0   # after its jobs ended, what a model's sessions get to finish (land a turn, log an end)
+
+
+class RemoteSource(Protocol):
+    """Where a fleet node's actor gets its workers (``fleet/_head.py``): the node's links."""
+
+    async def connection(self) -> Any:
+        """The node's next link (waits while there is none)."""
+
+    def open(self, conn: Any, deliver: Callable[[int, Any], Awaitable[None]], *,
+             generation: int) -> AbstractAsyncContextManager[Any]:
+        """The worker behind ``conn`` (a :class:`~superfluid.sched.LinkHandle`), as ``open_worker``."""
+
+    def describe(self, conn: Any) -> str: ...
+
+    def up(self) -> None:
+        """A link serves: the model's other nodes may shed to this one now."""
+
+    def shed(self, scheduler: Scheduler) -> None:
+        """Between links: move what waits in ``scheduler`` to the model's other nodes."""
 
 
 class ModelFailed(Exception):
@@ -63,8 +83,10 @@ class ModelFailed(Exception):
 
 
 class ModelActor:
-    def __init__(self, name: str, spec: WorkerSpec, scheduler: Scheduler, *, policy: RestartPolicy) -> None:
+    def __init__(self, name: str, spec: WorkerSpec, scheduler: Scheduler, *, policy: RestartPolicy,
+                 remote: RemoteSource | None = None) -> None:
         self.name = name
+        self.remote = remote   # a fleet node's actor: its workers come over the node's links
         self.spec = spec
         self.scheduler = scheduler
         self.policy = policy
@@ -209,6 +231,9 @@ class ModelActor:
                 self.scheduler.close(self._stop[0], code=self._stop[1])
 
     async def _run_generations(self, task_status: trio.TaskStatus[None]) -> None:
+        if self.remote is not None:
+            await self._run_remote_generations(self.remote, task_status)
+            return
         tracker = RestartTracker(self.policy)
         spawn_failures = 0
         sched = self.scheduler
@@ -264,3 +289,49 @@ class ModelActor:
                 sched.set_worker(None)
                 tracker.reset()
 
+
+    async def _run_remote_generations(self, remote: RemoteSource, task_status: trio.TaskStatus[None]) -> None:
+        """A fleet node's generations: one per link the node gives (SPEC.md §14). Between
+        links the scheduler idles and ``remote.shed`` moves what waits here to the model's
+        other nodes; a job keeps its committed tokens, so the next node continues it. No
+        restart intensity: a node that is gone is waited for (its link comes back or not),
+        and requests go to the nodes that are there."""
+        sched = self.scheduler
+        while True:
+            conn = await self._idle_until(remote)
+            self.generation += 1
+            try:
+                async with remote.open(conn, sched.deliver, generation=self.generation) as worker:
+                    self.ack = worker.ack
+                    self.pid = worker.pid
+                    if not self.started:
+                        self.started = True
+                        task_status.started()
+                    log.info("model %s: node %s ready (generation %d)", self.name, remote.describe(conn),
+                             self.generation)
+                    remote.up()
+                    try:
+                        await sched.run(worker)
+                    finally:
+                        if self._stop is not None:
+                            sched.close(self._stop[0], code=self._stop[1])
+            except (LinkLost, WorkerLoadFailed, trio.TooSlowError) as exc:
+                if not self.started:
+                    raise
+                reason = str(exc) or type(exc).__name__
+                sched.set_worker(None)
+                sched.worker_lost(reason)
+                self.respawns += 1
+                log.warning("model %s: %s; its requests go to the model's other nodes", self.name, reason)
+
+    async def _idle_until(self, remote: RemoteSource) -> Any:
+        """Idle (stops, commands, commits; what waits shed to other nodes) until the node's next link."""
+        got: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            async def take() -> None:
+                got.append(await remote.connection())
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(take)
+            await self.scheduler.idle(shed=remote.shed)
+        return got[0]

@@ -159,9 +159,7 @@ class WorkerHandle:
     async def _send(self, events: tuple[Event, ...]) -> None:
         self._sending = True
         try:
-            data = b"".join(self.link.send(event) for event in events)
-            assert self.process.stdin is not None
-            await self.process.stdin.send_all(data)
+            await self._write(b"".join(self.link.send(event) for event in events))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.link.send_failed()
             self.dead = True
@@ -172,6 +170,10 @@ class WorkerHandle:
             raise
         finally:
             self._sending = False
+
+    async def _write(self, data: bytes) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(data)
 
     def kill(self) -> None:
         """SIGKILL at once (a hung worker)."""

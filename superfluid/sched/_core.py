@@ -429,6 +429,34 @@ class SchedulerCore:
         self._gauges()
 
     @_writes
+    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest]:
+        """Everything waiting here, taken out for another scheduler of the same model (a
+        fleet node that is gone: SPEC.md §14). Called between workers (``worker_lost``
+        has put the running jobs back in their queues): the queued jobs, in class order
+        and queue order, and the tokenizes and embeds not answered, as their commands.
+        A job whose tokens are still being committed stays (its rounds land here first,
+        so the log keeps its tokens in order); a reserved place stays (its request
+        queues here, and the next evacuation takes the job)."""
+        assert not self.link_up, "evacuate runs between workers"
+        moved: list[Job] = []
+        for q in self.queues.values():
+            keep = [job for job in q if job.staged]
+            moved += [job for job in q if not job.staged]
+            q.clear()
+            q.extend(keep)
+        for job in moved:
+            job.view = job.queue_view = None
+            job.held_since = None
+        out: list[Job | TokenizeRequest | EmbedRequest] = [*moved]
+        out += [pending.command for pending in self._tokenize.values()]
+        self._tokenize.clear()
+        self._tokenize_sent = 0
+        for waiting in self._tokenize_waiting.values():
+            waiting.clear()
+        self._gauges()
+        return out
+
+    @_writes
     def fail_all(self, message: str, *, code: str) -> None:
         """Fail every queued and running job typed (503), and those whose finish is still
         being committed: the model is going away."""
@@ -627,7 +655,7 @@ class SchedulerCore:
         self.metrics.set("superfluid_kv_used_tokens", done.kv_used)
         self.metrics.set("superfluid_kv_total_tokens", done.kv_total)
         self.last_tick = {"busy_ms": done.busy_ms, "prefill": done.prefill_tokens, "decode": done.decode_tokens,
-                          "rounds": done.rounds}
+                          "rounds": done.rounds, "kv_used": done.kv_used, "kv_total": done.kv_total}
         if done.spec:
             self._spec_report(done.spec)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -148,6 +149,7 @@ class Scheduler:
         self.inbox_send, self._inbox = trio.open_memory_channel[Any](INBOX_SIZE)
         self._events_send, self._events = trio.open_memory_channel[tuple[int, Any]](EVENTS_SIZE)
         self._stops: dict[int, Job] = {}
+        self._adopted: list[Job | TokenizeRequest | EmbedRequest] = []   # from a gone node's scheduler (adopt)
         self._bell = trio.Event()
         self._commit_send, self._commit_recv = trio.open_memory_channel[Round](COMMIT_QUEUE + DRAIN_BATCH)
         self._results_send, self._results = trio.open_memory_channel[tuple[list[Round], JobError | None]](
@@ -160,6 +162,10 @@ class Scheduler:
 
     def _ring(self) -> None:
         self._bell.set()
+
+    def ring(self) -> None:
+        """Wake the actor (another node of the model came up: a gone one's actor may shed to it)."""
+        self._ring()
 
     async def _command(self, command: Any) -> None:
         """Put ``command`` on the inbox (waits while it is full: bounded).
@@ -206,8 +212,32 @@ class Scheduler:
         """Stop ``job`` (idempotent): a queued one ends now, a running one at the
         next engine step, a reserved place is given back. Never waits, never dropped:
         the actor applies it on its next turn, before any command."""
+        owner = job.scheduler
+        if owner is not None and owner is not self:
+            owner.stop(job)  # it moved to another node of its model (adopt): stopped where it is
+            return
         if self.closed is None:
             self._stops[job.id] = job
+            self._ring()
+
+    def adopt(self, moved: list[Job | TokenizeRequest | EmbedRequest]) -> None:
+        """Take jobs and tokenizes another scheduler of this model gave up (its fleet node is
+        gone: :meth:`SchedulerCore.evacuate`). A plain method like :meth:`stop`: it never
+        waits and is never dropped; the actor applies them on its next turn, after stops. A
+        job keeps its committed tokens (its next admission continues from them) and takes no
+        queue place (the bound counts new requests only)."""
+        closed = self.closed
+        for item in moved:
+            if closed is not None:   # this node's model closed meanwhile: they end typed, as its own did
+                if isinstance(item, Job):
+                    if not item.done:
+                        item.finish_with(error=closed)
+                else:
+                    item.reply.fail(Unavailable(closed.message, code=closed.code or "model_unloaded"))
+            elif isinstance(item, Job):
+                item.scheduler = self
+        if closed is None:
+            self._adopted += moved
             self._ring()
 
     async def tokenize(self, segments: list[tuple[str, bool]], *, add_special: bool = False,
@@ -323,6 +353,8 @@ class Scheduler:
             return
         self.core.close(message, code=code)
         self._stops.clear()
+        adopted, self._adopted = self._adopted, []
+        self.adopt(adopted)   # (closed now: each ends typed)
         while True:
             try:
                 command = self._inbox.receive_nowait()
@@ -337,6 +369,20 @@ class Scheduler:
         stops, self._stops = self._stops, {}
         for job in stops.values():
             self.core.stop(job)
+
+    def _take_adopted(self) -> None:
+        adopted, self._adopted = self._adopted, []
+        now = trio.current_time()
+        for item in adopted:
+            if isinstance(item, Job):
+                self.core.demand = True
+                self.core.submit(item, now)   # (a job stopped meanwhile ended already: submit skips it)
+            else:
+                self.core.apply(item, now)
+
+    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest]:
+        """The actor's side of :meth:`SchedulerCore.evacuate` (between workers)."""
+        return self.core.evacuate()
 
     def _take_commands(self) -> None:
         now = trio.current_time()
@@ -362,18 +408,24 @@ class Scheduler:
         self._bell = trio.Event()
         self._take_stops()
         self._take_results()
+        self._take_adopted()
         self._take_commands()
 
-    async def idle(self, *, until_demand: bool = False) -> None:
+    async def idle(self, *, until_demand: bool = False,
+                   shed: Callable[[Scheduler], None] | None = None) -> None:
         """Apply stops, commands and commit results while no worker runs (a respawn's
         back-off, a model that cannot start). With ``until_demand``, return once a
-        request wants a worker (a job queued or a tokenize asked): the owner tries again."""
+        request wants a worker (a job queued or a tokenize asked): the owner tries again.
+        ``shed`` (a fleet node's actor while its node is gone) runs after every turn: it
+        may :meth:`evacuate` what waits here to another node of the model."""
         self._claim()
         try:
             self.core.demand = False
             while True:
                 self._turn()
                 self._drop_events()
+                if shed is not None:
+                    shed(self)
                 if until_demand and self.core.demand:
                     await trio.lowlevel.checkpoint()
                     return

@@ -98,6 +98,18 @@ class ServeConfig:
     check_memory: bool = True             # refuse a load whose weights + KV exceed available memory
     speculate: str = "off"                # --speculate off|auto|prompt-lookup, resolved per model by its worker
     spec_gates: SpecConfig = attrs.field(factory=SpecConfig)   # the --spec-* flags
+    # the fleet (SPEC.md §14): nodes dial --fleet-listen, the head dials --fleet; the link is keyed by fleet_key
+    fleet_listen: tuple[str, int] | None = None
+    fleet_dial: tuple[tuple[str, int], ...] = ()
+    fleet_key: bytes | None = attrs.field(default=None, repr=False)   # None: encrypted, not authenticated
+    fleet_policy: str = "load-aware"      # load-aware | least-loaded | round-robin (serving/_placement.py)
+    fleet_pool_high: float = 0.9          # load-aware skips a node whose KV pool is this full
+    fleet_lease_s: float = 6.0            # a link with nothing received for this long is lost (both ends)
+    fleet_mdns: bool = True               # advertise --fleet-listen as _superfluid-fleet._tcp
+
+    @property
+    def fleet(self) -> bool:
+        return self.fleet_listen is not None or bool(self.fleet_dial)
 
 
 def default_sessions_dir() -> Path:

@@ -10,6 +10,7 @@ from ..chat import ChatTemplate, pick_template
 
 if TYPE_CHECKING:
     from ..nursery import ModelActor
+    from ._placement import FleetGroup
     from ..sched import Scheduler
 
 __all__ = ["ServedModel"]
@@ -27,15 +28,27 @@ class ServedModel:
     last_used: float = 0.0              # trio time it was last in use (daemon/_lifetime.py)
     keep_alive_s: float | None = None   # an Ollama request's keep_alive; None: --idle-timeout
     holds: int = 0                      # HTTP requests holding it now
+    group: FleetGroup | None = None     # served by fleet nodes: one actor per node (``actor`` is the first)
+
+    @property
+    def actors(self) -> list[ModelActor]:
+        return list(self.group.members.values()) if self.group is not None else [self.actor]
 
     @property
     def in_use(self) -> bool:
         """A request or a session has something here (idle unload waits)."""
-        return bool(self.holds or self.actor.session_tasks or self.scheduler.active)
+        return bool(self.holds or any(a.session_tasks or a.scheduler.active for a in self.actors))
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.actor.scheduler
+        """The scheduler a request goes to: the model's own, or the node placement picks."""
+        return self.place()
+
+    def place(self, need: int = 0) -> Scheduler:
+        """The scheduler for a request of ``need`` tokens (a fleet model: placement's node)."""
+        if self.group is None:
+            return self.actor.scheduler
+        return self.group.place(need).scheduler
 
     @property
     def info(self) -> dict[str, Any]:
@@ -43,6 +56,8 @@ class ServedModel:
 
     @property
     def n_ctx(self) -> int:
+        if self.group is not None:
+            return self.group.window
         return int(self.info.get("n_ctx_seq", 0))
 
     @property
@@ -67,4 +82,5 @@ class ServedModel:
             "architecture": {"input_modalities": ["text"]},
             "runtime": {"id": self.runtime, "version": ack.runtime_version if ack else ""},
             "capabilities": dict(ack.capabilities) if ack else {},
+            **({"fleet": self.group.describe()} if self.group is not None else {}),
         }
