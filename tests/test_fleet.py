@@ -59,6 +59,15 @@ class Node:
         self.proc.wait()
 
 
+def worker_pids_of(node: Node) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(node.proc.pid).children(recursive=True) if p.status() != "zombie"]
+    except psutil.NoSuchProcess:
+        return []
+
+
 @asynccontextmanager
 async def nodes(*specs: tuple[list[str], str]) -> AsyncIterator[list[Node]]:
     started = [Node(*args, identity=ident) for args, ident in specs]
@@ -229,6 +238,35 @@ async def test_a_node_killed_mid_stream_loses_nothing_and_repeats_nothing() -> N
 
         results = await run_streams(url, 8, during=kill_a)
         assert results == reference
+        fleet = await wait_nodes(url, 1)
+        assert [n["node"] for n in fleet if n["up"]] == ["b"]
+
+
+async def test_a_client_that_leaves_after_its_stream_moved_stops_it_on_the_new_node() -> None:
+    """A stop follows its job to the node that holds it now: streams re-placed from a killed
+    node, then abandoned by their clients, leave no lane busy on the node that took them."""
+    port = free_port()
+    async with head(port) as url, nodes((["join", f"127.0.0.1:{port}"], "a"),
+                                        (["join", f"127.0.0.1:{port}"], "b")) as (a, _b):
+        await wait_nodes(url, 2)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client, trio.open_nursery() as nursery:
+            async def abandon(i: int) -> None:
+                body = chat(i, max_tokens=3000)
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for _chunk in r.aiter_bytes():
+                        await trio.sleep(2.5)   # a was killed meanwhile: this stream runs on b now
+                        return
+
+            for i in range(6):
+                nursery.start_soon(abandon, i)
+            await trio.sleep(0.8)
+            a.kill()
+        with trio.fail_after(5):
+            while True:
+                fleet = await wait_nodes(url, 1)
+                if all(n["load"] == 0 for n in fleet):
+                    break
+                await trio.sleep(0.1)
 
 
 async def test_a_partition_ends_with_every_stream_complete_and_nothing_twice() -> None:
@@ -239,18 +277,27 @@ async def test_a_partition_ends_with_every_stream_complete_and_nothing_twice() -
     async with head(port) as url, trio.open_nursery() as nursery:
         relay = Relay(target=port)
         rport = await nursery.start(relay.run)
-        async with nodes((["join", f"127.0.0.1:{rport}"], "a"), (["join", f"127.0.0.1:{port}"], "b")):
+        async with nodes((["join", f"127.0.0.1:{rport}"], "a"), (["join", f"127.0.0.1:{port}"], "b")) as (a, _b):
             await wait_nodes(url, 2)
             reference = await run_streams(url, 8)
 
+            fenced: list[float] = []
+
             async def cut() -> None:
                 await trio.sleep(0.5)
+                before = set(worker_pids_of(a))
+                assert before
                 relay.partition()
-                await trio.sleep(4)
+                start = trio.current_time()
+                while set(worker_pids_of(a)) & before:    # its own lease runs out: the worker is killed
+                    await trio.sleep(0.05)
+                fenced.append(trio.current_time() - start)
+                await trio.sleep(max(0.0, 4 - fenced[0]))
                 relay.heal()
 
             results = await run_streams(url, 8, during=cut)
             assert results == reference
+            assert fenced[0] < 6 + 1.0, fenced    # the node's lease (6 s) and a moment, not a grace ladder
             await wait_nodes(url, 2)   # a came back (it dialled again)
         nursery.cancel_scope.cancel()
 

@@ -746,3 +746,52 @@ def test_a_stopped_jobs_late_reservation_holds_nothing_when_its_handler_never_qu
     for reply in replies:          # a free lane and one queue place: both fit
         core.apply(Reserve(_job(), reply), 0.0)
     assert all(r.error is None for r in replies)
+
+
+def test_a_gone_nodes_core_gives_up_its_waiting_jobs_and_tokenizes_to_another() -> None:
+    """SPEC.md §14: between links, a fleet node's core hands what waits to another node's:
+    a job that was running continues there from its committed tokens (its admission carries
+    them); a job whose tokens are still being committed stays until they land; tokenizes go
+    along as their commands; a reserved place stays."""
+    a, b = _core(max_batch=3), _core(max_batch=3)
+    a.set_worker(True)
+    worker = Worker()
+    first, second, queued = _job(max_new=6), _job(max_new=6), _job(max_new=4)
+    for job in (first, second):
+        a.submit(job, 0.0)
+    worker.take(a.take_frames() + a.plan(1.0, send_tick=True)[0])
+    worker.step()
+    rounds: list[Any] = []
+    feed(a, worker, rounds)
+    a.committed(rounds, None, 2.0)           # each has one durable token
+    assert first.tokens == [100] and second.tokens == [100]
+    worker.take(a.take_frames() + a.plan(2.0, send_tick=True)[0])
+    worker.step()
+    pending: list[Any] = []
+    feed(a, worker, pending)                 # a second round of both, still being committed
+    a.submit(queued, 2.5)
+    reply = Reply()
+    a.apply(TokenizeRequest([("ab", False)], False, reply), 3.0)
+    reserved = _job()
+    a.apply(Reserve(reserved, Reply()), 3.0)
+    a.worker_lost("node gone")
+    moved = a.evacuate()
+    assert [m for m in moved if isinstance(m, Job)] == [queued]        # the others' tokens are in flight
+    assert [type(m) for m in moved if not isinstance(m, Job)] == [TokenizeRequest]
+    a.committed(pending, None, 3.5)
+    assert first.tokens == [100, 101] and first.staged == []
+    moved += a.evacuate()
+    assert {m.id for m in moved if isinstance(m, Job)} == {first.id, second.id, queued.id}
+    assert not any(a.queues.values()) and not a.tokenizes_pending and a.active   # the reserved place stays
+    b.set_worker(True)
+    for item in moved:
+        if isinstance(item, Job):
+            b.submit(item, 4.0)
+        else:
+            b.apply(item, 4.0)
+    frames = b.take_frames() + b.plan(4.0, send_tick=True)[0]
+    admits = {f.lane: f for f in frames if isinstance(f, Admit)}
+    assert sorted(list(f.tokens[f.n_prompt:]) for f in admits.values()) == [[], [100, 101], [100, 101]]
+    assert any(isinstance(f, Tokenize) for f in frames)
+    with pytest.raises(AssertionError, match="between workers"):
+        b.evacuate()
