@@ -63,6 +63,7 @@ L = "tests/test_security_logs.py::"
 RA = "tests/test_security_archive.py::"
 BD = "tests/test_security_bodies.py::"
 CN = "tests/test_security_connections.py::"
+F = "tests/test_fleet.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -515,6 +516,32 @@ MUTATIONS = (
              "                    stopping.begin = hooked\n",
              ("tests/test_ws_shutdown.py::test_a_shutdown_beginning_as_a_socket_closes_does_not_raise",
               "tests/test_ws_shutdown.py::test_a_shutdown_at_any_moment_of_a_closing_socket_ends_it_cleanly")),
+    # ---- the fleet (SPEC.md §14) ----
+    Mutation("a stop follows its job to the scheduler that holds it", "superfluid/sched/_loop.py",
+             "        if owner is not None and owner is not self:\n",
+             "        if False:\n",
+             (F + "test_a_client_that_leaves_after_its_stream_moved_stops_it_on_the_new_node",)),
+    Mutation("a job whose tokens are still being committed stays until they land", "superfluid/sched/_core.py",
+             "            keep = [job for job in q if job.staged]\n            moved += [job for job in q if not job.staged]\n",
+             "            keep = []\n            moved += list(q)\n",
+             (C + "test_a_gone_nodes_core_gives_up_its_waiting_jobs_and_tokenizes_to_another",)),
+    Mutation("a gone node's waiting jobs go to a node that is up", "superfluid/serving/_placement.py",
+             "        targets = [a for a in self.live() if a.scheduler is not source]\n",
+             "        targets = []\n",
+             (F + "test_a_node_killed_mid_stream_loses_nothing_and_repeats_nothing",)),
+    Mutation("a node whose link is lost fences its worker at once", "superfluid/fleet/_node.py",
+             "        kill_now(self.process)   # nothing it generates from now on reaches anyone\n",
+             "        pass\n",
+             (F + "test_a_partition_ends_with_every_stream_complete_and_nothing_twice",)),
+    Mutation("the link is keyed by the fleet token", "superfluid/fleet/_channel.py",
+             "        noise.set_psks(psk=key)\n",
+             "        noise.set_psks(psk=bytes(32))\n",
+             (F + "test_the_link_is_encrypted_and_a_wrong_token_is_refused",
+              "tests/test_fleet_channel.py::test_wrong_token_fails_both_sides")),
+    Mutation("a restarted head waits for the nodes of its resumable sessions", "superfluid/daemon/_server.py",
+             "                await registry.wait_for_models(store.models_to_resume(), config.fleet_wait_s)\n",
+             "                pass\n",
+             (F + "test_a_head_restart_resumes_resumable_streams_on_the_nodes",)),
 )
 
 

@@ -236,7 +236,8 @@ async def test_a_node_killed_mid_stream_loses_nothing_and_repeats_nothing() -> N
             await trio.sleep(0.8)
             a.kill()
 
-        results = await run_streams(url, 8, during=kill_a)
+        with trio.fail_after(20):   # (the reference takes about 2 s)
+            results = await run_streams(url, 8, during=kill_a)
         assert results == reference
         fleet = await wait_nodes(url, 1)
         assert [n["node"] for n in fleet if n["up"]] == ["b"]
@@ -300,6 +301,32 @@ async def test_a_partition_ends_with_every_stream_complete_and_nothing_twice() -
             assert fenced[0] < 6 + 1.0, fenced    # the node's lease (6 s) and a moment, not a grace ladder
             await wait_nodes(url, 2)   # a came back (it dialled again)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_head_restart_resumes_resumable_streams_on_the_nodes(tmp_path) -> None:
+    """The head keeps the write-ahead log: a resumable stream cut by the head's end is resumed
+    once its node dials the restarted head again, and the client reads the rest by id."""
+    from tests.test_sessions import RESUMABLE, _content, read_sse
+
+    port = free_port()
+    sessions = tmp_path / "sessions"
+    async with nodes((["join", f"127.0.0.1:{port}"], "a")):
+        async with head(port, sessions=sessions) as url:
+            await wait_nodes(url, 1)
+            reference = (await run_streams(url, 1))[0][0]
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                async with c.stream("POST", "/v1/chat/completions", json=chat(0), headers=RESUMABLE) as r:
+                    sid = r.headers["x-superfluid-session"]
+                    first, done = await read_sse(r, limit=10)
+            assert not done
+        async with head(port, sessions=sessions) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                last = next(i for i, _e in reversed(first) if i is not None)
+                async with c.stream("GET", f"/v1/sessions/{sid}/stream", headers={"Last-Event-ID": last}) as r:
+                    rest, done = await read_sse(r)
+    assert done
+    text = "".join(_content(e) for _i, e in first)
+    assert text + "".join(_content(e) for _i, e in rest) == reference
 
 
 async def test_the_link_is_encrypted_and_a_wrong_token_is_refused() -> None:

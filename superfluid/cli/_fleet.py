@@ -74,6 +74,9 @@ def add_head_flags(s: argparse.ArgumentParser, hostport: Any) -> None:
     s.add_argument("--fleet-pool-high", type=float, default=0.9, metavar="FRACTION",
                    help="load-aware placement skips a node whose KV pool is this full")
     s.add_argument("--no-fleet-mdns", action="store_true", help="do not advertise --fleet-listen by mDNS")
+    s.add_argument("--fleet-wait", type=float, default=15.0, metavar="SEC",
+                   help="at start, how long resumable sessions in the log wait for their models' nodes to join "
+                        "before they are resumed (those whose model has no node then stay in the log)")
 
 
 def head_config(args: argparse.Namespace, hostport: Any) -> dict[str, Any]:
@@ -94,7 +97,7 @@ def head_config(args: argparse.Namespace, hostport: Any) -> dict[str, Any]:
         key = _key(args, host, "--fleet-listen" if args.fleet_listen and host == args.fleet_listen[0] else "--fleet")
     return {"fleet_listen": args.fleet_listen, "fleet_dial": tuple(dial), "fleet_key": key,
             "fleet_policy": args.fleet_policy, "fleet_pool_high": args.fleet_pool_high,
-            "fleet_mdns": not args.no_fleet_mdns}
+            "fleet_mdns": not args.no_fleet_mdns, "fleet_wait_s": max(0.0, args.fleet_wait)}
 
 
 def add_fleet_parsers(sub: Any, hostport: Any) -> None:

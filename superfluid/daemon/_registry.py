@@ -122,6 +122,7 @@ class ModelRegistry:
         # name -> set when its actor task has ended (an unloaded model's worker may still be shutting down)
         self._actors: dict[str, trio.Event] = {}
         self._groups: dict[str, FleetGroup] = {}   # a fleet model's nodes, by model name (attach_node)
+        self._model_added = trio.Event()
         for source in (*config.models, *self._model_dir_files(), *_library_sources(config)):
             self.known.setdefault(source.name, source)
         self.aliases: dict[str, str] = dict(config.aliases)
@@ -453,6 +454,7 @@ class ModelRegistry:
                                     created=int(time.time()), size=0, last_used=trio.current_time(),
                                     keep_alive_s=FOREVER, group=group)
                 self.loaded[name] = model
+                self._model_added.set()
                 self.known.setdefault(name, ModelSource(spec=name, runtime=hello.runtime, name=name))
                 if self.default is None:
                     self.default = name
@@ -461,6 +463,16 @@ class ModelRegistry:
         log.info("fleet: node %s at %s serves %s: context window %d tokens, %d lanes", hello.identity, conn.address,
                  name, int(actor.info.get("n_ctx_seq", 0)), lanes)
         return ""
+
+    async def wait_for_models(self, names: set[str], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every model of ``names`` is loaded: after a head's
+        restart, its nodes dial again and the log's resumable sessions resume on them."""
+        with trio.move_on_after(timeout_s):
+            while missing := names - set(self.loaded):
+                log.info("fleet: waiting for nodes of %s to resume their sessions", ", ".join(sorted(missing)))
+                self._model_added = trio.Event()
+                await self._model_added.wait()
+        await trio.lowlevel.checkpoint()
 
     def _scheduler(self, name: str) -> Scheduler:
         cfg = self.config

@@ -193,6 +193,9 @@ async def serve(
             for i, source in enumerate(config.models):
                 await registry.load(source, make_default=(i == 0))
             app = App(config, registry, metrics, store)
+            if config.fleet:   # nodes come back before the log's resumable sessions are resumed on them
+                await _start_fleet(root, config, registry)
+                await registry.wait_for_models(store.models_to_resume(), config.fleet_wait_s)
             restored = await store.restore(registry)
             turns = app.open_turns()  # conversation turns run to their end: no --resume-ttl for them
             # the restorers' own nursery (one short task a turn; each hands its turn to its model)
@@ -206,8 +209,6 @@ async def serve(
                     except Unavailable:
                         pass  # its model failed meanwhile: its close ended the job typed
             app_holder.append(app)
-            if config.fleet:
-                await _start_fleet(root, config, registry)
             hconfig = hypercorn_config(config)
 
             async def serve_listener(*, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:

@@ -106,6 +106,7 @@ class ServeConfig:
     fleet_pool_high: float = 0.9          # load-aware skips a node whose KV pool is this full
     fleet_lease_s: float = 6.0            # a link with nothing received for this long is lost (both ends)
     fleet_mdns: bool = True               # advertise --fleet-listen as _superfluid-fleet._tcp
+    fleet_wait_s: float = 15.0            # at start, how long the log's resumable sessions wait for their nodes
 
     @property
     def fleet(self) -> bool:

@@ -162,6 +162,12 @@ class SessionStore:
 
     # -- after a restart --------------------------------------------------------------
 
+    def models_to_resume(self) -> set[str]:
+        """The models of the resumable sessions the log shows as interrupted (a fleet head
+        waits for their nodes before :meth:`restore`)."""
+        return {str((slog.created or {}).get("model", "")) for slog in self.journal.interrupted()
+                if ((slog.created or {}).get("params") or {}).get("resumable")}
+
     async def restore(self, registry: Registry) -> list[LiveSession]:
         """Re-admit the resumable sessions the log shows as interrupted. Returns them.
 
