@@ -205,6 +205,12 @@ async def test_a_head_and_two_nodes_serve_every_dialect() -> None:
         results, loads = await _streams_and_peak_loads(url, 8)
         assert all(n == 120 for _t, n in results)
         assert loads["a"] > 0 and loads["b"] > 0, loads
+        async with httpx.AsyncClient(base_url=url) as c:
+            text = (await c.get("/metrics")).text
+        for node in ("a", "b"):
+            assert f'superfluid_fleet_node_up{{model="{MODEL}",node="{node}"}} 1.0' in text
+            assert f'superfluid_fleet_node_lanes_total{{model="{MODEL}",node="{node}"}} 8.0' in text
+        assert f'superfluid_lanes_total{{model="{MODEL}"}} 16.0' in text
 
 
 async def _streams_and_peak_loads(url: str, n: int) -> tuple[list[tuple[str, int]], dict[str, int]]:

@@ -128,6 +128,7 @@ class ModelRegistry:
         self.aliases: dict[str, str] = dict(config.aliases)
         self.idle_timeout_s = config.idle_timeout_s
         self.lifetimes = Lifetimes(self)
+        metrics.refresh(self._fleet_gauges)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the models nursery (every model's supervisor) and the idle unloads until
@@ -431,7 +432,7 @@ class ModelRegistry:
         spec = WorkerSpec(runtime=hello.runtime, model=name, max_batch=hello.lanes, max_context=hello.n_ctx,
                           start_timeout_s=cfg.worker_start_timeout_s)
         policy = RestartPolicy(max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s)
-        actor = ModelActor(name, spec, self._scheduler(name), policy=policy, remote=source)
+        actor = ModelActor(name, spec, self._scheduler(name, node=hello.identity), policy=policy, remote=source)
         await conn.accept()
         source.offer(conn)
         try:
@@ -474,11 +475,34 @@ class ModelRegistry:
                 await self._model_added.wait()
         await trio.lowlevel.checkpoint()
 
-    def _scheduler(self, name: str) -> Scheduler:
+    def _scheduler(self, name: str, *, node: str = "") -> Scheduler:
         cfg = self.config
         return Scheduler(name, SchedulerConfig(planner=cfg.planner, hang_timeout_s=cfg.hang_timeout_s,
                                                max_queue=cfg.max_queue, max_prompt_bytes=cfg.max_prompt_bytes),
-                         self.metrics.for_model(name), self.committer, cpu=self.cpu)
+                         self.metrics.for_model(name, node=node), self.committer, cpu=self.cpu)
+
+    def _fleet_gauges(self, metrics: Metrics) -> None:
+        """Before a scrape: each fleet node's gauges, and its model's as their sums."""
+        for name, group in self._groups.items():
+            view = metrics.for_model(name)
+            totals = dict.fromkeys(("lanes_active", "lanes_total", "queue_depth", "kv_used_tokens",
+                                    "kv_total_tokens"), 0.0)
+            for ident, actor in group.members.items():
+                core = actor.scheduler.core
+                tick = core.last_tick
+                ack = actor.ack
+                values = {"lanes_active": sum(1 for j in core.running.values() if not j.preempted),
+                          "lanes_total": int((ack.limits if ack else {}).get("max_lanes", actor.spec.max_batch)),
+                          "queue_depth": sum(len(q) for q in core.queues.values()),
+                          "kv_used_tokens": tick.get("kv_used", 0), "kv_total_tokens": tick.get("kv_total", 0)}
+                view.gauge("superfluid_fleet_node_up", float(group.is_up(actor)), node=ident)
+                for key, value in values.items():
+                    view.gauge(f"superfluid_fleet_node_{key}", value, node=ident)
+                    totals[key] += value
+            for key, value in totals.items():
+                if key == "queue_depth":
+                    continue   # (per class: the nodes' schedulers do not write it; the node series has it)
+                view.gauge(f"superfluid_{key}", value)
 
     async def get(self, name: str) -> ServedModel | None:
         """A loaded model, loading a known one on demand; None if unknown.

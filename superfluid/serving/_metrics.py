@@ -57,7 +57,17 @@ _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
         Gauge, "The gate's last measured drafting/plain tokens-per-second ratio per lane count.", ("lanes",)),
     "superfluid_queue_full_total": (Counter, "Requests refused with 429 because their class's queue was full.",
                                     ("class",)),
+    # a fleet model's nodes (SPEC.md §14), refreshed at each scrape; the model's own gauges are their sums
+    "superfluid_fleet_node_up": (Gauge, "1 while the node's link serves, else 0.", ("node",)),
+    "superfluid_fleet_node_lanes_active": (Gauge, "Lanes admitted in the node's worker.", ("node",)),
+    "superfluid_fleet_node_lanes_total": (Gauge, "Lanes the node's worker has.", ("node",)),
+    "superfluid_fleet_node_queue_depth": (Gauge, "Jobs waiting for a lane of the node.", ("node",)),
+    "superfluid_fleet_node_kv_used_tokens": (Gauge, "KV cells held by the node's live lanes.", ("node",)),
+    "superfluid_fleet_node_kv_total_tokens": (Gauge, "KV cells in the node's pool.", ("node",)),
 }
+# the gauges a fleet node's scheduler does not write (the scrape sums its model's nodes instead)
+NODE_SUMMED = frozenset({"superfluid_lanes_active", "superfluid_lanes_total", "superfluid_queue_depth",
+                         "superfluid_kv_used_tokens", "superfluid_kv_total_tokens"})
 
 
 class Metrics:
@@ -65,18 +75,24 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._refresh: Callable[[Metrics], None] | None = None
         self._families: dict[str, MetricWrapperBase] = {}
         for name, (kind, text, labels) in _FAMILIES.items():
             extra: dict[str, object] = {"buckets": TTFT_BUCKETS} if kind is Histogram else {}
             self._families[name] = kind(name, text, ("model", *labels), registry=self.registry, **extra)
 
-    def for_model(self, model: str) -> ModelMetrics:
-        """The view a model's scheduler and actor write through. Its series without other
-        labels are exported (at 0) from now on."""
+    def for_model(self, model: str, *, node: str = "") -> ModelMetrics:
+        """The view a model's scheduler and actor write through (a fleet node's: its gauges are
+        summed at the scrape, ``refresh``). Its series without other labels are exported (at 0)
+        from now on."""
         for name, (_kind, _text, labels) in _FAMILIES.items():
             if not labels:
                 self._series(name, model, {})
-        return ModelMetrics(self, model)
+        return ModelMetrics(self, model, node=node)
+
+    def refresh(self, hook: Callable[[Metrics], None]) -> None:
+        """Run ``hook`` before every render (the registry sets the fleet's gauges)."""
+        self._refresh = hook
 
     def _series(self, name: str, model: str, labels: dict[str, str]) -> MetricWrapperBase:
         return self._families[name].labels(model=model, **labels)
@@ -85,6 +101,8 @@ class Metrics:
         """The text exposition; with ``may_see``, only the series whose ``model`` it
         accepts (and any without a model). A family left with no series keeps its
         ``HELP``/``TYPE`` lines, which are the same for every caller."""
+        if self._refresh is not None:
+            self._refresh(self)
         if may_see is None:
             return prometheus_client.generate_latest(self.registry).decode()
         return prometheus_client.generate_latest(_Only(self.registry, may_see)).decode()
@@ -110,9 +128,10 @@ class _Only(Collector):
 class ModelMetrics:
     """One model's series: ``inc``/``set``/``observe`` with ``model`` filled in."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
+    def __init__(self, metrics: Metrics, model: str, *, node: str = "") -> None:
         self.metrics = metrics
         self.model = model
+        self.node = node    # a fleet node's view: the gauges in NODE_SUMMED are left to the scrape
         # (name, labels) -> its series: prometheus-client's labels() takes a lock and sorts
         # the labels on every call (3% of the daemon's time at 256 streams, a few calls a
         # round). Label values are closed sets (classes, outcomes), so this stays small.
@@ -129,6 +148,12 @@ class ModelMetrics:
         self._series(name, labels).inc(amount)
 
     def set(self, name: str, value: float, **labels: str) -> None:
+        if self.node and name in NODE_SUMMED:
+            return
+        self._series(name, labels).set(value)
+
+    def gauge(self, name: str, value: float, **labels: str) -> None:
+        """Set a gauge whatever the view (the scrape's refresh)."""
         self._series(name, labels).set(value)
 
     def observe(self, name: str, value: float, **labels: str) -> None:
