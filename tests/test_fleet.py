@@ -36,9 +36,9 @@ def free_port() -> int:
 
 
 def head_config(port: int = 0, *, dial: tuple[tuple[str, int], ...] = (), key: bytes | None = None, **kw: object):
+    kw.setdefault("fleet_mdns", False)
     return mock_config(models=(), fleet_listen=("127.0.0.1", port) if port else None, fleet_dial=dial,
-                       fleet_key=parse_token(TOKEN) if key is None else key, fleet_mdns=False, fleet_lease_s=1.5,
-                       **kw)
+                       fleet_key=parse_token(TOKEN) if key is None else key, fleet_lease_s=1.5, **kw)
 
 
 class Node:
@@ -364,6 +364,15 @@ async def test_the_link_is_encrypted_and_a_wrong_token_is_refused() -> None:
             wrong.kill()
         assert b"refused the handshake" in wrong.proc.stderr.read()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_given_no_address_finds_the_head_by_mdns() -> None:
+    """``node join`` with no HEAD browses _superfluid-fleet._tcp; the head advertises its
+    --fleet-listen (real multicast DNS through python-zeroconf on this machine)."""
+    port = free_port()
+    async with head(port, fleet_mdns=True) as url, nodes((["join"], "m")):
+        fleet = await wait_nodes(url, 1)
+        assert [n["node"] for n in fleet] == ["m"]
 
 
 async def test_the_head_dials_a_node_that_listens() -> None:

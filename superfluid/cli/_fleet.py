@@ -115,8 +115,8 @@ def add_fleet_parsers(sub: Any, hostport: Any) -> None:
     j = nsub.add_parser("join", help="dial a head (found by mDNS when HEAD is omitted) and serve it",
                         formatter_class=HelpFormatter,
                         description="Dial the head and serve it a model; dial again whenever the link drops.")
-    j.add_argument("head", nargs="?", type=hostport, metavar="HEAD",
-                   help="the head's --fleet-listen address (default: found by mDNS)")
+    j.add_argument("head", nargs="?", metavar="HEAD",
+                   help="the head's --fleet-listen address, HOST:PORT (default: found by mDNS)")
     ns = nsub.add_parser("serve", help="wait for a head to dial this node (`serve --fleet HOST:PORT`)",
                          formatter_class=HelpFormatter,
                          description="Listen for a head's link and serve it a model (the head dials).")
@@ -162,15 +162,29 @@ def _node_main(args: argparse.Namespace) -> int:
         return 0
 
 
+def _looks_like_address(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
 def _node(args: argparse.Namespace) -> int:
     from ..fleet._node import NodeConfig, join, serve_node
     from ..fleet._remote import NodeHello
     from ..nursery import WorkerSpec
+    from ._main import _hostport as hostport
     from ._main import _sources
 
     for flag, value in (("--max-batch", args.max_batch), ("--max-context", args.max_context)):
         if value < 1:
             raise CliError(f"{flag} {value}: must be at least 1", USAGE)
+    if args.fleet_role and args.head is not None:
+        if args.model is None and not _looks_like_address(args.head):
+            args.head, args.model = None, args.head    # `node join MODEL`: the head is found by mDNS
+        else:
+            try:
+                args.head = hostport(args.head)
+            except argparse.ArgumentTypeError as exc:
+                raise CliError(f"HEAD {args.head}: {exc}", USAGE) from None
     if args.model and args.model_flag:
         raise CliError("give the model once (MODEL or --model)", USAGE)
     args.model = args.model or args.model_flag
