@@ -44,11 +44,12 @@ def head_config(port: int = 0, *, dial: tuple[tuple[str, int], ...] = (), key: b
 class Node:
     """A node process (its own process group: killing it kills its worker too)."""
 
-    def __init__(self, *args: str, identity: str, token: str = TOKEN, spec: str = SPEC) -> None:
+    def __init__(self, *args: str, identity: str, token: str = TOKEN, spec: str = SPEC,
+                 options: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "SUPERFLUID_FLEET_TOKEN": token}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "superfluid", "node", *args, spec, "--model-name", MODEL, "--identity", identity,
-             "--max-batch", "8"],
+             "--max-batch", "8", *options],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
     def kill(self) -> None:
@@ -383,6 +384,53 @@ async def test_the_head_dials_a_node_that_listens() -> None:
             await wait_nodes(url, 1)
             results = await run_streams(url, 2)
             assert all(n == 120 for _t, n in results)
+
+
+@pytest.mark.real
+async def test_smollm2_nodes_killed_mid_stream_give_the_reference_text_with_deterministic() -> None:
+    """Two SmolLM2 nodes (llama.cpp, --deterministic, one thread each); one is SIGKILLed
+    mid-stream: every stream completes on the other, and its text is the one the undisturbed
+    fleet gave (greedy): the continuation from the delivered tokens is the same text."""
+    from tests.conftest import REAL_GGUF
+
+    port = free_port()
+    options = ("--deterministic", "--threads", "1", "--max-context", "1024")
+    async with head(port) as url:
+        a = Node("join", f"127.0.0.1:{port}", identity="a", spec=str(REAL_GGUF), options=options)
+        b = Node("join", f"127.0.0.1:{port}", identity="b", spec=str(REAL_GGUF), options=options)
+        try:
+            await wait_nodes(url, 2)
+
+            async def four() -> list[tuple[str, int]]:
+                async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                    out: list[tuple[str, int]] = [("", 0)] * 4
+                    async with trio.open_nursery() as nursery:
+                        async def one(i: int) -> None:
+                            body = chat(i, max_tokens=64)
+                            body["stream_options"] = {"include_usage": True}
+                            out[i] = await stream(client, body)
+
+                        for i in range(4):
+                            nursery.start_soon(one, i)
+                        if killing:
+                            await trio.sleep(1.0)
+                            fleet = await wait_nodes(url, 2)
+                            busy.extend(n["load"] for n in fleet if n["node"] == "a")
+                            a.kill()
+                    return out
+
+            killing = False
+            busy: list[int] = []
+            reference = await four()
+            killing = True
+            with trio.fail_after(120):
+                results = await four()
+            assert all(n == 64 for _t, n in reference)
+            assert busy and busy[0] > 0, busy    # a had streams when it died
+            assert results == reference
+        finally:
+            a.kill()
+            b.kill()
 
 
 @pytest.mark.parametrize("argv, message", [
