@@ -212,6 +212,10 @@ async def test_a_head_and_two_nodes_serve_every_dialect() -> None:
             assert f'superfluid_fleet_node_up{{model="{MODEL}",node="{node}"}} 1.0' in text
             assert f'superfluid_fleet_node_lanes_total{{model="{MODEL}",node="{node}"}} 8.0' in text
         assert f'superfluid_lanes_total{{model="{MODEL}"}} 16.0' in text
+        top = await trio.run_process([sys.executable, "-m", "superfluid", "top", "--once", "--interval", "0.2",
+                                      url.removeprefix("http://")], capture_stdout=True)
+        shown = top.stdout.decode()
+        assert f"{MODEL}@a" in shown and f"{MODEL}@b" in shown and "16" in shown, shown
 
 
 async def _streams_and_peak_loads(url: str, n: int) -> tuple[list[tuple[str, int]], dict[str, int]]:

@@ -72,6 +72,7 @@ class Node:
     prefill: float | None = None
     _last: tuple[float, float, float] | None = None   # (when, decode counter, prefill counter)
     history: collections.deque[float] = attrs.field(factory=lambda: collections.deque(maxlen=HISTORY))
+    fleet: dict[tuple[str, str], dict[str, float]] = attrs.field(factory=dict)   # a head's nodes, by (model, node)
 
     @property
     def url(self) -> str:
@@ -94,12 +95,17 @@ def _fetch(url: str, key: str | None, timeout: float) -> tuple[int | None, str]:
 def _totals(text: str) -> dict[str, Any]:
     totals: dict[str, Any] = collections.defaultdict(float)
     models = set()
+    fleet: dict[tuple[str, str], dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if "model" in sample.labels:
                 models.add(sample.labels["model"])
             totals[sample.name] += sample.value
+            if sample.name.startswith(FLEET_PREFIX) and "node" in sample.labels:
+                key = (sample.labels.get("model", ""), sample.labels["node"])
+                fleet.setdefault(key, {})[sample.name[len(FLEET_PREFIX):]] = sample.value
     totals["models"] = len(models)
+    totals["fleet"] = fleet
     return totals
 
 
@@ -121,6 +127,7 @@ def apply(node: Node, status: int | None, body: str, now: float) -> None:
         return
     node.state, node.detail = "up", ""
     node.models = t["models"]
+    node.fleet = t["fleet"]
     node.lanes, node.lanes_total = t["superfluid_lanes_active"], t["superfluid_lanes_total"]
     node.queue = t["superfluid_queue_depth"]
     node.kv_used, node.kv_total = t["superfluid_kv_used_tokens"], t["superfluid_kv_total_tokens"]
@@ -148,6 +155,9 @@ async def poll(nodes: list[Node], key: str | None, fetch_s: float) -> None:
         apply(node, *answers[i], now)
 
 
+FLEET_PREFIX = "superfluid_fleet_node_"
+
+
 def _n(v: float) -> str:
     return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}"
 
@@ -171,6 +181,14 @@ def render(nodes: list[Node], fleet: collections.deque[float], width: int = 120)
                       f"{node.queue:.0f}", kv, "–" if node.decode is None else f"{node.decode:.1f}",
                       "–" if node.prefill is None else f"{node.prefill:.0f}",
                       Text(sparkline(node.history, max(6, min(30, width - 90))), style="green"))
+        for (model, ident), v in sorted(node.fleet.items()):   # a head: a row per node of its fleet
+            up = v.get("up", 0.0) >= 1
+            total = v.get("kv_total_tokens", 0.0)
+            kv = f"{_n(v.get('kv_used_tokens', 0.0))}/{_n(total)}"
+            table.add_row(Text(f"  └ {printable(model)}@{printable(ident)}", style="dim"),
+                          Text("up" if up else "down", style="green" if up else "red"), "",
+                          f"{v.get('lanes_active', 0.0):.0f}/{v.get('lanes_total', 0.0):.0f}",
+                          f"{v.get('queue_depth', 0.0):.0f}", kv, "", "", "")
     up = sum(1 for n in nodes if n.state == "up")
     total = fleet[-1] if fleet else 0.0
     spark_w = max(10, min(HISTORY, width - 40))
