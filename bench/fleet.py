@@ -62,6 +62,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -348,15 +349,38 @@ def procs_of(server: Server) -> tuple[psutil.Process, list[psutil.Process]]:
     return p, [k for k in p.children(recursive=True)]
 
 
-def metrics_decode(url: str) -> dict[str, float]:
-    """``superfluid_decode_tokens_total`` per node label (or per model) from ``/metrics``."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("superfluid_decode_tokens_total"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
-            key = labels.get("node") or labels.get("model") or "all"
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+class LoadSampler:
+    """Each node's active lanes (``load`` in the head's ``/v1/models``) every ``every`` seconds, in a
+    thread while a round runs: how the head placed the streams."""
+
+    def __init__(self, url: str, model: str, every: float = 0.5) -> None:
+        self.url, self.model, self.every = url, model, every
+        self.samples: list[dict[str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=5) as client:
+            while not self._stop.wait(self.every):
+                try:
+                    data = client.get("/v1/models").json()["data"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue
+                fleet = next((m.get("fleet", []) for m in data if m["id"] == self.model), [])
+                self.samples.append({n["node"]: int(n["load"]) for n in fleet})
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean(self) -> dict[str, float]:
+        nodes = sorted({k for s in self.samples for k in s})
+        return {k: round(sum(s.get(k, 0) for s in self.samples) / len(self.samples), 2) for k in nodes} \
+            if self.samples else {}
 
 
 def model_ids(url: str) -> list[dict[str, Any]]:
@@ -424,6 +448,7 @@ class Setup:
             p, w = procs_of(node)
             out["nodes"].append(p)
             out["workers"] += w
+            out[f"{node.name}_worker"] = w
         if not self.nodes:   # the plain daemon's children are its workers
             out["workers"], out["front_children"] = kids, []
         return out
@@ -477,6 +502,10 @@ def part_overhead(args: argparse.Namespace, log: Any, workdir: Path) -> None:
                 setup.stop()
 
 
+def _worker_cpu(rec: dict[str, Any]) -> dict[str, float]:
+    return {k.removesuffix("_worker"): v for k, v in rec["cpu_s"].items() if k.endswith("_worker")}
+
+
 def real_order(rounds: int) -> list[str]:
     """one, two, two, one, one, two, ...: ``rounds`` of each."""
     return [("one", "two", "two", "one")[i % 4] for i in range(2 * rounds)]
@@ -496,10 +525,9 @@ def part_real(args: argparse.Namespace, log: Any, workdir: Path) -> None:
                     "prompt": "In two sentences, explain one idea of computing"}
             run_load({**base, "tokens": 8, "per_stream": 1, "tag": f"warm{rnd}"}, setup.groups())
             groups = setup.groups()
-            before = metrics_decode(setup.url)
-            res = run_load({**base, "tokens": args.real_tokens, "per_stream": args.real_requests, "tag": f"r{rnd}"},
-                           groups)
-            after = metrics_decode(setup.url)
+            with LoadSampler(setup.url, setup.model) as sampler:
+                res = run_load({**base, "tokens": args.real_tokens, "per_stream": args.real_requests,
+                                "tag": f"r{rnd}"}, groups)
             tokens = sum(r[4] for r in res["records"] if not r[9])
             errors = [r[9] for r in res["records"] if r[9]]
             wall = res["t_end"]
@@ -508,11 +536,12 @@ def part_real(args: argparse.Namespace, log: Any, workdir: Path) -> None:
                                 for s in (setup.front, *setup.nodes)},
                    "ready_s": round(ready_s, 2), "tokens": tokens, "wall_s": wall,
                    "tok_s": round(tokens / wall, 2) if wall else 0.0,
-                   "decode_by_node": {k: after[k] - before.get(k, 0.0) for k in after}, **res}
+                   "lanes_by_node": sampler.mean(), "load_samples": sampler.samples, **res}
             log(rec)
             ttft = median([r[2] for r in res["records"] if r[2] is not None] or [math.nan])
             print(f"  real round {rnd} {kind}: {rec['tok_s']:.1f} tok/s ({tokens} tokens in {wall:.1f} s), "
-                  f"TTFT median {ttft * 1000:.0f} ms, by node {rec['decode_by_node']}, {len(errors)} errors",
+                  f"TTFT median {ttft * 1000:.0f} ms, mean active lanes by node {rec['lanes_by_node']}, "
+                  f"worker CPU s by node {_worker_cpu(rec)}, {len(errors)} errors",
                   flush=True)
         finally:
             setup.stop()
@@ -687,15 +716,20 @@ def _render_real(real: list[dict[str, Any]], a: dict[str, Any], m: dict[str, Any
         lines += [f"Two nodes / one: **{ratio:.2f}x** (ratio of the medians; {lo:.2f}-{hi:.2f} from the slowest "
                   f"two-node round over the fastest one-node round to the reverse). Issue 43's target, at least "
                   f"1.8x: **{'met' if ratio >= 1.8 else 'not met'}** on this machine.", ""]
-    lines += ["Every round (decoded tokens per node: the head's `superfluid_decode_tokens_total` over the round, "
-              "warm-up excluded):", "",
-              "| round | nodes | tok/s | tokens | wall s | TTFT median ms | decoded by node | ready s | errors |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["Every round (per node: its mean active lanes, sampled from the head's `/v1/models` every 0.5 s, "
+              "and its worker's CPU seconds over the round; head CPU: the head process's; ready: seconds from "
+              "starting the processes to the nodes being up):", "",
+              "| round | nodes | tok/s | tokens | wall s | TTFT median ms | mean active lanes by node | "
+              "worker CPU s by node | head CPU s | busy cores | ready s | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in real:
         ttft = median([x[2] for x in r["records"] if x[2] is not None] or [math.nan]) * 1000
-        by = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["decode_by_node"].items()))
+        lanes = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["lanes_by_node"].items()))
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(_worker_cpu(r).items()))
         lines.append(f"| {r['round']} | {r['nodes']} | {r['tok_s']:.1f} | {r['tokens']} | {r['wall_s']:.2f} | "
-                     f"{ttft:.0f} | {by} | {r['ready_s']:.1f} | {sum(1 for x in r['records'] if x[9])} |")
+                     f"{ttft:.0f} | {lanes} | {cpu} | {r['cpu_s']['front']:.1f} | "
+                     f"{r['cpu_s']['machine'] / r['cpu_wall_s']:.2f} | {r['ready_s']:.1f} | "
+                     f"{sum(1 for x in r['records'] if x[9])} |")
     return lines + [""]
 
 

@@ -380,6 +380,28 @@ async def test_a_node_given_no_address_finds_the_head_by_mdns() -> None:
         assert [n["node"] for n in fleet] == ["m"]
 
 
+async def test_a_flood_of_silent_connections_to_the_fleet_port_costs_the_head_nothing() -> None:
+    """Links that never authenticate: at most 64 handshakes wait (each for its timeout); the
+    rest are closed at once; HTTP goes on, and a node joins once the flood is gone."""
+    from superfluid.fleet._head import MAX_HANDSHAKES
+
+    port = free_port()
+    async with head(port) as url:
+        socks = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(MAX_HANDSHAKES + 50)]
+        closed = 0
+        with trio.move_on_after(2):
+            for sock in socks[MAX_HANDSHAKES:]:
+                if await sock.receive_some(1) == b"":
+                    closed += 1
+        assert closed == 50
+        async with httpx.AsyncClient(base_url=url) as c:
+            assert (await c.get("/health")).status_code == 200
+        for sock in socks:
+            await sock.aclose()
+        async with nodes((["join", f"127.0.0.1:{port}"], "a")):
+            await wait_nodes(url, 1)
+
+
 async def test_the_head_dials_a_node_that_listens() -> None:
     nport = free_port()
     async with nodes((["serve", "--listen", f"127.0.0.1:{nport}"], "d")):

@@ -40,6 +40,7 @@ __all__ = ["Attach", "NodeSource", "dial_nodes", "serve_fleet_listener"]
 log = logging.getLogger("superfluid.fleet")
 RETRY_S = 10.0          # an unreachable --fleet node is dialled again after this long
 REDIAL_S = 1.0          # after a link that served ends
+MAX_HANDSHAKES = 64     # links authenticating at once (each has --handshake timeout); more are closed at once
 Attach = Callable[[NodeConnection], Awaitable[str]]   # "" when the node's actor took the link, else why not
 
 
@@ -113,13 +114,20 @@ async def _attach(channel: Channel, address: str, attach: Attach) -> NodeConnect
 
 
 async def _serve_link(stream: trio.abc.Stream, *, key: bytes | None, attach: Attach, lease_s: float,
-                      handshake_timeout_s: float) -> None:
+                      handshake_timeout_s: float, handshakes: trio.CapacityLimiter) -> None:
     address = _address(stream)
+    try:
+        handshakes.acquire_nowait()
+    except trio.WouldBlock:   # a flood of connections that never authenticate: each costs nothing
+        log.warning("fleet: link from %s closed: %d handshakes are under way", address, handshakes.total_tokens)
+        return
     try:
         channel = await handshake(stream, key, initiator=False, lease_s=lease_s, timeout_s=handshake_timeout_s)
     except HandshakeFailed as exc:
         log.warning("fleet: link from %s refused at the handshake: %s", address, exc)
         return
+    finally:
+        handshakes.release()
     conn = await _attach(channel, address, attach)
     if conn is not None:
         await conn.closed.wait()
@@ -133,7 +141,8 @@ async def serve_fleet_listener(host: str, port: int, *, key: bytes | None, attac
     bound = listeners[0].socket.getsockname()[1]
     log.info("fleet: nodes join at %s:%d (%s)", host, bound, "encrypted, token required" if key else
              "encrypted, NO authentication (--insecure-no-auth)")
-    handler = partial(_serve_link, key=key, attach=attach, lease_s=lease_s, handshake_timeout_s=handshake_timeout_s)
+    handler = partial(_serve_link, key=key, attach=attach, lease_s=lease_s, handshake_timeout_s=handshake_timeout_s,
+                      handshakes=trio.CapacityLimiter(MAX_HANDSHAKES))
     await trio.serve_listeners(handler, listeners, task_status=_Started(task_status, bound))
 
 
