@@ -64,7 +64,26 @@ def summary_lines(config: ServeConfig, models: Iterable[ServedModel], binds: lis
             caps = model.actor.ack.capabilities if model.actor.ack else {}
             said = str(caps.get("speculation", "off"))
             lines.append(f"    speculation: {said if said == 'prompt-lookup' else f'off ({config.speculate}: {said})'}")
+    if config.fleet:
+        lines += _fleet_lines(config, models)
     lines.append("  dialects: " + "; ".join(f"{name} {routes}" for name, routes in DIALECTS))
     lines.append(f"  sessions: {sessions_dir}")
     lines.append(f"  auth: {_auth(config)}")
     return lines
+
+
+def _fleet_lines(config: ServeConfig, models: Iterable[ServedModel]) -> list[str]:
+    """A head's fleet: where nodes join, how the link is keyed, the nodes there already."""
+    link = "encrypted, fleet token required" if config.fleet_key else "encrypted, no token (loopback only)"
+    out = []
+    if config.fleet_listen is not None:
+        host, port = config.fleet_listen
+        mdns = ", advertised by mDNS" if config.fleet_mdns else ""
+        out.append(f"  fleet: nodes join at {host}:{port} ({link}{mdns}); placement {config.fleet_policy}")
+    if config.fleet_dial:
+        out.append("  fleet: dialling nodes " + ", ".join(f"{h}:{p}" for h, p in config.fleet_dial) + f" ({link})")
+    for model in models:
+        for node in (model.group.describe() if model.group is not None else []):
+            out.append(f"    node {node['node']} ({model.name}): context window {node['n_ctx']} tokens, "
+                       f"{node['lanes']} lanes")
+    return out
