@@ -32,10 +32,13 @@ Invariants, per scenario:
 - afterwards every node's ``load`` in ``/v1/models`` -> ``fleet`` is back to 0 within
   ``QUIET_S`` seconds (no lane or queue left behind on any node's scheduler).
 
-Budget: ``SUPERFLUID_FUZZ_FLEET_SCENARIOS`` scenarios when set; else 3 (seeds 1-3, the same
-every run, so CI is reproducible), or ``SUPERFLUID_FUZZ_EXAMPLES // 50`` (at least 3) from a
-random first seed when ``SUPERFLUID_FUZZ_EXAMPLES`` is set. Scenario ``k`` has seed
-``SUPERFLUID_FUZZ_FLEET_SEED + k``. A failure names its seed; replay it alone with::
+Budget: ``SUPERFLUID_FUZZ_FLEET_SCENARIOS`` scenarios when set; else 4 (seeds 9-12, the same
+every run, so CI is reproducible; between them every kind of event; about 35 s on 2 cores), or
+``SUPERFLUID_FUZZ_EXAMPLES // 50`` (at least 4; 100 for 5000, about 15 minutes) from a random
+first seed when ``SUPERFLUID_FUZZ_EXAMPLES`` is set. Scenario ``k`` has seed
+``SUPERFLUID_FUZZ_FLEET_SEED + k`` (the first seed is printed, and a failure names its own).
+Scenarios share the fleet, which each starts from (its nodes up, the others killed, loads 0),
+so a seed replays alone as it ran, up to timing::
 
     SUPERFLUID_FUZZ_FLEET_SEED=N SUPERFLUID_FUZZ_FLEET_SCENARIOS=1 pytest fuzz/test_fuzz_fleet.py
 """
@@ -45,7 +48,6 @@ from __future__ import annotations
 import collections
 import os
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -56,8 +58,10 @@ import trio
 
 from superfluid.daemon._server import serve
 from superfluid.proto import SseDecoder
-from tests.test_fleet import MODEL, Node, Relay, chat, free_port, head_config
+from tests.test_fleet import MODEL, Node, Relay, chat, head_config
 from tests.test_sessions import RESUMABLE
+
+from ._daemon_model import _free_port
 
 pytestmark = pytest.mark.fuzz
 
@@ -71,9 +75,10 @@ READY_S = 30.0          # nodes (re)started and up
 
 _EXAMPLES = os.environ.get("SUPERFLUID_FUZZ_EXAMPLES")
 SCENARIOS = int(os.environ.get("SUPERFLUID_FUZZ_FLEET_SCENARIOS")
-                or (max(3, int(_EXAMPLES) // 50) if _EXAMPLES else 3))
+                or (max(4, int(_EXAMPLES) // 50) if _EXAMPLES else 4))
+# CI's seeds 9-12 hold every kind of event between them (kills, restarts, partitions, a head restart)
 SEED = int(os.environ.get("SUPERFLUID_FUZZ_FLEET_SEED")
-           or (random.randrange(1, 1_000_000) if _EXAMPLES else 1))
+           or (random.randrange(1, 1_000_000) if _EXAMPLES else 9))
 
 
 # ---- scenarios -----------------------------------------------------------------------------
@@ -120,19 +125,23 @@ class Scenario:
 
 
 def draw(seed: int) -> Scenario:
+    """The scenario of ``seed``. Each event's kind is drawn among those that apply at its time
+    (weights 3 kill, 3 partition, 3 restart, 2 head): a kill needs a node alive, a partition a
+    relayed node alive and not partitioned, a restart a node this scenario killed, the head's
+    restart (once a scenario) a node alive to resume the streams on."""
     rng = random.Random(seed)
     nodes = tuple(sorted(rng.sample(IDENTITIES, rng.choice((2, 3)))))   # two of three: one is relayed
+    lengths = [rng.randint(40, 200) for _ in range(rng.randint(4, 10))]
+    # events while the streams run: an undisturbed stream of n tokens takes about n x 10 ms
+    latest = 0.1 + 0.009 * max(lengths)
     alive, killed = set(nodes), set[str]()
     healed_at: dict[str, float] = {}
     events: list[Event] = []
     head_done = False
-    for at in sorted(round(rng.uniform(0.1, 2.0), 2) for _ in range(rng.randint(1, 3))):
-        kinds = ["kill"] * 3
-        kinds += ["partition"] * 3 if [n for n in alive if n in RELAYED and healed_at.get(n, 0) <= at] else []
-        kinds += ["restart"] * 3 if killed else []
-        kinds += ["head"] * 2 if alive and not head_done else []
-        if not alive:
-            kinds = [k for k in kinds if k != "kill"]
+    for at in sorted(round(rng.uniform(0.1, latest), 2) for _ in range(rng.randint(1, 3))):
+        free = sorted(n for n in alive if n in RELAYED and healed_at.get(n, 0) <= at)
+        kinds = ((["kill"] * 3 if alive else []) + (["partition"] * 3 if free else [])
+                 + (["restart"] * 3 if killed else []) + (["head"] * 2 if alive and not head_done else []))
         kind = rng.choice(kinds)
         if kind == "kill":
             node = rng.choice(sorted(alive))
@@ -140,7 +149,7 @@ def draw(seed: int) -> Scenario:
             killed.add(node)
             events.append(Event(at, "kill", node))
         elif kind == "partition":
-            node = rng.choice(sorted(n for n in alive if n in RELAYED and healed_at.get(n, 0) <= at))
+            node = rng.choice(free)
             hold = round(rng.uniform(0.5, 4.0), 2)
             healed_at[node] = at + hold
             events.append(Event(at, "partition", node, hold))
@@ -154,30 +163,18 @@ def draw(seed: int) -> Scenario:
             events.append(Event(at, "head"))
     if not alive:   # streams must be able to finish: one node comes back
         events.append(Event(round(events[-1].at + 0.3, 2), "restart", rng.choice(sorted(killed))))
-    requests = tuple(Request(prompt=rng.randrange(PROMPTS), max_tokens=rng.randint(40, 200),
-                             resumable=head_done or rng.random() < 0.5)
-                     for _ in range(rng.randint(4, 10)))
+    requests = tuple(Request(prompt=rng.randrange(PROMPTS), max_tokens=n, resumable=head_done or rng.random() < 0.5)
+                     for n in lengths)
     return Scenario(seed, nodes, requests, tuple(events))
 
 
 # ---- the fleet under test ------------------------------------------------------------------
 
 
-class FuzzRelay(Relay):
-    """``Relay`` that survives a head that is down (restarting): the node's dial is closed, and
-    the node dials again."""
-
-    async def _serve(self, client: trio.SocketStream) -> None:
-        try:
-            await super()._serve(client)
-        except OSError:
-            await client.aclose()
-
-
 class Head:
-    """The head, in-process; ``restart`` cancels it, waits for its end and starts it again on
-    the same fleet port and sessions dir. ``epoch`` counts kills: a stream cut while it moved on
-    was cut by the head's end."""
+    """The head, in-process, on a fixed fleet port and sessions dir: ``kill`` cancels it and
+    waits for its end, ``start`` starts it again (its HTTP port is new: ``url``). ``epoch``
+    counts kills: a stream cut while it moved on was cut by the head's end."""
 
     def __init__(self, nursery: trio.Nursery, port: int, sessions: Path) -> None:
         self.nursery, self.port, self.sessions = nursery, port, sessions
@@ -218,7 +215,7 @@ class Head:
 class FleetNode:
     """One identity: its process (None while killed), its relay if relayed, its stderr's tail."""
 
-    def __init__(self, identity: str, head_port: int, relay: FuzzRelay | None) -> None:
+    def __init__(self, identity: str, head_port: int, relay: Relay | None) -> None:
         self.identity, self.relay = identity, relay
         self.target = relay.port if relay is not None else head_port
         self.node: Node | None = None
@@ -231,18 +228,11 @@ class FleetNode:
     def start(self) -> None:
         assert self.node is None
         self.node = Node("join", f"127.0.0.1:{self.target}", identity=self.identity, spec=SPEC)
-        stderr = self.node.proc.stderr
-        assert stderr is not None
-        # Node's stderr is a pipe: drain it (a full pipe would block the node's logging) and keep its tail
-        threading.Thread(target=self._drain, args=(stderr,), daemon=True).start()
-
-    def _drain(self, stderr) -> None:
-        for line in iter(stderr.readline, b""):
-            self.tail.append(line.decode("utf-8", "replace").rstrip())
 
     def kill(self) -> None:
         if self.node is not None:
             self.node.kill()
+            self.tail.extend(self.node.stderr().splitlines()[-40:])
             self.node = None
 
 
@@ -268,7 +258,9 @@ class Fleet:
                 await trio.sleep(0.1)
 
     def tails(self) -> str:
-        return "\n".join(f"--- node {i} stderr (last lines):\n" + "\n".join(n.tail) for i, n in self.nodes.items())
+        return "\n".join(f"--- node {i} stderr (last lines):\n" + "\n".join(
+            [*n.tail, *(n.node.stderr().splitlines()[-40:] if n.node is not None else [])])
+            for i, n in self.nodes.items())
 
 
 # ---- one stream ---------------------------------------------------------------------------
@@ -387,7 +379,7 @@ def violations(outcomes: list[Outcome], reference: dict[tuple[int, int], str]) -
         if tokens != req.max_tokens:
             bad.append(f"stream {i}: completion_tokens {tokens} != max_tokens {req.max_tokens}: {out.describe()}")
         if out.text != ref:
-            at = next((k for k, (x, y) in enumerate(zip(out.text, ref)) if x != y), min(len(out.text), len(ref)))
+            at = len(os.path.commonprefix([out.text, ref]))
             bad.append(f"stream {i}: text differs from the reference at char {at} "
                        f"(got {len(out.text)} chars, want {len(ref)}): {out.describe()}\n"
                        f"  got  ...{out.text[max(0, at - 40):at + 60]!r}\n  want ...{ref[max(0, at - 40):at + 60]!r}")
@@ -411,7 +403,12 @@ async def references(fleet: Fleet, requests: tuple[Request, ...], known: dict[tu
         known[out.request.key] = out.text
 
 
-async def apply(fleet: Fleet, event: Event, outcomes: list[Outcome], nursery: trio.Nursery) -> None:
+async def apply(fleet: Fleet, event: Event, outcomes: list[Outcome], nursery: trio.Nursery) -> str:
+    """Do ``event``; returns what it hit (the node's load just before, when the head is up)."""
+    hit = f"{event.kind} {event.node} (the head is down)"
+    if event.node and fleet.head.up.is_set():
+        load = {n["node"]: n["load"] for n in await fleet.head.models()}.get(event.node)
+        hit = f"{event.kind} {event.node} (load {load})"
     if event.kind == "kill":
         fleet.nodes[event.node].kill()
     elif event.kind == "restart":
@@ -431,14 +428,18 @@ async def apply(fleet: Fleet, event: Event, outcomes: list[Outcome], nursery: tr
         # head once every stream has one (each was admitted; a node is alive, so each will be)
         while any(o.sid is None and o.error is None and not o.cut for o in outcomes):
             await trio.sleep(0.02)
+        cut = sum(not o.done for o in outcomes)
         await fleet.head.kill()
         nursery.start_soon(fleet.head.start)   # it waits (--fleet-wait) for a node to dial it again
+        hit = f"head ({cut} streams live)"
+    return hit
 
 
 async def run_scenario(fleet: Fleet, scenario: Scenario, known: dict[tuple[int, int], str]) -> dict:
     await fleet.ready(scenario.nodes)
     await references(fleet, scenario.requests, known)
     outcomes = [Outcome(r) for r in scenario.requests]
+    hits: list[str] = []
     start = trio.current_time()
     try:
         with trio.fail_after(SCENARIO_S):
@@ -449,7 +450,7 @@ async def run_scenario(fleet: Fleet, scenario: Scenario, known: dict[tuple[int, 
                 async def events() -> None:
                     for event in scenario.events:
                         await trio.sleep_until(start + event.at)
-                        await apply(fleet, event, outcomes, nursery)
+                        hits.append(await apply(fleet, event, outcomes, nursery))
 
                 nursery.start_soon(events)
             await fleet.head.up.wait()
@@ -471,8 +472,9 @@ async def run_scenario(fleet: Fleet, scenario: Scenario, known: dict[tuple[int, 
         raise AssertionError(_report(scenario, fleet, f"loads not back to 0 within {QUIET_S:g}s: {fleet_now}",
                                      [])) from None
     return {"seconds": round(elapsed, 2), "completed": sum(o.error is None for o in outcomes),
+            "tokens": sum(o.request.max_tokens for o in outcomes if o.error is None),
             "errors": [o.error.get("code") for o in outcomes if o.error is not None],
-            "resumed": sum(o.resumes > 0 for o in outcomes)}
+            "resumed": sum(o.resumes > 0 for o in outcomes), "hit": hits}
 
 
 def _report(scenario: Scenario, fleet: Fleet, what: str, lines: list[str]) -> str:
@@ -482,7 +484,7 @@ def _report(scenario: Scenario, fleet: Fleet, what: str, lines: list[str]) -> st
 
 async def test_fleet_streams_survive_random_kills_partitions_and_restarts(tmp_path: Path) -> None:
     began = time.monotonic()
-    port = free_port()
+    port = _free_port()   # below the ephemeral range: the head binds it again after each restart
     known: dict[tuple[int, int], str] = {}
     results = []
     nodes: dict[str, FleetNode] = {}
@@ -493,18 +495,27 @@ async def test_fleet_streams_survive_random_kills_partitions_and_restarts(tmp_pa
             for ident in IDENTITIES:
                 relay = None
                 if ident in RELAYED:
-                    relay = FuzzRelay(target=port)
+                    relay = Relay(target=port)
                     await nursery.start(relay.run)
                 nodes[ident] = FleetNode(ident, port, relay)
             fleet = Fleet(head, nodes)
             for k in range(SCENARIOS):
                 scenario = draw(SEED + k)
-                results.append((scenario, await run_scenario(fleet, scenario, known)))
+                try:
+                    results.append((scenario, await run_scenario(fleet, scenario, known)))
+                except Exception as exc:   # (a violation's message names the seed already)
+                    if "SUPERFLUID_FUZZ_FLEET_SEED" not in str(exc):
+                        exc.add_note(_report(scenario, fleet, f"{type(exc).__name__} in the scenario", []))
+                    raise
             nursery.cancel_scope.cancel()
     finally:
         for node in nodes.values():
             node.kill()
-    print(f"\nfleet fuzz: {len(results)} scenarios from seed {SEED} in {time.monotonic() - began:.1f}s")
+    totals = {key: sum(r[key] if isinstance(r[key], int) else len(r[key]) for _s, r in results)
+              for key in ("completed", "tokens", "resumed", "errors")}
+    print(f"\nfleet fuzz: {len(results)} scenarios from seed {SEED} in {time.monotonic() - began:.1f}s: "
+          f"{totals['completed']} streams completed ({totals['tokens']} tokens compared, {totals['resumed']} "
+          f"resumed after a head restart), {totals['errors']} typed errors")
     for scenario, result in results:
         print(f"  {scenario}\n    -> {result}")
     assert len(results) == SCENARIOS

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -47,10 +48,15 @@ class Node:
     def __init__(self, *args: str, identity: str, token: str = TOKEN, spec: str = SPEC,
                  options: tuple[str, ...] = ()) -> None:
         env = {**os.environ, "SUPERFLUID_FLEET_TOKEN": token}
+        self.log = tempfile.TemporaryFile()   # (a pipe nobody reads would stop the node's logging when full)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "superfluid", "node", *args, spec, "--model-name", MODEL, "--identity", identity,
              "--max-batch", "8", *options],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            env=env, stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode("utf-8", "replace")
 
     def kill(self) -> None:
         try:
@@ -97,7 +103,11 @@ class Relay:
         await trio.serve_listeners(self._serve, listeners, task_status=_Port(task_status, self.port))
 
     async def _serve(self, client: trio.SocketStream) -> None:
-        server = await trio.open_tcp_stream("127.0.0.1", self.target)
+        try:
+            server = await trio.open_tcp_stream("127.0.0.1", self.target)
+        except OSError:   # the head is down (restarting): the node dials again
+            await client.aclose()
+            return
 
         async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
             try:
@@ -372,7 +382,7 @@ async def test_the_link_is_encrypted_and_a_wrong_token_is_refused() -> None:
             assert wrong.proc.poll() is None   # it keeps dialling, refused each time
         finally:
             wrong.kill()
-        assert b"refused the handshake" in wrong.proc.stderr.read()
+        assert "refused the handshake" in wrong.stderr()
         nursery.cancel_scope.cancel()
 
 
