@@ -495,3 +495,52 @@ def test_fleet_token_is_made_once_0600(tmp_path) -> None:
                            text=True, check=True).stdout.strip()
     assert first == again and len(parse_token(first)) == 32
     assert (tmp_path / "fleet" / "token").stat().st_mode & 0o777 == 0o600
+
+
+class _Core:
+    def __init__(self) -> None:
+        self.running: dict = {}
+        self.queues: dict = {}
+        self.last_tick: dict = {}
+        self.link_up = True
+
+
+class _Sched:
+    def __init__(self) -> None:
+        self.core = _Core()
+        self.closed = None
+
+
+class _Actor:
+    def __init__(self, lanes: int = 8, n_ctx: int = 4096) -> None:
+        self.scheduler = _Sched()
+        self.ack = attrs.make_class("Ack", {"limits": attrs.field(default={"max_lanes": lanes})})()
+        self.info = {"n_ctx_seq": n_ctx}
+        self.spec = attrs.make_class("Spec", {"max_batch": attrs.field(default=lanes)})()
+        self.stopped = False
+
+
+def test_requests_placed_together_spread_before_any_reached_a_node() -> None:
+    """Placement counts a request on its node as it places it: eight requests placed at once
+    (none has reached a node's scheduler yet) go four and four, not all to the first node; a
+    prompt only one node's window holds goes there; a node that is down gets none."""
+    from superfluid.sched import Job
+    from superfluid.serving._placement import FleetGroup
+    from superfluid.proto import Sampling
+
+    for policy in ("load-aware", "least-loaded", "round-robin"):
+        a, b = _Actor(), _Actor()
+        group = FleetGroup(policy=policy, members={"a": a, "b": b})
+        jobs = [Job(prompt=[1], sampling=Sampling(), max_new=4) for _ in range(8)]
+        chosen = [group.place(2, job=job) for job in jobs]
+        assert chosen.count(a) == chosen.count(b) == 4, policy
+        assert all(job.scheduler is actor.scheduler for job, actor in zip(jobs, chosen, strict=True))
+        for job in jobs[:4]:
+            job.finish_with("stop")
+        more = [group.place(2, job=Job(prompt=[1], sampling=Sampling(), max_new=4)) for _ in range(2)]
+        assert len(set(map(id, more))) == 2 or policy == "round-robin", policy
+    small, big = _Actor(n_ctx=512), _Actor(n_ctx=4096)
+    group = FleetGroup(members={"s": small, "b": big})
+    assert all(group.place(1000) is big for _ in range(5))
+    big.scheduler.core.link_up = False
+    assert all(group.place(10) is small for _ in range(5))

@@ -144,7 +144,7 @@ async def open_lane(app: App, model: ServedModel, job: Job, *, kind: str, stops:
             ``--max-queue`` waiting; 503 when the model is gone (or, for a resumable
             job, its actor is not running to watch it); 507 when the log takes no writes.
     """
-    sched = model.place(len(job.prompt) + 1)   # (a fleet model: the node placement picks, SPEC.md §14)
+    sched = model.place(len(job.prompt) + 1, job)   # (a fleet model: the node placement picks, SPEC.md §14)
     lane: Lane | None = None
     refused = False
     note_job(model.name, job)

@@ -237,7 +237,7 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         turn = Turn(conversation=cid, generation=job.session, model=model, stops=[*req.stops, *rendered.stops],
                     parser=rendered.parser)
         # as _lane.open_lane, without the --resume-ttl watcher: the turn's owner holds it to its end
-        sched = model.place(len(job.prompt) + 1)
+        sched = model.place(len(job.prompt) + 1, job)
         with admit(app, job) as claim:  # the key's slot, held until the turn's generation ends
             await _start(app, store, sched, model, job, turn, params, claim)
     return turn

@@ -11,7 +11,7 @@ from ..chat import ChatTemplate, pick_template
 if TYPE_CHECKING:
     from ..nursery import ModelActor
     from ._placement import FleetGroup
-    from ..sched import Scheduler
+    from ..sched import Job, Scheduler
 
 __all__ = ["ServedModel"]
 
@@ -44,11 +44,12 @@ class ServedModel:
         """The scheduler a request goes to: the model's own, or the node placement picks."""
         return self.place()
 
-    def place(self, need: int = 0) -> Scheduler:
-        """The scheduler for a request of ``need`` tokens (a fleet model: placement's node)."""
+    def place(self, need: int = 0, job: Job | None = None) -> Scheduler:
+        """The scheduler for a request of ``need`` tokens (a fleet model: placement's node,
+        which counts ``job`` from now on)."""
         if self.group is None:
             return self.actor.scheduler
-        return self.group.place(need).scheduler
+        return self.group.place(need, job=job).scheduler
 
     @property
     def info(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import attrs
 
 if TYPE_CHECKING:
     from ..nursery import ModelActor
-    from ..sched import Scheduler
+    from ..sched import Job, Scheduler
 
 __all__ = ["POLICIES", "FleetGroup"]
 
@@ -62,6 +62,7 @@ class FleetGroup:
     pool_high: float = 0.9
     members: dict[str, ModelActor] = attrs.field(factory=dict)
     _turns: Any = attrs.field(factory=itertools.count)
+    _placed: set[Job] = attrs.field(factory=set)   # jobs placed here and not yet done (``place``)
 
     @staticmethod
     def is_up(actor: ModelActor) -> bool:
@@ -77,18 +78,38 @@ class FleetGroup:
         pool = self.live() or list(self.members.values())
         return max((_window(a) for a in pool), default=0)
 
-    def place(self, need: int = 0, *, among: list[ModelActor] | None = None) -> ModelActor:
-        """The node for a request of ``need`` tokens (prompt and what it may generate)."""
+    def place(self, need: int = 0, *, among: list[ModelActor] | None = None, job: Job | None = None) -> ModelActor:
+        """The node for a request of ``need`` tokens (prompt and what it may generate). ``job``
+        counts on the chosen node from now on: requests that arrive together are spread before
+        any of them reached a node's scheduler (its queue shows them only once its actor ran)."""
         live = self.live() if among is None else among
         fits = [a for a in live if _window(a) >= need] or live
         if not fits:
-            return next(iter(self.members.values()))
-        if self.policy == "round-robin":
-            return fits[next(self._turns) % len(fits)]
-        if self.policy == "least-loaded":
-            return min(fits, key=_load)
-        roomy = [a for a in fits if _kv_use(a) < self.pool_high] or fits
-        return min(roomy, key=lambda a: (_load(a) / _lanes(a), _load(a)))
+            chosen = next(iter(self.members.values()))
+        elif self.policy == "round-robin":
+            chosen = fits[next(self._turns) % len(fits)]
+        else:
+            placed = self._placed_counts()
+            load = {id(a): max(_load(a), placed.get(id(a.scheduler), 0)) for a in fits}
+            if self.policy == "least-loaded":
+                chosen = min(fits, key=lambda a: load[id(a)])
+            else:
+                roomy = [a for a in fits if _kv_use(a) < self.pool_high] or fits
+                chosen = min(roomy, key=lambda a: (load[id(a)] / _lanes(a), load[id(a)]))
+        if job is not None:
+            job.scheduler = chosen.scheduler
+            self._placed.add(job)
+        return chosen
+
+    def _placed_counts(self) -> dict[int, int]:
+        """Live placed jobs by the scheduler that holds them now (done ones are let go)."""
+        counts: dict[int, int] = {}
+        for job in list(self._placed):
+            if job.done:
+                self._placed.discard(job)
+            else:
+                counts[id(job.scheduler)] = counts.get(id(job.scheduler), 0) + 1
+        return counts
 
     def up(self) -> None:
         """A node's link serves again: the others look at once whether they have work to shed."""
