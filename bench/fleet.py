@@ -521,8 +521,9 @@ def part_real(args: argparse.Namespace, log: Any, workdir: Path) -> None:
             t_start = time.perf_counter()
             setup.ready()
             ready_s = time.perf_counter() - t_start
+            streams = args.real_streams * (len(pins) if args.real_per_node else 1)
             base = {"port": setup.front.port, "model": setup.model, "qos": args.qos, "duration": 0, "warmup": 0,
-                    "drain_s": 600, "concurrency": args.real_streams,
+                    "drain_s": 600, "concurrency": streams,
                     "prompt": "In two sentences, explain one idea of computing"}
             run_load({**base, "tokens": 8, "per_stream": 1, "tag": f"warm{rnd}"}, setup.groups())
             groups = setup.groups()
@@ -694,7 +695,7 @@ def _render_real(real: list[dict[str, Any]], a: dict[str, Any], m: dict[str, Any
     lines = ["### Two real nodes against one", "",
              f"{model}, each node `taskset -c K superfluid node join HEAD MODEL --threads 1 --max-batch "
              f"{a['real_streams']}` (one node on core 0; two on cores 0 and 1), a fresh head and fresh nodes every "
-             f"round. {a['real_streams']} streams, each {a['real_requests']} chat request(s) back to back of "
+             f"round. {a['real_streams']} streams{' per node (every lane busy: the aggregate capacity)' if a.get('real_per_node') else ''}, each {a['real_requests']} chat request(s) back to back of "
              f"{a['real_tokens']} tokens (temperature 0, `ignore_eos`, short distinct prompts), after one "
              "8-token warm-up request per stream. tok/s: completion tokens (usage) / the round's wall time "
              f"(prefill of the short prompts included). {shared} Rounds in the order "
@@ -770,6 +771,9 @@ def main() -> int:
     p.add_argument("--mock", default=MOCK, help="overhead: the mock model spec")
     p.add_argument("--real-rounds", type=int, default=3, help="real: rounds of each setup (one node, two)")
     p.add_argument("--real-streams", type=int, default=8, help="real: concurrent streams (and lanes per node)")
+    p.add_argument("--real-per-node", action=argparse.BooleanOptionalAction, default=True,
+                   help="real: --real-streams streams per node, so every node's lanes are full (the fleet's "
+                        "aggregate capacity); --no-real-per-node: the same streams for one node and two")
     p.add_argument("--real-tokens", type=int, default=128, help="real: max_tokens of each request")
     p.add_argument("--real-requests", type=int, default=2, help="real: requests per stream, back to back")
     p.add_argument("--model", default="", help="real: GGUF (default: the embedded SmolLM2-135M-Instruct)")
