@@ -67,6 +67,8 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
+
+from overhead import _request   # (bench/ is this script's path) the same raw request
 from typing import Any
 
 import httpx
@@ -84,13 +86,6 @@ PACKAGES = ("superfluid", "llama_cpp_python", "hypercorn", "trio", "noiseprotoco
 
 
 # --- the load generator (its own process) ----------------------------------------------------------------------
-
-def _request(port: int, path: str, body: dict[str, Any], headers: dict[str, str]) -> bytes:
-    data = json.dumps(body).encode()
-    head = [f"POST {path} HTTP/1.1", f"host: 127.0.0.1:{port}", "content-type: application/json",
-            f"content-length: {len(data)}", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + data
-
 
 class _Stream:
     """One client: requests back to back on a keep-alive connection (a new one if the server closes it)."""

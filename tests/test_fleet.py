@@ -460,6 +460,20 @@ async def test_smollm2_nodes_killed_mid_stream_give_the_reference_text_with_dete
                             a.kill()
                     return out
 
+            import anthropic
+            import ollama
+            import openai
+
+            oa = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+            reply = await oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                     max_tokens=8, temperature=0)
+            assert reply.choices[0].message.content
+            msg = await anthropic.AsyncAnthropic(base_url=url, api_key="x").messages.create(
+                model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hi!"}])
+            assert msg.content[0].text
+            out = await ollama.AsyncClient(host=url).chat(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                          options={"num_predict": 8})
+            assert out.message.content
             killing = False
             busy: list[int] = []
             reference = await four()

@@ -27,10 +27,8 @@ import attrs
 import msgpack
 import trio
 
-from .._errors import first_leaf
-from ..nursery import WorkerDied, WorkerHandle, WorkerLoadFailed
+from ..nursery import WorkerDied, WorkerHandle, WorkerLoadFailed, raise_one_failure
 from ..proto import DAEMON, NEED_DATA, Event, Hello, HelloAck, LoadFailed, ProtocolError, Shutdown, WorkerLink
-from ..sched import LinkLost
 from ._channel import Channel, ChannelLost
 
 __all__ = ["NodeConnection", "NodeHello", "RemoteWorker", "open_remote_worker", "read_hello", "send_hello"]
@@ -194,14 +192,7 @@ async def open_remote_worker(conn: NodeConnection, deliver: Deliver, *, generati
         async with _open(conn, deliver, generation, start_timeout_s) as handle:
             yield handle
     except BaseExceptionGroup as group:
-        failures, rest = group.split((LinkLost, WorkerLoadFailed, trio.TooSlowError))
-        if rest is not None:
-            if rest.split(trio.Cancelled)[1] is None:
-                raise rest from None
-            raise
-        if failures is None:
-            raise
-        raise first_leaf(failures) from group
+        raise_one_failure(group)
 
 
 @asynccontextmanager

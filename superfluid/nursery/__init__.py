@@ -20,3 +20,4 @@ from ._worker import worker_argv as worker_argv
 from ._kill import graceful_kill as graceful_kill
 from ._kill import kill_now as kill_now
 from ._actor import RemoteSource as RemoteSource
+from ._worker import raise_one_failure as raise_one_failure

@@ -270,10 +270,7 @@ class ModelActor:
             except (LinkLost, WorkerLoadFailed, trio.TooSlowError) as exc:
                 if not self.started:
                     raise
-                reason = str(exc) or type(exc).__name__
-                sched.set_worker(None)
-                sched.worker_lost(reason)
-                self.pid = None
+                reason = self._lost(exc)
                 if tracker.allow(trio.current_time()):
                     self.respawns += 1
                     sched.metrics.inc("superfluid_worker_respawns_total")
@@ -318,11 +315,17 @@ class ModelActor:
             except (LinkLost, WorkerLoadFailed, trio.TooSlowError) as exc:
                 if not self.started:
                     raise
-                reason = str(exc) or type(exc).__name__
-                sched.set_worker(None)
-                sched.worker_lost(reason)
+                reason = self._lost(exc)
                 self.respawns += 1
                 log.warning("model %s: %s; its requests go to the model's other nodes", self.name, reason)
+
+    def _lost(self, exc: BaseException) -> str:
+        """The worker (or node link) is gone: its running jobs go back to their queues. Returns why."""
+        reason = str(exc) or type(exc).__name__
+        self.scheduler.set_worker(None)
+        self.scheduler.worker_lost(reason)
+        self.pid = None
+        return reason
 
     async def _idle_until(self, remote: RemoteSource) -> Any:
         """Idle (stops, commands, commits; what waits shed to other nodes) until the node's next link."""

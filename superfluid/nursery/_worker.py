@@ -21,7 +21,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -48,7 +48,7 @@ Deliver = Callable[[int, Any], Awaitable[None]]   # (generation, event) to the m
 log = logging.getLogger(__name__)
 
 __all__ = ["WorkerDied", "WorkerHandle", "WorkerLoadFailed", "WorkerSpawnFailed", "WorkerSpec", "open_worker",
-           "worker_argv"]
+           "raise_one_failure", "worker_argv"]
 
 READ_SIZE = 256 * 1024
 
@@ -232,17 +232,22 @@ async def open_worker(
         async with _open_worker_nursery(spec, argv, child_env, link, deliver, generation) as handle:
             yield handle
     except BaseExceptionGroup as group:
-        # hide the nursery: a worker failure surfaces as one LinkLost (WorkerDied)/WorkerLoadFailed
-        failures, rest = group.split((LinkLost, WorkerLoadFailed, trio.TooSlowError))
-        if rest is not None:
-            if rest.split(trio.Cancelled)[1] is None:
-                # cancelled from outside (an unload) as the worker failed: the cancel is what
-                # happened; the failure beside it is moot (raised, it made the actor "fail")
-                raise rest from None
-            raise
-        if failures is None:
-            raise
-        raise first_leaf(failures) from group
+        raise_one_failure(group)
+
+
+def raise_one_failure(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Hide a worker's nursery: its failure surfaces as one LinkLost (WorkerDied),
+    WorkerLoadFailed or TooSlowError; a cancel from outside stays the cancel it is."""
+    failures, rest = group.split((LinkLost, WorkerLoadFailed, trio.TooSlowError))
+    if rest is not None:
+        if rest.split(trio.Cancelled)[1] is None:
+            # cancelled from outside (an unload) as the worker failed: the cancel is what
+            # happened; the failure beside it is moot (raised, it made the actor "fail")
+            raise rest from None
+        raise group
+    if failures is None:
+        raise group
+    raise first_leaf(failures) from group
 
 
 @asynccontextmanager
