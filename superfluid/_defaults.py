@@ -48,3 +48,5 @@ IDLE_TIMEOUT_S = 0.0             # --idle-timeout: unload a model idle this long
 MAX_CONVERSATION_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_CONVERSATION_EVENTS = 10_000
+FILES_QUOTA_GB = 10.0            # GiB of uploaded and batch output files per tenant (0: no limit)
+FILES_MAX_BYTES = 200 << 20      # one uploaded file (413 beyond)

@@ -64,6 +64,7 @@ RA = "tests/test_security_archive.py::"
 BD = "tests/test_security_bodies.py::"
 CN = "tests/test_security_connections.py::"
 F = "tests/test_fleet.py::"
+BT = "tests/test_batches.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -546,6 +547,31 @@ MUTATIONS = (
              "                await registry.wait_for_models(store.models_to_resume(), config.fleet_wait_s)\n",
              "                pass\n",
              (F + "test_a_head_restart_resumes_resumable_streams_on_the_nodes",)),
+    # ---- batches (SPEC.md §7 "Batches") ----
+    Mutation("a line is logged once: replay keeps the first result of an index", "superfluid/proto/_batch.py",
+             "            if index in self.lines:\n                return  # the first result of a line is the one",
+             "            if False:\n                return  # the first result of a line is the one",
+             (BT + "test_a_torn_record_ends_the_log_and_a_line_counts_once",)),
+    Mutation("a torn record ends a batch's log", "superfluid/proto/_batch.py",
+             "        if zlib.crc32(body) != crc:\n            break\n",
+             "        if False:\n            break\n",
+             (BT + "test_a_torn_record_ends_the_log_and_a_line_counts_once",)),
+    Mutation("a batch's line runs as its owner", "superfluid/api/_app.py",
+             "            \"headers\": [(b\"content-type\", b\"application/json\")], PRINCIPAL: principal, QOS: qos,\n",
+             "            \"headers\": [(b\"content-type\", b\"application/json\")], QOS: qos,\n",
+             (BT + "test_batches_belong_to_their_key",)),
+    Mutation("a batch's lines run in its class (background)", "superfluid/api/_chat.py",
+             "    if isinstance(forced, QosClass):  # a batch's line",
+             "    if False:  # a batch's line",
+             (BT + "test_batch_lines_run_in_the_background_class_and_a_chat_goes_first",)),
+    Mutation("cancel is the batch's cancel scope", "superfluid/api/_batches.py",
+             "        if scope is not None:\n            scope.cancel()\n",
+             "        if scope is not None:\n            pass\n",
+             (BT + "test_cancel_ends_the_running_lines_and_keeps_what_finished",)),
+    Mutation("a duplicate custom_id is an error line", "superfluid/api/_batches.py",
+             "            elif error is None and cid in seen:\n",
+             "            elif False:\n",
+             (BT + "test_the_openai_sdk_runs_a_batch_and_bad_lines_are_error_lines",)),
 )
 
 

@@ -36,6 +36,7 @@ def test_every_layer_takes_its_defaults_from_one_module() -> None:
         "body_timeout": ("body_timeout_s", D.BODY_TIMEOUT_S), "ws_idle_timeout": ("ws_idle_timeout_s", D.WS_IDLE_TIMEOUT_S),
         "max_queue": ("max_queue", D.MAX_QUEUE), "max_models": ("max_models", D.MAX_MODELS),
         "idle_timeout": ("idle_timeout_s", D.IDLE_TIMEOUT_S),
+        "files_quota_gb": ("files_quota_gb", D.FILES_QUOTA_GB), "files_max_bytes": ("files_max_bytes", D.FILES_MAX_BYTES),
     }
     for flag, (field, value) in serve.items():
         assert getattr(args, flag) == value, flag

@@ -46,7 +46,7 @@ def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
              # one engine thread: llama.cpp's spinning thread barrier slows ~40x when its threads share
              # the cores with other busy processes (a parallel test, a CI neighbour); the promise holds at
              # any fixed --threads
-             "--threads", "1"],
+             "--threads", "2"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from contextvars import ContextVar
@@ -13,11 +14,14 @@ from ._http import BODY_TIMEOUT, ApiError, ClientGone, Receive, Send, read_json,
 from ._lane import log_refusal
 from ._lifecycle import Exchange, Stopping, access_line, open_request, set_exchange, shutting_down
 from ._guard import Guard, refusal_headers
-from ._principal import authenticate, current_principal, presented_key, principal_of, set_current_principal
+from ._principal import (PRINCIPAL, QOS, Principal, authenticate, current_principal, presented_key, principal_of,
+                         set_current_principal)
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._session_list import list_sessions
 from ._conversations import route_conversations
+from ._files import route_files
+from ._batches import BatchService, route_batches
 from ._anthropic import count_tokens, messages
 from ._anthropic import error_body as anthropic_error_body
 from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_pull, api_show, api_tags,
@@ -25,10 +29,13 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
 
+from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
+from ..sessions._files import FileStore
 from ..serving import InsufficientMemory, TooManyModels
 from ..journal import JournalWriteError
 from ..nursery import WorkerDied, WorkerLoadFailed
+from ..sched import QosClass
 
 if TYPE_CHECKING:
     from ..serving import Metrics, Registry, ServedModel, ServeConfig
@@ -116,6 +123,9 @@ class App:
         self.accepting = True
         self.stopping = Stopping()  # SIGTERM/SIGINT: readers end typed, then the daemon exits (_lifecycle.py)
         self.guard = Guard(config)
+        self.files = FileStore.open(sessions.journal.directory / "files",  # /v1/files (api/_files.py)
+                                    quota_bytes=int(config.files_quota_gb * (1 << 30)))
+        self.batches = BatchService(self, BatchStore.open(sessions.journal.directory / "batches"))
 
     async def resolve_model(self, name: Any) -> ServedModel:
         """The named model, loaded on demand if it is known but unloaded.
@@ -210,6 +220,10 @@ class App:
             return
         if scope["type"] != "http":
             return
+        await self._http(scope, receive, send, exchange)
+
+    async def _http(self, scope: dict[str, Any], receive: Receive, send: Send, exchange: Exchange) -> None:
+        """One HTTP request past the guard: its request scope, its route, its typed errors."""
         scope[BODY_TIMEOUT] = self.config.body_timeout_s  # read_body's deadline
         started = False
 
@@ -304,6 +318,10 @@ class App:
         if path == "/v1/sessions" and method == "GET":
             await send_json(send, 200, list_sessions(self, scope))
             return
+        if await route_batches(self, scope, receive, send):
+            return
+        if await route_files(self, scope, receive, send):
+            return
         if await route_conversations(self, scope, receive, send):
             return
         m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9_.-]+)(/stream|/generation)?", path)
@@ -324,6 +342,62 @@ class App:
             await self._tokenize(send, body)
             return
         raise ApiError(404, f"no route for {method} {path}", code="not_found")
+
+    async def dispatch(self, principal: Principal, path: str, body: bytes, *, qos: QosClass,
+                       limit: int) -> tuple[int, bytes]:
+        """``POST path`` with ``body``, run here as ``principal`` in class ``qos``: a batch's
+        line (``api/_batches.py``). It goes through the route and every check a request
+        from the network meets past the guard (the key's models, its ``max_concurrent``
+        slot, body limits, tenancy), without a socket: the answer is the status and the
+        body, at most ``limit`` bytes of it (more is 500 ``response_too_large``).
+
+        Cancellation: cancelling the caller ends the request as a client leaving does
+        (its job is cancelled, its lane freed)."""
+        status = 0
+        out = bytearray()
+        delivered = False
+        too_large = ApiError(500, f"the response exceeds {limit} bytes", code="response_too_large")
+        overflowed = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await trio.sleep_forever()  # the client never leaves: the caller's cancel ends it
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:  # noqa: ASYNC124 - an ASGI send: async by contract
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                nonlocal overflowed
+                chunk = message.get("body", b"")
+                if overflowed or len(out) + len(chunk) > limit:
+                    overflowed = True
+                    raise too_large  # ends the handler (its job is cancelled as when a client leaves)
+                out.extend(chunk)
+
+        scope: dict[str, Any] = {
+            "type": "http", "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "", "client": None, "server": None,
+            "headers": [(b"content-type", b"application/json")], PRINCIPAL: principal, QOS: qos,
+        }
+        exchange = Exchange(method="POST", path=path, started=trio.current_time())
+        set_exchange(exchange)
+        set_current_principal(principal)
+        held: list[ServedModel] = []
+        token = _HELD.set(held)
+        try:
+            await self._http(scope, receive, send, exchange)
+        finally:
+            _HELD.reset(token)
+            for model in held:
+                self.registry.release(model)
+        if overflowed:
+            return too_large.status, json.dumps(too_large.body()).encode()
+        return status, bytes(out)
 
     def open_turns(self) -> dict[tuple[str, int], str]:
         """After a restart: the conversation turns the log shows open, each with the

@@ -33,7 +33,7 @@ from ..sched import QosClass, parse_qos
 from ._lane import Follower, open_lane, prepare, usage_of, wait_admitted
 from ._http import ApiError, header
 from ._params import check_loggable, integer
-from ._principal import principal_of
+from ._principal import QOS, principal_of
 from ._tenancy import Partition
 
 if TYPE_CHECKING:
@@ -78,6 +78,9 @@ class ChatRequest:
 def qos_of(app: App, scope: dict[str, Any]) -> QosClass:
     """The request's class: ``x-superfluid-qos``, else its key's ``class``, else
     ``--http-default-qos``. Raises ApiError 400 (unknown name), 403 (above the key's ``max_class``)."""
+    forced = scope.get(QOS)
+    if isinstance(forced, QosClass):  # a batch's line (App.dispatch): the class its batch was made with
+        return forced
     value = header(scope, "x-superfluid-qos")
     asked = None
     if value is not None and app.config.http_qos_header:

@@ -19,11 +19,17 @@ read the answers. So, in this order (``Guard.admit``):
 4. **Key** (``api/_principal.py``): 401 ``invalid_api_key``.
 5. **Rate** (``--rate-limit``, a key's ``rate_limit_rpm``): 429
    ``rate_limit_exceeded`` with ``Retry-After``; ``/health`` and ``/metrics`` exempt.
-6. **Content type** of a POST: JSON, none, or form-urlencoded from a
-   non-browser (``curl -d``); anything else is 415 ``unsupported_media_type``.
-   A browser page can POST ``text/plain``, multipart and form bodies without a
-   preflight; the preflight that any other type forces is what the Origin check
-   answers.
+6. **Content type** of a POST: JSON, none, form-urlencoded from a
+   non-browser (``curl -d``), or ``multipart/form-data`` to ``/v1/files`` from
+   a non-browser (an upload: ``curl -F``, the openai SDK); anything else is 415
+   ``unsupported_media_type``. A browser page can POST ``text/plain``, multipart
+   and form bodies without a preflight; the preflight that any other type
+   forces is what the Origin check answers. A non-browser is a request with no
+   ``Origin``, ``Sec-Fetch-Site`` or ``Sec-Fetch-Mode``: browsers send one of
+   them with every cross-site POST. A multipart upload is refused from every
+   browser page, those of a ``--web-origin`` and of this machine included:
+   the guard cannot tell a page that may upload from one that may only read, so
+   no page uploads (tests/test_files.py::test_browser_multipart_is_refused_everywhere).
 7. **Admin routes** need an admin key: 403 ``admin_required``.
 
 A WebSocket pays the rate once per op as well (``Guard.charge``). A key's
@@ -312,6 +318,8 @@ class Guard:
         browser = any(_values(scope, name) for name in (b"origin", b"sec-fetch-site", b"sec-fetch-mode"))
         if len(values) == 1 and kind == "application/x-www-form-urlencoded" and not browser:
             return None  # curl -d '{...}': the README's quickstart
+        if len(values) == 1 and kind == "multipart/form-data" and scope["path"] == "/v1/files" and not browser:
+            return None  # an upload (api/_files.py): curl -F, the openai SDK; never from a page, even an allowed one
         return ApiError(415, f"unsupported content type {values[0] if len(values) == 1 else values!r}: "
                              "send the body as application/json", code="unsupported_media_type")
 

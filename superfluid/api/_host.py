@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from ..serving import Metrics, Registry, ServedModel, ServeConfig
     from ..sessions._conversations import ConversationStore
     from ..sessions._resumable import SessionStore
+    from ..sched import QosClass
+    from ..sessions._files import FileStore
     from ._guard import Guard
+    from ._principal import Principal
     from ._lifecycle import Stopping
 
 __all__ = ["App"]
@@ -31,6 +34,12 @@ class App(Protocol):
     guard: Guard
     accepting: bool
     stopping: Stopping    # SIGTERM/SIGINT as request handlers see it (_lifecycle.py)
+    files: FileStore      # /v1/files (api/_files.py)
+
+    async def dispatch(self, principal: Principal, path: str, body: bytes, *, qos: QosClass,
+                       limit: int) -> tuple[int, bytes]:
+        """``POST path`` run in this process (a batch's line): the status and the body."""
+        ...
 
     async def resolve_model(self, name: Any) -> ServedModel:
         """The named model, loaded on demand if it is known but unloaded.

@@ -19,10 +19,13 @@ from ..serving import ApiKey, secret_digest
 from ..sched import QosClass
 from ._http import ApiError
 
-__all__ = ["ANONYMOUS", "PRINCIPAL", "Principal", "authenticate", "current_principal", "presented_key",
+__all__ = ["ANONYMOUS", "PRINCIPAL", "QOS", "Principal", "authenticate", "current_principal", "presented_key",
            "principal_of", "set_current_principal"]
 
 PRINCIPAL = "superfluid.principal"  # the ASGI scope key the guard sets
+# the class an in-process request runs in (a batch's line, App.dispatch): set only by the daemon, never
+# from anything a client sends (a scope key is not a header); checked against the key when the batch was made
+QOS = "superfluid.qos"
 
 
 @attrs.frozen(kw_only=True)

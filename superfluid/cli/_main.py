@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-conversation-events", type=_positive(int), default=D.MAX_CONVERSATION_EVENTS,
                    help=f"events one conversation may hold; more is refused with 413 "
                         f"(default {D.MAX_CONVERSATION_EVENTS})")
+    s.add_argument("--files-quota-gb", type=_nonneg_number, default=D.FILES_QUOTA_GB, metavar="GIB",
+                   help="GiB of files (uploads to /v1/files and batch outputs) each key's tenant may keep; an upload "
+                        f"past it is refused with 413 files_quota_exceeded (default {D.FILES_QUOTA_GB:g}; 0: no limit)")
+    s.add_argument("--files-max-bytes", type=_positive(int), default=D.FILES_MAX_BYTES, metavar="BYTES",
+                   help="bytes one uploaded file may hold; more is refused with 413 payload_too_large "
+                        f"(default {D.FILES_MAX_BYTES})")
     s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
                    help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
                         f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
@@ -217,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_runtime_parsers(sub)
     add_fleet_parsers(sub, _hostport)
+    from ._batch import add_batch_parser
+
+    add_batch_parser(sub)
     return parser
 
 
@@ -322,6 +331,16 @@ def _nonneg_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
     if not number >= 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {value!r}")
+    return number
+
+
+def _nonneg_number(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
     return number
 
 
@@ -505,7 +524,8 @@ def _serve(args: argparse.Namespace) -> int:
                               tick_busy_ms=args.tick_target_ms),
         hang_timeout_s=args.hang_timeout, **security,
         max_conversation_bytes=args.max_conversation_bytes, max_message_bytes=args.max_message_bytes,
-        max_conversation_events=args.max_conversation_events,
+        max_conversation_events=args.max_conversation_events, files_quota_gb=args.files_quota_gb,
+        files_max_bytes=args.files_max_bytes,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,

@@ -9,6 +9,7 @@ Nursery tree (daemon)::
     │   └── model supervisor × N   the model's failure boundary, restarts its actor (nursery/_supervisor.py)
     │       └── model actor     scheduler loop, commits, worker generations, sessions (nursery/_actor.py)
     ├── turn restorers          after a restart, in a nursery of their own: load each open turn, hand it on
+    ├── batches                 BatchService.run (api/_batches.py): a cancel scope per running batch, its lines
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
     └── HTTP listener           our accept loop (_listener.py) -> hypercorn's connections -> request scopes
 """
@@ -200,6 +201,7 @@ async def serve(
             turns = app.open_turns()  # conversation turns run to their end: no --resume-ttl for them
             # the restorers' own nursery (one short task a turn; each hands its turn to its model)
             root.start_soon(app.restore_turns, list(turns))
+            await root.start(app.batches.run)  # batches left running go on (api/_batches.py)
             held = set(turns.values())
             for session in restored:
                 if session.id not in held:

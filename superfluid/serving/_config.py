@@ -85,6 +85,8 @@ class ServeConfig:
     max_conversation_bytes: int = D.MAX_CONVERSATION_BYTES  # a conversation's logged events, in bytes (413 beyond)
     max_message_bytes: int = D.MAX_MESSAGE_BYTES  # one message of a conversation, in bytes (413 beyond)
     max_conversation_events: int = D.MAX_CONVERSATION_EVENTS  # events in one conversation (413 beyond)
+    files_quota_gb: float = D.FILES_QUOTA_GB  # GiB of files per tenant, uploads and batch outputs (0: no limit)
+    files_max_bytes: int = D.FILES_MAX_BYTES  # one uploaded file (413 beyond)
     max_prompt_bytes: int = 0             # prompt bytes before tokenizing; 0: from the context (api/_lane.py)
     body_timeout_s: float = D.BODY_TIMEOUT_S  # a request body not complete within this is answered 408
     ws_idle_timeout_s: float = D.WS_IDLE_TIMEOUT_S  # an idle WebSocket (no message, nothing to follow) is closed
