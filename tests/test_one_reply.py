@@ -43,9 +43,10 @@ def _spawn(port: int, sessions: Path, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "superfluid", "serve", str(REAL_GGUF), "--http", f"127.0.0.1:{port}",
              "--sessions", str(sessions), "--max-batch", "4", "--max-context", "8192", "--log-level", "INFO",
-             # one engine thread: llama.cpp's spinning thread barrier slows ~40x when its threads share
-             # the cores with other busy processes (a parallel test, a CI neighbour); the promise holds at
-             # any fixed --threads
+             # a fixed thread count (the promise holds at any fixed --threads): 2, the cores CI has (4
+             # cold prefills of 4k tokens: 120 s, 462 s on one thread); llama.cpp's spinning barrier
+             # slows ~40x when its threads share the cores with other busy processes, so this test
+             # wants the machine to itself, as CI's one-at-a-time run gives it
              "--threads", "2"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
