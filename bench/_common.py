@@ -205,3 +205,19 @@ def ratio_cell(ratios: list[float]) -> str:
         lo, hi = median_ci(ratios)
         cell += f" (95% CI {lo:.2f}-{hi:.2f}; >= 1 in {sum(r >= 1 for r in ratios)}/{len(ratios)})"
     return cell
+
+
+def write_doc(doc: Path, section: str, begin: str, end: str) -> None:
+    """Put ``section`` between the markers ``begin`` and ``end`` in ``doc`` (replacing what is
+    there), or first after the preamble."""
+    text = doc.read_text()
+    block = f"{begin}\n{section}{end}\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        # before the first section, or the first generated block if one comes sooner (never inside it)
+        found = [i for i in (text.find("\n## "), text.find("\n<!-- bench/")) if i >= 0]
+        at = min(found) if found else -1
+        text = text + "\n" + block if at < 0 else text[:at + 1] + block + "\n" + text[at + 1:]
+    doc.write_text(text)

@@ -75,6 +75,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 from _common import ROOT, Server, commit, free_port, median  # noqa: E402
 
 MOCK = "mock?step_ms=0.2&prefill_us=1"
@@ -735,16 +736,7 @@ def _render_real(real: list[dict[str, Any]], a: dict[str, Any], m: dict[str, Any
 
 
 def write_doc(doc: Path, section: str) -> None:
-    """Put ``section`` between the markers in ``doc`` (replacing what is there), or first after the preamble."""
-    text = doc.read_text()
-    block = f"{MARK_BEGIN}\n{section}{MARK_END}\n"
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        at = text.find("\n## ")
-        text = text + "\n" + block if at < 0 else text[:at + 1] + block + "\n" + text[at + 1:]
-    doc.write_text(text)
+    _common.write_doc(doc, section, MARK_BEGIN, MARK_END)
 
 
 # --- main -----------------------------------------------------------------------------------------------------

@@ -12,10 +12,19 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["CREDENTIAL_RE", "DIR_MODE", "FILE_MODE", "make_private_dir", "scrub_env"]
+__all__ = ["CREDENTIAL_RE", "DIR_MODE", "FILE_MODE", "fsync_dir", "make_private_dir", "scrub_env"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync ``directory`` itself: a file created, renamed or removed in it is durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def make_private_dir(directory: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import trio
 
+from .._private import fsync_dir
 from ..proto._batch import BatchState, LineRecord, decode, encode, line_output, replay
 
 __all__ = ["Batch", "BatchStore", "input_lines"]
@@ -31,14 +32,6 @@ __all__ = ["Batch", "BatchStore", "input_lines"]
 log = logging.getLogger("superfluid.batches")
 
 _READ_CHUNK = 1 << 20
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Batch:
@@ -96,6 +89,7 @@ class Batch:
         for start in range(0, len(wanted), 256):
             chunk = await trio.to_thread.run_sync(self._read_lines, wanted[start:start + 256])
             yield chunk
+        await trio.lowlevel.checkpoint()  # none to read: still a checkpoint (ASYNC911)
 
     def _read_lines(self, records: list[LineRecord]) -> bytes:
         out = bytearray()
@@ -163,8 +157,8 @@ class BatchStore:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(target)
-        _fsync_dir(self.directory)
+        fsync_dir(target)
+        fsync_dir(self.directory)
 
     def of(self, tenant: str, bid: str) -> Batch | None:
         """The batch ``bid`` if ``tenant`` owns it (another tenant's is None, as an unknown id)."""
@@ -223,5 +217,6 @@ async def input_lines(path: Path, max_line: int, *, per_read: int = 64) -> Async
         if not lines:
             return
         for line in lines:
+            await trio.lowlevel.checkpoint()  # the runner's feed is cancellable between lines (ASYNC911)
             yield index, line
             index += 1

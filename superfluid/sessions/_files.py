@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import trio
 
-from .._private import DIR_MODE, FILE_MODE, make_private_dir
+from .._private import DIR_MODE, FILE_MODE, fsync_dir, make_private_dir
 
 __all__ = ["BATCH_OUTPUT", "UPLOAD_PURPOSES", "FileStore", "FilesQuotaExceeded", "StoredFile", "Upload"]
 
@@ -320,14 +320,6 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
         view = view[os.write(fd, view):]
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(directory: Path, temp: Path, f: StoredFile) -> None:
     os.rename(temp, directory / f.id)
     meta_temp = directory / f"{_TMP}{f.id}{_META}"
@@ -345,10 +337,10 @@ def _commit(directory: Path, temp: Path, f: StoredFile) -> None:
     except BaseException:
         _unlink(meta_temp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _delete(directory: Path, fid: str) -> None:
     os.unlink(directory / (fid + _META))
     _unlink(directory / fid)
-    _fsync_dir(directory)
+    fsync_dir(directory)
