@@ -16,9 +16,10 @@ imports another (import-linter contract "api layers" in pyproject.toml).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,8 +30,9 @@ from ..chat import (
     render_chatml, template_knows_tools,
 )
 from ..proto import Sampling
-from ..sched import QosClass, parse_qos
+from ..sched import Job, QosClass, parse_qos
 from ._lane import Follower, open_lane, prepare, usage_of, wait_admitted
+from ._lifecycle import wait_beyond
 from ._http import ApiError, header
 from ._params import check_loggable, integer
 from ._principal import QOS, principal_of
@@ -38,13 +40,13 @@ from ._tenancy import Partition
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
-    from ..sched import Job
     from ._host import App
 
 __all__ = [
-    "ChatRequest", "Rendered", "Reply", "grammar_from_response_format", "max_tokens_from", "open_reply",
-    "openai_call", "openai_delta", "parse_messages", "parse_tool_choice", "parse_tools", "qos_of", "render_chat",
-    "require_grammar", "thinking_kwargs", "tool_from", "usage_of",
+    "MAX_CHOICES", "ChatRequest", "Rendered", "Reply", "choice_seed", "choices_from", "grammar_from_response_format",
+    "max_tokens_from", "open_replies", "open_reply", "open_siblings", "openai_call", "openai_delta", "parse_messages",
+    "parse_tool_choice", "parse_tools", "qos_of", "render_chat", "require_grammar", "thinking_kwargs", "tool_from",
+    "usage_of", "usage_of_choices",
 ]
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -253,6 +255,83 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
     stops = [*req.stops, *rendered.stops]
     async with open_lane(app, model, job, kind="chat", stops=stops):
         yield Reply(model, job, Follower(job, stops), rendered.parser)
+
+
+# --- n choices of one request (OpenAI ``n``) ---------------------------------------------------------------------
+
+MAX_CHOICES = 16   # choices one request may ask for: each holds a lane, so more would crowd out other clients
+
+
+def choices_from(body: dict[str, Any]) -> int:
+    """OpenAI ``n``: 1 ... :data:`MAX_CHOICES` (default 1).
+
+    Raises:
+        ApiError: 400 not an integer, or out of range.
+    """
+    return integer(body, "n", lo=1, hi=MAX_CHOICES, default=1) or 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index`` of a request seeded ``seed``: choice 0 keeps it (so ``n: 1``
+    draws what it always did), the others draw independently, and a seeded request is reproducible."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"choice:{seed}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _sibling(first: Job, index: int) -> Job:
+    """Choice ``index``'s job: ``first``'s request (prompt, limits, owner) with its own seed and none of its state."""
+    return Job(prompt=list(first.prompt), sampling=attrs.evolve(first.sampling,
+                                                                seed=choice_seed(first.sampling.seed, index)),
+               max_new=first.max_new, klass=first.klass, ignore_eos=first.ignore_eos, tenant=first.tenant,
+               cache_salt=first.cache_salt, created=first.created)
+
+
+@asynccontextmanager
+async def open_siblings(app: App, model: ServedModel, first: Job, n: int, *, kind: str,
+                        stops: list[str]) -> AsyncIterator[list[Job]]:
+    """Choices 1 ... ``n - 1`` beside ``first`` (whose lane the caller opened), each in its own lane.
+
+    They are queued once ``first`` has its first token: its prompt is then in the KV cache, and each
+    sibling's lane is seeded from it (the executor copies the longest live or cached prefix), so the
+    prompt is prefilled once for all ``n``. Leaving the block, for any reason, retires every sibling.
+
+    Raises:
+        ApiError: as :func:`open_lane` (429 ``queue_full`` or ``concurrency_limit_exceeded``: each
+            choice holds a queue place and a slot of the key's ``max_concurrent``).
+    """
+    async with AsyncExitStack() as stack:
+        jobs: list[Job] = []
+        if n > 1:
+            await wait_beyond(first, 0)   # first's prefill is done (or it ended: its prompt is cached then)
+            for index in range(1, n):
+                job = _sibling(first, index)
+                await stack.enter_async_context(open_lane(app, model, job, kind=kind, stops=stops))
+                jobs.append(job)
+        yield jobs
+
+
+@asynccontextmanager
+async def open_replies(app: App, model: ServedModel, req: ChatRequest, n: int, *,
+                       klass: QosClass, partition: Partition) -> AsyncIterator[list[Reply]]:
+    """``n`` independent replies to one chat turn (:func:`open_reply`, then :func:`open_siblings`:
+    one render and one tokenization, one prefill). Each reply has its own parser."""
+    async with open_reply(app, model, req, klass=klass, partition=partition) as first:
+        rendered = [render_chat(model, req) for _ in range(n - 1)]  # (fresh parsers; the stops are the first's)
+        stops = [*req.stops, *(rendered[0].stops if rendered else ())]
+        async with open_siblings(app, model, first.job, n, kind="chat", stops=stops) as jobs:
+            yield [first, *(Reply(model, job, Follower(job, stops), r.parser) for job, r in zip(jobs, rendered, strict=True))]
+
+
+def usage_of_choices(jobs: list[Job]) -> dict[str, Any]:
+    """The ``usage`` of a request's choices: the prompt (and its cached part) counted once,
+    the completion tokens of every choice summed."""
+    usage = usage_of(jobs[0])
+    completion = sum(usage_of(job)["completion_tokens"] for job in jobs)
+    usage["completion_tokens"] = completion
+    usage["total_tokens"] = usage["prompt_tokens"] + completion
+    return usage
 
 
 def thinking_kwargs(template_source: str, kwargs: dict[str, Any], *, enable: Any = None, effort: Any = None,

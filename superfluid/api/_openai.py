@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import trio
 
+from .._errors import leaves
 from ..proto import encode_sse_json
 from ._chat import (
-    ChatRequest, Reply, grammar_from_response_format, max_tokens_from, open_reply, openai_call, openai_delta,
-    parse_messages, parse_tool_choice, parse_tools, qos_of, render_chat, require_grammar, thinking_kwargs, usage_of,
+    ChatRequest, Reply, choices_from, grammar_from_response_format, max_tokens_from, open_replies, open_reply,
+    open_siblings, openai_call, openai_delta, parse_messages, parse_tool_choice, parse_tools, qos_of, render_chat,
+    require_grammar, thinking_kwargs, usage_of, usage_of_choices,
 )
 from ..proto._sse_template import MARKER as SSE_TEMPLATE_MARKER
 from ..proto._sse_template import SseTemplate
@@ -91,9 +96,10 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "invalid request: stream must be a boolean", param="stream")
-    n = integer(body, "n", lo=1, hi=128, default=1)
-    if n != 1:
-        raise ApiError(400, "n > 1 is not supported yet", code="unsupported_parameter", param="n")
+    n = choices_from(body)
+    if n > 1 and stream and resumable_requested(scope):
+        raise ApiError(400, "a resumable stream carries one choice: n must be 1", code="unsupported_parameter",
+                       param="n")
     sampling = sampling_from(body, n_vocab=int(model.info.get("n_vocab", 1 << 30)),
                              want_logprobs=_logprobs_want(body, chat))
     if chat:
@@ -120,6 +126,10 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await run_resumable(app, model, job, kind="completion", stops=stops_from(body), receive=receive, send=send)
             return
         usage, continuous = _stream_options(body)
+        if n > 1:
+            await _run_completions(app, model, job, n, send, stops_from(body), stream=stream, usage=usage,
+                                   continuous=continuous)
+            return
         await _run_completion(app, model, job, send, stops_from(body), stream=stream, usage=usage,
                               continuous=continuous)
         return
@@ -138,6 +148,13 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
                             partition=partition, ignore_eos=req.ignore_eos)
         await run_resumable(app, model, job, kind="chat", stops=[*req.stops, *rendered.stops], receive=receive,
                             send=send)
+        return
+    if n > 1:
+        async with open_replies(app, model, req, n, klass=klass, partition=partition) as replies:
+            if stream:
+                await _stream_chats(send, replies, rid=rid, created=created, continuous=_stream_options(body)[1])
+            else:
+                await _whole_chats(send, replies, rid=rid, created=created)
         return
     async with open_reply(app, model, req, klass=klass, partition=partition) as reply:
         if stream:
@@ -315,4 +332,195 @@ async def _stream_completion(send: Send, job: Job, follower: Follower, *, rid: s
     if usage:
         final += encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": [], "usage": usage_of(job)})
+    await sse.end(final)
+
+
+# --- n > 1: a request's choices, each its own job (api/_chat.py ``open_siblings``) ----------------------------
+
+@asynccontextmanager
+async def _interleaved(steps: list[Callable[[], Awaitable[tuple[Any, ...]]]]
+                       ) -> AsyncIterator[trio.MemoryReceiveChannel[tuple[int, Any]]]:
+    """Follow each choice at once: ``steps[i]()`` is choice ``i``'s next progress (a tuple whose
+    last item is ``done``), run until done in this block's own nursery. The block reads
+    ``(index, progress)``, or ``(index, ApiError)`` for a choice that failed. The channel holds
+    one item a choice: a slow client holds back its readers, never the lanes (the jobs run on).
+
+    Raises:
+        whatever the block raised (not wrapped in an exception group; as ``open_request``).
+    """
+    out, into = trio.open_memory_channel[tuple[int, Any]](len(steps))
+
+    async def follow(index: int, step: Callable[[], Awaitable[tuple[Any, ...]]],
+                     out: trio.MemorySendChannel[tuple[int, Any]]) -> None:
+        async with out:
+            while True:
+                try:
+                    got = await step()
+                except ApiError as exc:
+                    await out.send((index, exc))
+                    return
+                await out.send((index, got))
+                if got[-1]:
+                    return
+
+    try:
+        async with trio.open_nursery() as nursery:
+            async with out:
+                for index, step in enumerate(steps):
+                    nursery.start_soon(follow, index, step, out.clone())
+            try:
+                yield into
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        failures = leaves(group)
+        errors = [exc for exc in failures if not isinstance(exc, trio.Cancelled)]
+        if len(errors) == 1:
+            failures = errors
+        if len(failures) > 1:
+            raise
+        raise failures[0] from None  # noqa: ASYNC123 - the block's own exception; the group is this nursery's
+
+
+def _chat_choice(index: int, reply: Reply, text: str, reasoning: str, lps: list[Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not reply.calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if reply.calls:
+        message["tool_calls"] = [openai_call(c, i) for i, c in enumerate(reply.calls)]
+    choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": reply.finish, "logprobs": None}
+    if lps:
+        choice["logprobs"] = {"content": _chat_logprobs(lps)}
+    return choice
+
+
+async def _whole_chats(send: Send, replies: list[Reply], *, rid: str, created: int) -> None:
+    """One chat.completion of every choice (the jobs run at once; each is read to its end in turn)."""
+    choices = []
+    for index, reply in enumerate(replies):
+        text, reasoning, lps = await reply.collect()
+        choices.append(_chat_choice(index, reply, text, reasoning, lps))
+    first = replies[0]
+    obj = {"id": rid, "object": "chat.completion", "created": created, "model": first.model.name,
+           "system_fingerprint": "superfluid", "choices": choices,
+           "usage": usage_of_choices([r.job for r in replies])}
+    await send_json(send, 200, with_extras(obj, first.job),
+                    headers=[(b"x-superfluid-warm", str(first.job.cached).encode())])
+
+
+async def _stream_chats(send: Send, replies: list[Reply], *, rid: str, created: int,
+                        continuous: bool = False) -> None:
+    """Chunks of every choice as they come, each naming its ``index``; a choice's last chunk has its
+    ``finish_reason``, and the last of all carries the usage of all."""
+    jobs = [r.job for r in replies]
+    n_calls = [0] * len(replies)
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, rows: list[Any] | None = None,
+              usage: bool = continuous) -> bytes:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        if rows:
+            choice["logprobs"] = {"content": _chat_logprobs(rows)}
+        out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": replies[0].model.name, "system_fingerprint": "superfluid",
+                               "choices": [choice]}
+        if usage:
+            out["usage"] = usage_of_choices(jobs)
+        return encode_sse_json(out)
+
+    await replies[0].wait_admitted()  # errors before admission (an uncompilable grammar) are HTTP errors
+    sse = SseResponse(send)
+    await sse.start()
+    await sse.send(b"".join(chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(replies))))
+    left = len(replies)
+    last = b""
+    async with _interleaved([r.next for r in replies]) as progress:
+        async for index, got in progress:
+            if isinstance(got, ApiError):
+                await sse.fail(got)
+                return
+            events, rows, done = got
+            delta, n_calls[index] = openai_delta(events, n_calls[index])
+            if delta or rows:
+                await sse.send(chunk(index, delta, None, rows))
+            if done:
+                left -= 1
+                if left:
+                    await sse.send(chunk(index, {}, replies[index].finish))
+                else:
+                    last = chunk(index, {}, replies[index].finish, usage=True)
+    await sse.end(last)
+
+
+async def _run_completions(app: App, model: ServedModel, first: Job, n: int, send: Send, stops: list[str], *,
+                           stream: bool, usage: bool = False, continuous: bool = False) -> None:
+    """``/v1/completions`` with ``n`` choices: ``first`` and its siblings, one prefill."""
+    rid = f"cmpl-superfluid-{next(_ids)}"
+    created = int(time.time())
+    async with open_lane(app, model, first, kind="completion", stops=stops):  # a disconnect cancels every choice
+        async with open_siblings(app, model, first, n, kind="completion", stops=stops) as siblings:
+            jobs = [first, *siblings]
+            followers = [Follower(job, stops) for job in jobs]
+            if stream:
+                await _stream_completions(send, jobs, followers, rid=rid, created=created, model=model.name,
+                                          usage=usage, continuous=continuous)
+                return
+            choices = []
+            for index, (job, follower) in enumerate(zip(jobs, followers, strict=True)):
+                parts: list[str] = []
+                rows: list[Any] = []
+                while True:
+                    text, got, done = await follower.next_delta()
+                    parts.append(text)
+                    rows += got
+                    if done:
+                        break
+                logprobs = _completion_logprobs(rows, 0)[0] if job.sampling.n_logprobs >= 0 else None
+                choices.append({"index": index, "text": "".join(parts), "logprobs": logprobs,
+                                "finish_reason": follower.finish})
+            obj = {"id": rid, "object": "text_completion", "created": created, "model": model.name,
+                   "choices": choices, "usage": usage_of_choices(jobs)}
+            await send_json(send, 200, with_extras(obj, first),
+                            headers=[(b"x-superfluid-warm", str(first.cached).encode())])
+
+
+async def _stream_completions(send: Send, jobs: list[Job], followers: list[Follower], *, rid: str, created: int,
+                              model: str, usage: bool = False, continuous: bool = False) -> None:
+    """Completion chunks of every choice as they come, each naming its ``index``; usage as
+    :func:`_stream_completion` sends it, summed over the choices."""
+    def chunk(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> bytes:
+        out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "system_fingerprint": "superfluid",
+                               "choices": [{"index": index, "text": text, "finish_reason": finish,
+                                            "logprobs": logprobs}]}
+        if continuous:
+            out["usage"] = usage_of_choices(jobs)
+        return encode_sse_json(out)
+
+    want_logprobs = jobs[0].sampling.n_logprobs >= 0
+    offsets = [0] * len(jobs)
+    held: list[list[Any]] = [[] for _ in jobs]
+    await wait_admitted(jobs[0])
+    sse = SseResponse(send)
+    await sse.start()
+    async with _interleaved([f.next_delta for f in followers]) as progress:
+        async for index, got in progress:
+            if isinstance(got, ApiError):
+                await sse.fail(got)
+                return
+            text, rows, done = got
+            held[index] += rows   # tokens whose text is held back (a possible stop) go with the text
+            if text:
+                logprobs = None
+                if want_logprobs:
+                    logprobs, offsets[index] = _completion_logprobs(held[index], offsets[index])
+                held[index] = []
+                await sse.send(chunk(index, text, None, logprobs))
+            if done:
+                lps = (_completion_logprobs(held[index], offsets[index])[0]
+                       if want_logprobs and held[index] else None)
+                await sse.send(chunk(index, "", followers[index].finish, lps))
+    final = b""
+    if usage:
+        final = encode_sse_json({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                 "choices": [], "usage": usage_of_choices(jobs)})
     await sse.end(final)
