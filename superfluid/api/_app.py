@@ -27,7 +27,7 @@ from ._anthropic import error_body as anthropic_error_body
 from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_pull, api_show, api_tags,
                       api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
-from ._responses import responses
+from ._responses import responses, route_responses
 
 from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
@@ -317,6 +317,8 @@ class App:
             return
         if path == "/v1/sessions" and method == "GET":
             await send_json(send, 200, list_sessions(self, scope))
+            return
+        if await route_responses(self, scope, receive, send):
             return
         if await route_batches(self, scope, receive, send):
             return

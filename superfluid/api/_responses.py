@@ -1,4 +1,4 @@
-"""OpenAI Responses dialect: ``POST /v1/responses``.
+"""OpenAI Responses dialect: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
 Input items become chat messages for the shared core; output is
 ``reasoning``, ``message`` and ``function_call`` items. Streams are typed
@@ -6,13 +6,19 @@ Input items become chat messages for the shared core; output is
 a failure after the stream began is an ``error`` event then
 ``response.failed``.
 
-``previous_response_id`` continues a stored conversation. The store is in
-memory for now (bounded, oldest evicted, per app): it does not survive a
-restart until the session log carries responses.
+A finished response is stored unless the request said ``store: false``
+(OpenAI's default is to store): ``previous_response_id`` continues its
+conversation, ``GET /v1/responses/{id}`` returns it and ``DELETE`` forgets it.
+Only its tenant sees it: for another key it is an unknown id (404). The store
+is in memory (per app), bounded per tenant by count and bytes with the oldest
+evicted first, and by bytes across tenants: it does not survive a restart
+until the session log carries responses.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 import weakref
@@ -24,6 +30,7 @@ import attrs
 from ..chat import ToolCall
 from ..proto import encode_sse_json
 from ._http import ApiError, Receive, Send, send_json
+from ._principal import principal_of
 from ._chat import (
     ChatRequest, Reply, grammar_from_response_format, open_reply, parse_tool_choice, qos_of, thinking_kwargs,
     tool_from,
@@ -35,33 +42,75 @@ from ._params import integer, sampling_from
 if TYPE_CHECKING:
     from ._host import App
 
-__all__ = ["ResponseStore", "responses"]
+__all__ = ["ResponseStore", "responses", "route_responses"]
 
-MAX_STORED = 1024
+MAX_STORED = 1024                 # responses kept per tenant; the oldest goes first
+MAX_STORED_BYTES = 64 << 20       # bytes of them (as JSON) per tenant
+MAX_TOTAL_BYTES = 256 << 20       # bytes of them across tenants
 _UNSUPPORTED = ("background", "conversation", "prompt")
+_ROUTE = re.compile(r"/v1/responses/([A-Za-z0-9_-]{1,128})")
 
 
 @attrs.frozen
 class _Stored:
     model: str
     messages: list[dict[str, Any]]  # the conversation after this response, without instructions
-    tenant: str = ""                # only its tenant may continue it
+    tenant: str = ""                # only its tenant may continue, read or delete it
+    response: dict[str, Any] = attrs.field(factory=dict)   # the response object, as GET returns it
+    size: int = 0                   # bytes it holds (JSON of ``messages`` and ``response``)
 
 
 class ResponseStore:
-    """Bounded in-memory store of finished responses (oldest evicted first)."""
+    """Bounded in-memory store of finished responses: per tenant at most ``limit``
+    of them and ``max_bytes`` of JSON, across tenants ``max_total_bytes``; the
+    oldest (of the tenant, then of all) is evicted first."""
 
-    def __init__(self, limit: int = MAX_STORED) -> None:
+    def __init__(self, limit: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES,
+                 max_total_bytes: int = MAX_TOTAL_BYTES) -> None:
         self.limit = limit
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.max_total_bytes = max_total_bytes
+        self._items: OrderedDict[str, _Stored] = OrderedDict()     # every tenant's, oldest first
+        self._tenants: dict[str, OrderedDict[str, None]] = {}      # each tenant's ids, oldest first
+        self._bytes: dict[str, int] = {}
+        self.total_bytes = 0
 
-    def get(self, rid: str) -> _Stored | None:
-        return self._items.get(rid)
+    def get(self, rid: str, tenant: str | None = None) -> _Stored | None:
+        """The stored response ``rid``; None if there is none, or (given ``tenant``) it is another tenant's."""
+        item = self._items.get(rid)
+        return None if item is None or (tenant is not None and item.tenant != tenant) else item
 
     def put(self, rid: str, item: _Stored) -> None:
+        if item.size > min(self.max_bytes, self.max_total_bytes):
+            return  # larger than its tenant may keep: not stored (a later GET answers 404)
+        self.delete(rid)
         self._items[rid] = item
-        while len(self._items) > self.limit:
-            self._items.popitem(last=False)
+        self._tenants.setdefault(item.tenant, OrderedDict())[rid] = None
+        self._bytes[item.tenant] = self._bytes.get(item.tenant, 0) + item.size
+        self.total_bytes += item.size
+        mine = self._tenants[item.tenant]
+        while len(mine) > self.limit or self._bytes[item.tenant] > self.max_bytes:
+            self.delete(next(iter(mine)))
+        while self.total_bytes > self.max_total_bytes:
+            self.delete(next(iter(self._items)))
+
+    def delete(self, rid: str, tenant: str | None = None) -> bool:
+        """Forget ``rid`` (given ``tenant``, only if it is that tenant's); whether it was stored."""
+        item = self.get(rid, tenant)
+        if item is None:
+            return False
+        del self._items[rid]
+        mine = self._tenants[item.tenant]
+        del mine[rid]
+        self._bytes[item.tenant] -= item.size
+        self.total_bytes -= item.size
+        if not mine:
+            del self._tenants[item.tenant], self._bytes[item.tenant]
+        return True
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """``(responses, bytes)`` the tenant keeps."""
+        return len(self._tenants.get(tenant, ())), self._bytes.get(tenant, 0)
 
 
 _STORES: weakref.WeakKeyDictionary[Any, ResponseStore] = weakref.WeakKeyDictionary()
@@ -230,9 +279,37 @@ async def responses(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         else:
             final = await _whole(reply, base)
         if final["store"] and final["status"] in ("completed", "incomplete"):
-            store.put(final["id"], _Stored(model.name, conversation + _as_messages(final["output"]), partition.tenant))
+            kept = conversation + _as_messages(final["output"])
+            size = len(json.dumps(kept, ensure_ascii=False)) + len(json.dumps(final, ensure_ascii=False))
+            store.put(final["id"], _Stored(model.name, kept, partition.tenant, final, size))
         if not stream:
             await send_json(send, 200, final)
+
+
+async def route_responses(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> bool:
+    """``GET`` / ``DELETE /v1/responses/{id}``; False if the path is not one. Another tenant's
+    response, one stored with ``store: false`` and one evicted are all unknown ids (404)."""
+    m = _ROUTE.fullmatch(scope["path"])
+    if m is None:
+        return False
+    rid, method, store = m.group(1), scope["method"], _store(app)
+    tenant = principal_of(scope).tenant
+    if method == "GET":
+        item = store.get(rid, tenant)
+        if item is None:
+            raise _not_found(rid)
+        await send_json(send, 200, item.response)
+    elif method == "DELETE":
+        if not store.delete(rid, tenant):
+            raise _not_found(rid)
+        await send_json(send, 200, {"id": rid, "object": "response", "deleted": True})
+    else:
+        raise ApiError(405, f"method {method} not allowed on {scope['path']}")
+    return True
+
+
+def _not_found(rid: str) -> ApiError:
+    return ApiError(404, f"Response with id '{rid}' not found.", code="response_not_found", param="response_id")
 
 
 def _as_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
