@@ -9,6 +9,7 @@ from ._template import TEMPLATE_NAMES as TEMPLATE_NAMES
 from ._template import ChatTemplate as ChatTemplate
 from ._template import TemplateRenderError as TemplateRenderError
 from ._template import pick_template as pick_template
+from ._template import read_template_file as read_template_file
 from ._tools import Delta as Delta
 from ._tools import ForcedCallParser as ForcedCallParser
 from ._tools import ReplyParser as ReplyParser

@@ -24,12 +24,14 @@ import secrets
 from collections.abc import Collection, Mapping
 from contextvars import ContextVar
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML", "GEMMA", "TEMPLATE_NAMES", "ChatTemplate", "TemplateRenderError", "pick_template"]
+__all__ = ["CHATML", "GEMMA", "MAX_TEMPLATE_FILE_BYTES", "TEMPLATE_NAMES", "ChatTemplate", "TemplateRenderError",
+           "pick_template", "read_template_file"]
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -46,6 +48,7 @@ PLAIN = (
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/-]{0,128}")
+MAX_TEMPLATE_FILE_BYTES = 1 << 20   # a chat template file (the largest models' own are under 64 KiB)
 # variables and globals a template sees besides client kwargs; a kwarg may not shadow one
 TEMPLATE_NAMES = frozenset({
     "messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now",
@@ -131,6 +134,33 @@ def pick_template(model_template: str, special_tokens: dict[str, int]) -> tuple[
     if "<start_of_turn>" in special_tokens:
         return GEMMA, "gemma"
     return PLAIN, "plain"
+
+
+def read_template_file(path: Path) -> str:
+    """The source of the chat template in ``path`` (``serve --chat-template-file``), checked to
+    compile in the sandbox every render uses.
+
+    Raises:
+        ValueError: one line saying why not (missing, unreadable, too large, not UTF-8, does not compile).
+    """
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_TEMPLATE_FILE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_TEMPLATE_FILE_BYTES} bytes; is it a chat template?")
+    try:
+        source = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    if not source.strip():
+        raise ValueError(f"{path}: the file is empty")
+    try:
+        ChatTemplate(source)
+    except TemplateRenderError as exc:
+        raise ValueError(f"{path}: {' '.join(str(exc).split())}") from None
+    return source
 
 
 class ChatTemplate:

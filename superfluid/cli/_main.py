@@ -200,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
                    help="let requests name MODEL (a model given here or in a --model-dir) as NAME too, e.g. "
                         "gpt-4o-mini=SmolLM2-135M-Instruct.Q4_1 (repeatable; default: none)")
+    s.add_argument("--chat-template-file", dest="chat_template_files", action="append", type=_template_file,
+                   default=[], metavar="[MODEL=]PATH",
+                   help="render chats with the Jinja chat template in PATH instead of the model's own: for MODEL "
+                        "only, or without MODEL= for every model without one of its own here (repeatable; "
+                        "checked at startup; default: each model's own)")
     s.add_argument("--pooling", choices=("mean", "cls", "last"), default=None,
                    help="how embeddings pool a text's token vectors (default: the model's own, else mean)")
     s.add_argument("--no-memory-check", action="store_true",
@@ -349,6 +354,43 @@ def _alias(value: str) -> tuple[str, str]:
     if not sep or not name.strip() or not model.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=MODEL, got {value!r}")
     return name.strip(), model.strip()
+
+
+def _template_file(value: str) -> tuple[str, Path]:
+    """``[MODEL=]PATH`` (a path that exists is a path, even with ``=`` in it)."""
+    model, sep, path = value.partition("=")
+    if not sep or Path(value).exists():
+        return "", Path(value)
+    if not model.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected PATH or MODEL=PATH, got {value!r}")
+    return model.strip(), Path(path)
+
+
+def _chat_templates(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> tuple[tuple[str, str], ...]:
+    """The ``--chat-template-file`` templates, read and compiled now: a mistake is one line at startup.
+
+    Raises:
+        CliError: a file missing, unreadable or not a template; a MODEL not served; a model given twice.
+    """
+    from ..chat import read_template_file
+    from ..daemon._registry import model_dir_names
+
+    served = {s.name for s in sources} | set(model_dir_names(tuple(args.model_dirs)))
+    aliases = dict(args.aliases)
+    out: dict[str, str] = {}
+    for model, path in args.chat_template_files:
+        flag = f"--chat-template-file {model + '=' if model else ''}{path}"
+        model = aliases.get(model, model)
+        if model and model not in served:
+            raise CliError(f"{flag}: no model {model!r} is served (models: {', '.join(sorted(served))})", USAGE)
+        if model in out:
+            raise CliError(f"{flag}: {'model ' + repr(model) if model else 'every model'} already has a template "
+                           "file", USAGE)
+        try:
+            out[model] = read_template_file(path)
+        except ValueError as exc:
+            raise CliError(f"--chat-template-file {exc}", USAGE) from None
+    return tuple(out.items())
 
 
 def _prompt_bytes(value: str) -> int:
@@ -511,6 +553,7 @@ def _serve(args: argparse.Namespace) -> int:
     mistake = _check_limits(args, sources)
     if mistake is not None:
         raise CliError(mistake, USAGE)
+    chat_templates = _chat_templates(args, sources)
     config = ServeConfig(
         models=sources, host=host, port=port, sessions=args.sessions, backlog=args.backlog,
         max_connections_per_client=args.max_connections_per_client, header_timeout_s=args.header_timeout,
@@ -530,7 +573,7 @@ def _serve(args: argparse.Namespace) -> int:
         ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
         aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
-        speculate=args.speculate, spec_gates=_speculation(args), **fleet,
+        speculate=args.speculate, spec_gates=_speculation(args), chat_templates=chat_templates, **fleet,
     )
     refusal = exposure_refusal(config)
     if refusal is not None:

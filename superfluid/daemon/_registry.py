@@ -345,7 +345,8 @@ class ModelRegistry:
                 gone.set()
             raise
         model = ServedModel(name=source.name, runtime=source.runtime, path=source.spec, actor=actor,
-                            created=int(time.time()), size=size, last_used=trio.current_time())
+                            created=int(time.time()), size=size, last_used=trio.current_time(),
+                            template_override=cfg.chat_template_for(source.name))
         self.loaded[source.name] = model
         self.metrics.for_model(source.name).set("superfluid_lanes_total", cfg.max_batch)
         self.known[source.name] = source
@@ -453,7 +454,8 @@ class ModelRegistry:
             if model is None:
                 model = ServedModel(name=name, runtime=hello.runtime, path=f"fleet:{name}", actor=actor,
                                     created=int(time.time()), size=0, last_used=trio.current_time(),
-                                    keep_alive_s=FOREVER, group=group)
+                                    keep_alive_s=FOREVER, group=group,
+                                    template_override=self.config.chat_template_for(name))
                 self.loaded[name] = model
                 self._model_added.set()
                 self.known.setdefault(name, ModelSource(spec=name, runtime=hello.runtime, name=name))

@@ -96,6 +96,8 @@ class ServeConfig:
     max_models: int = D.MAX_MODELS  # models (so worker processes) loaded at once
     idle_timeout_s: float = D.IDLE_TIMEOUT_S  # --idle-timeout: unload a model idle this long, never the default (0: never)
     aliases: tuple[tuple[str, str], ...] = ()  # --alias NAME=MODEL: another name a request may use for a model
+    # --chat-template-file [MODEL=]PATH: (model name, or "" for every model, template source), read at startup
+    chat_templates: tuple[tuple[str, str], ...] = ()
     pooling: str = ""                     # --pooling for embeddings: mean|cls|last ("": the GGUF's, else mean)
     check_memory: bool = True             # refuse a load whose weights + KV exceed available memory
     speculate: str = "off"                # --speculate off|auto|prompt-lookup, resolved per model by its worker
@@ -113,6 +115,11 @@ class ServeConfig:
     @property
     def fleet(self) -> bool:
         return self.fleet_listen is not None or bool(self.fleet_dial)
+
+    def chat_template_for(self, model: str) -> str:
+        """The chat template given for ``model`` (its own entry, else the one for every model); "" for none."""
+        given = dict(self.chat_templates)
+        return given.get(model, given.get("", ""))
 
 
 def default_sessions_dir() -> Path:

@@ -29,6 +29,7 @@ class ServedModel:
     keep_alive_s: float | None = None   # an Ollama request's keep_alive; None: --idle-timeout
     holds: int = 0                      # HTTP requests holding it now
     group: FleetGroup | None = None     # served by fleet nodes: one actor per node (``actor`` is the first)
+    template_override: str = ""         # --chat-template-file: this source instead of the model's own
 
     @property
     def actors(self) -> list[ModelActor]:
@@ -66,7 +67,8 @@ class ServedModel:
         if self._template is None:
             info = self.info
             specials: dict[str, int] = info.get("special_tokens", {})
-            source, kind = pick_template(info.get("chat_template", ""), specials)
+            source, kind = ((self.template_override, "file") if self.template_override
+                            else pick_template(info.get("chat_template", ""), specials))
             by_id = {v: k for k, v in specials.items()}
             eog = info.get("eog", [])
             self._template = ChatTemplate(
