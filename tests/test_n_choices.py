@@ -127,6 +127,16 @@ async def test_a_disconnect_cancels_every_choice() -> None:
         assert await metric(d, "superfluid_requests_total", outcome="cancelled") == 3
 
 
+async def test_a_first_choice_refused_starts_no_other() -> None:
+    async with open_daemon(mock_config()) as d:
+        for stream in (False, True):
+            r = await d.client.post("/v1/chat/completions", json={
+                "model": "mock", "n": 3, "stream": stream,
+                "messages": [{"role": "user", "content": "[[mock:fault_after=0]] hi"}]})
+            assert r.status_code == 500 and "mock fault" in r.json()["error"]["message"]
+        assert await metric(d, "superfluid_requests_total") == 2   # one job a request
+
+
 def _openai_sdk(url: str) -> None:
     import openai
 

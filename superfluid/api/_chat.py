@@ -305,6 +305,7 @@ async def open_siblings(app: App, model: ServedModel, first: Job, n: int, *, kin
         jobs: list[Job] = []
         if n > 1:
             await wait_beyond(first, 0)   # first's prefill is done (or it ended: its prompt is cached then)
+        if not (first.error is not None and not first.tokens):   # (refused: its reader raises that, alone)
             for index in range(1, n):
                 job = _sibling(first, index)
                 await stack.enter_async_context(open_lane(app, model, job, kind=kind, stops=stops))
@@ -321,7 +322,8 @@ async def open_replies(app: App, model: ServedModel, req: ChatRequest, n: int, *
         rendered = [render_chat(model, req) for _ in range(n - 1)]  # (fresh parsers; the stops are the first's)
         stops = [*req.stops, *(rendered[0].stops if rendered else ())]
         async with open_siblings(app, model, first.job, n, kind="chat", stops=stops) as jobs:
-            yield [first, *(Reply(model, job, Follower(job, stops), r.parser) for job, r in zip(jobs, rendered, strict=True))]
+            parsers = [r.parser for r in rendered][:len(jobs)]   # (no siblings when the first was refused)
+            yield [first, *(Reply(model, job, Follower(job, stops), p) for job, p in zip(jobs, parsers, strict=True))]
 
 
 def usage_of_choices(jobs: list[Job]) -> dict[str, Any]:
