@@ -71,7 +71,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    """One daemon for the module: ``mock`` always, ``smol`` (SmolLM2) where it can run."""
+    """One daemon for the module: ``mock`` (the default model: what a request naming none gets)
+    always, ``smol`` (SmolLM2) where it can run."""
     home = Path(tempfile.mkdtemp(prefix="superfluid-clients-"))
     port = _free_port()
     argv = [sys.executable, "-m", "superfluid", "serve", MOCK_SPEC, "--http", f"127.0.0.1:{port}",
