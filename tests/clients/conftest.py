@@ -70,15 +70,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     """One daemon for the module: ``mock`` (the default model: what a request naming none gets)
-    always, ``smol`` (SmolLM2) where it can run."""
+    always, ``smol`` (SmolLM2) where the module has a ``real`` test to run and it can run."""
     home = Path(tempfile.mkdtemp(prefix="superfluid-clients-"))
     port = _free_port()
     argv = [sys.executable, "-m", "superfluid", "serve", MOCK_SPEC, "--http", f"127.0.0.1:{port}",
             "--sessions", str(home / "sessions"), "--offline", "--no-tui", "--shutdown-grace", "1",
             "--max-batch", "4", "--max-context", "2048"]
-    if _has_smol():
+    wants_smol = any(item.get_closest_marker("real") for item in request.session.items
+                     if getattr(item, "module", None) is request.module)
+    if wants_smol and _has_smol():
         # one engine thread: llama.cpp's spinning barrier slows many times over when its threads share
         # the cores with the client and the daemon (2 cores in CI); --alias: the short name the tests use
         argv += ["--model", str(REAL_GGUF), "--alias", f"{SMOL}={REAL_GGUF.stem}", "--threads", "1"]

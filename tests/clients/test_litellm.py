@@ -19,7 +19,7 @@ from .conftest import MOCK, SMOL, WEATHER_SCHEMA, Served  # noqa: E402
 litellm.telemetry = False  # older releases phone home unless told not to; the newer ones have no telemetry
 litellm.drop_params = False  # send what the test asks for, drop nothing silently
 # litellm builds pydantic models lazily, on first use, and pydantic warns about its TypedDicts each time
-pytestmark = pytest.mark.filterwarnings("ignore:Item .* is using the `ReadOnly` qualifier:UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore:Items? .* using the `ReadOnly` qualifier:UserWarning")
 
 
 def kw(served: Served, model: str) -> dict:
