@@ -41,7 +41,8 @@ def test_llama_vscode_infill(served: Served) -> None:
 
 def test_llama_vscode_cache_warmup(served: Served) -> None:
     """After an accepted completion llama.vscode asks for the next one's prompt with ``n_predict:
-    0`` and no samplers, to have it cached (llama-server prefills and returns no text)."""
+    0`` and no samplers, to have it cached: llama-server documents ``n_predict`` 0 as "evaluate
+    the prompt into the cache, generate nothing", and answers 200 with empty ``content``."""
     body = {**infill_body(0), "samplers": [], "t_max_predict_ms": 1}
     r = httpx.post(served.url + "/infill", json=body, timeout=60)
     assert r.status_code == 200, r.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ollama
+import pytest
 
 from .conftest import MOCK, Served
 
@@ -38,3 +39,13 @@ def test_generate_whole_and_streamed(served: Served) -> None:
     assert whole.done and whole.response and whole.eval_count
     parts = list(c.generate(MOCK, "Once upon a time", options=GREEDY, stream=True))
     assert parts[-1].done and "".join(p.response for p in parts) == whole.response
+
+
+@pytest.mark.xfail(strict=False, reason="Ollama options are ignored or clamped with the ollama branch")
+def test_options_a_front_end_sends_are_accepted(served: Served) -> None:
+    """Options Ollama accepts whatever the runtime (GPU layers, threads, mirostat, a window past the
+    model's): Ollama ignores what does not apply and clamps ``num_ctx``; so must the daemon."""
+    options = {**GREEDY, "num_ctx": 1 << 20, "num_gpu": 99, "num_thread": 4, "mirostat": 0,
+               "repeat_last_n": 64, "typical_p": 1.0, "num_keep": 4}
+    r = client(served).chat(MOCK, messages=[{"role": "user", "content": "hi"}], options=options)
+    assert r.done and r.message.content
