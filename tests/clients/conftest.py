@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,10 +69,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(request: pytest.FixtureRequest) -> Iterator[Served]:
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """One daemon for the module: ``mock`` (the default model: what a request naming none gets)
     always, ``smol`` (SmolLM2) where the module has a ``real`` test to run and it can run."""
-    home = Path(tempfile.mkdtemp(prefix="superfluid-clients-"))
+    home = tmp_path_factory.mktemp("superfluid")
     port = _free_port()
     argv = [sys.executable, "-m", "superfluid", "serve", MOCK_SPEC, "--http", f"127.0.0.1:{port}",
             "--sessions", str(home / "sessions"), "--offline", "--no-tui", "--shutdown-grace", "1",

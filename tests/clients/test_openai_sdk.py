@@ -78,5 +78,6 @@ def test_tool_loop(served: Served) -> None:
     assert pieces["name"] == "get_weather" and json.loads(pieces["arguments"]) == args and pieces["id"]
     messages.append(r.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 21, "sky": "clear"})})
-    final = c.chat.completions.create(model=SMOL, messages=messages, tools=TOOLS, temperature=0, max_tokens=24)
+    final = c.chat.completions.create(model=SMOL, messages=messages, tools=TOOLS, tool_choice="none",
+                                      temperature=0, max_tokens=24)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
