@@ -37,6 +37,7 @@ import attrs
 import psutil
 
 from .._private import FILE_MODE, make_private_dir
+from ._flags import nonneg_float, positive_float
 
 __all__ = ["AGENTS", "add_launch_parsers", "launch_main", "split_agent_args", "stop_main"]
 
@@ -205,14 +206,14 @@ def add_launch_parsers(sub: Any) -> None:
     p.add_argument("--api-key", metavar="KEY", help="the daemon's API key (default: $SUPERFLUID_API_KEY)")
     p.add_argument("--print", action="store_true", dest="print_only",
                    help="show the environment and command instead of running the agent (starts no server)")
-    p.add_argument("--wait", type=float, default=180.0, metavar="SEC",
+    p.add_argument("--wait", type=positive_float, default=180.0, metavar="SEC",
                    help="seconds to wait for a server launch starts to list its models (default 180)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra argument for the `superfluid serve` launch starts (repeatable), "
                         "e.g. --serve-arg=--max-context=32768")
     p.set_defaults(run=launch_main)
     s = sub.add_parser("stop", help="stop the server `superfluid launch` started (never another one)")
-    s.add_argument("--timeout", type=float, default=30.0, metavar="SEC",
+    s.add_argument("--timeout", type=nonneg_float, default=30.0, metavar="SEC",
                    help="seconds to wait for it to exit after SIGTERM before SIGKILL (default 30)")
     s.set_defaults(run=stop_main)
 
