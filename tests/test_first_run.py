@@ -1,0 +1,50 @@
+"""A newcomer's first run has no dead end (#47): `launch` checks the agent before it starts a
+server and stops what it started when launching fails; a path that is not a model is told so
+before any install advice."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+from .test_launch import FAKE_AGENT, _alive, _cli
+from .test_sessions import _free_port
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_launch_checks_the_agent_before_starting_a_server(tmp_path: Path) -> None:
+    port = _free_port()
+    done = await _cli(tmp_path, "launch", "claude", "--model", "mock", "--http", f"127.0.0.1:{port}",
+                      PATH="/nonexistent")
+    err = done.stderr.decode()
+    assert done.returncode == 1 and err.count("\n") == 1, err
+    assert "claude is not installed" in err and "npm install" in err and "started" not in err
+    home = tmp_path / "home"
+    assert not (home / "launch" / "serve.pid").exists() and not (home / "logs" / "serve.log").exists()
+    assert not _listening(port)
+
+
+async def test_launch_stops_the_server_it_started_when_launching_fails(tmp_path: Path) -> None:
+    """The server it started lists no model within --wait: launch fails and that server goes with it."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    agent = bindir / "claude"
+    agent.write_text(FAKE_AGENT.format(python=sys.executable, record=str(tmp_path / "agent.json")))
+    agent.chmod(0o755)
+    port = _free_port()
+    done = await _cli(tmp_path, "launch", "claude", "--model", "mock", "--http", f"127.0.0.1:{port}", "--wait", "0.05",
+                      f"--serve-arg=--sessions={tmp_path / 'sessions'}",
+                      PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    pid = int(re.search(r"\(pid (\d+),", err)[1])  # type: ignore[index]
+    assert "listed no model within" in err and f"stopped the server it started (pid {pid})" in err, err
+    assert not _alive(pid) and not (tmp_path / "agent.json").exists()
+    assert not (tmp_path / "home" / "launch" / "serve.pid").exists()
