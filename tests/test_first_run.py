@@ -10,6 +10,13 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
+from superfluid.cli._errors import CliError
+from superfluid.cli._main import _sources, build_parser
+from superfluid.runtime import _choose
+from superfluid.runtime._status import RuntimeUnavailable
+
 from .test_launch import FAKE_AGENT, _alive, _cli
 from .test_sessions import _free_port
 
@@ -48,3 +55,24 @@ async def test_launch_stops_the_server_it_started_when_launching_fails(tmp_path:
     assert "listed no model within" in err and f"stopped the server it started (pid {pid})" in err, err
     assert not _alive(pid) and not (tmp_path / "agent.json").exists()
     assert not (tmp_path / "home" / "launch" / "serve.pid").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "text file", "GGUF named file"])
+def test_a_path_that_is_not_a_model_is_told_so_before_install_advice(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """With llama.cpp not installed, a checkout directory or a README got "runtime llamacpp is not
+    installed: run `superfluid runtime install llamacpp`" (and without --offline, an install)."""
+    def not_installed(rid: str, install: str | None) -> tuple[str, ...]:
+        raise RuntimeUnavailable(f"runtime {rid} is not installed: run `superfluid runtime install {rid}`",
+                                 installable=True)
+
+    monkeypatch.setattr(_choose, "worker_command", not_installed)
+    model = {"directory": tmp_path, "text file": tmp_path / "README.md",
+             "GGUF named file": tmp_path / "model.gguf"}[kind]
+    if kind != "directory":
+        model.write_text("# superfluid\n")
+    for offline in (["--offline"], []):  # offline first: an old build would install on the second
+        with pytest.raises(CliError) as exc:
+            _sources(build_parser().parse_args(["serve", str(model), *offline]))
+        assert exc.value.code == 1 and f"{model} is not a model" in exc.value.message
+        assert "install" not in exc.value.message + capsys.readouterr().err

@@ -342,6 +342,7 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             continue
         if not is_mock:
             _check_model_file(Path(spec))
+            _check_model_format(spec)  # before a runtime is chosen, installed or advised
         choice = _choose(spec, selector, args)
         runtime = choice.info.id
         if runtime == "llamacpp" and not Path(spec).is_file():
@@ -377,6 +378,20 @@ def _check_model_file(path: Path) -> None:
         raise CliError(f"model file not found: {path}")
     if not os.access(path, os.R_OK):
         raise CliError(f"model {path} is not readable (permission denied)")
+
+
+def _check_model_format(spec: str) -> None:
+    """Raises CliError if no runtime reads ``spec`` (by its magic, or a directory's files): saying
+    so beats advice to install llama.cpp, or a worker started to fail on it."""
+    from ..runtime._registry import detect_format
+
+    if detect_format(spec) is not None:
+        return
+    if Path(spec).is_dir():
+        raise CliError(f"{spec} is not a model: a model directory is an MLX model (config.json and *.safetensors) "
+                       "or a .base bundle, and llama.cpp loads a GGUF file")
+    raise CliError(f"{spec} is not a model: not a GGUF file (it does not begin with GGUF's magic) nor a .base "
+                   "bundle; `superfluid runtimes MODEL` says which runtime reads a file")
 
 
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
