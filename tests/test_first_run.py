@@ -76,3 +76,22 @@ def test_a_path_that_is_not_a_model_is_told_so_before_install_advice(
             _sources(build_parser().parse_args(["serve", str(model), *offline]))
         assert exc.value.code == 1 and f"{model} is not a model" in exc.value.message
         assert "install" not in exc.value.message + capsys.readouterr().err
+
+
+def test_the_quickstart_names_every_step_of_a_fresh_clone() -> None:
+    """README's Quickstart, top to bottom on a bare machine: the clone, the Python pyproject.toml
+    requires, the toolchain `.[llamacpp]` compiles with and how long, a line per platform."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    quick = readme[readme.index("## Quickstart"):readme.index("\n## ", readme.index("## Quickstart") + 1)]
+    needs = tomllib.loads((root / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert needs.startswith(">=") and f"Python {needs[2:]} or newer" in quick
+    for step in ("git clone", "python3 -m venv", 'pip install -e ".[llamacpp]"', "superfluid serve", "cmake",
+                 "about 4 minutes on 2 cores", "apt-get install git python3-venv build-essential cmake",
+                 "xcode-select --install", "brew install cmake", "curl -s localhost:8453"):
+        assert step in quick, step
+    steps = quick[quick.index("git clone"):]  # the commands, in the order they run
+    order = [steps.index(s) for s in ("git clone", "python3 -m venv", "pip install -e", "superfluid serve\n")]
+    assert order == sorted(order)
