@@ -95,3 +95,24 @@ def test_the_quickstart_names_every_step_of_a_fresh_clone() -> None:
     steps = quick[quick.index("git clone"):]  # the commands, in the order they run
     order = [steps.index(s) for s in ("git clone", "python3 -m venv", "pip install -e", "superfluid serve\n")]
     assert order == sorted(order)
+
+
+async def test_the_startup_summary_stays_above_the_monitor(tmp_path: Path) -> None:
+    """In a terminal the monitor takes the (alternate) screen: the startup block, logged before
+    it, showed only after the server exited. Now every frame carries it, and serve.log has it."""
+    from .test_monitor import alternate_on, press, tmux, wait_screen
+
+    port = _free_port()
+    command = (f"{sys.executable} -m superfluid serve --runtime mock --http 127.0.0.1:{port} "
+               f"--sessions {tmp_path / 'sessions'}")
+    with tmux(command, tmp_path) as name:
+        shown = await wait_screen(name, r"lanes 0/8")
+        assert alternate_on(name)
+        for line in (f"Running on http://127.0.0.1:{port}", "model mock (default): runtime mock",
+                     "dialects: OpenAI", f"sessions: {tmp_path / 'sessions'}", "auth: off"):
+            assert line in shown, shown
+        assert shown.index("auth: off") < shown.index("lanes 0/8")  # above the models' rows
+        press(name, "q")
+        assert "EXIT=0" in await wait_screen(name, r"^TTY=")
+    log = (tmp_path / "sessions" / "logs" / "serve.log").read_text()
+    assert f"Running on http://127.0.0.1:{port}" in log and "auth: off" in log
