@@ -116,3 +116,73 @@ async def test_the_startup_summary_stays_above_the_monitor(tmp_path: Path) -> No
         assert "EXIT=0" in await wait_screen(name, r"^TTY=")
     log = (tmp_path / "sessions" / "logs" / "serve.log").read_text()
     assert f"Running on http://127.0.0.1:{port}" in log and "auth: off" in log
+
+
+FAKE_UV = """#!{python}
+import os, sys, time
+args = sys.argv[1:]
+if args[0] == "venv":  # uv venv --quiet --python PY ENV
+    env = args[-1]
+    os.makedirs(os.path.join(env, "lib", "python%d.%d" % sys.version_info[:2], "site-packages"))
+    sys.exit(0)
+for line in ("Collecting sfbuild==1.0 (from -r requirements.txt)", "  Downloading sfbuild-1.0.tar.gz (76.6 MB)",
+             "  Installing build dependencies: started", "Building wheels for collected packages: sfbuild",
+             "  Building wheel for sfbuild (pyproject.toml): started", "RAW-COMPILER-NOISE cc -O3 ggml.c"):
+    print(line, flush=True)
+    time.sleep(0.05)
+time.sleep({linger})
+print("error: the compile failed", flush=True)
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_runtime_build_shows_phases_and_keeps_pip_output_in_a_log(
+        tty: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` installing a runtime on first use: a line per phase (on a terminal a live line with
+    the phase and its seconds), pip's raw output only in the log, whose path is printed and which
+    outlives a failed install."""
+    import io
+    import shutil
+
+    import trio
+
+    from superfluid.cli._runtimes import _TermProgress
+    from superfluid.runtime import _install as inst, _registry as registry
+
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path / "home"))
+    uv = tmp_path / "uv"
+    uv.write_text(FAKE_UV.format(python=sys.executable, linger=1.3 if tty else 0))  # a tty sees a heartbeat
+    uv.chmod(0o755)
+    which = shutil.which
+    monkeypatch.setattr(inst.shutil, "which", lambda name, *a, **k: str(uv) if name == "uv" else which(name, *a, **k))
+    source = registry.PythonSource(version="1.0", packages=(registry.Package("sfbuild", "1.0", ("0" * 64,),
+                                                                                binary=False),),
+                                   index="http://127.0.0.1:9/simple")
+    info = registry.register(registry.RuntimeInfo(id="sfbuild", aliases=(), engine="superfluid.worker._mock",
+                                                  formats=(), requires=("sfbuild",), source=source))
+
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    stream = Stream()
+    try:
+        with pytest.raises(inst.InstallError) as exc:
+            trio.run(lambda: inst.install(inst.make_plan("sfbuild"), progress=_TermProgress(stream)))
+    finally:
+        del registry.RUNTIMES[info.id]
+    out = stream.getvalue()
+    kept = tmp_path / "home" / "runtimes" / "sfbuild" / "install-1.0-cpu.failed.log"
+    assert "RAW-COMPILER-NOISE" not in out and "Collecting" not in out, out
+    assert "RAW-COMPILER-NOISE" in kept.read_text() and str(kept) in str(exc.value)
+    assert "sfbuild builds from source" in out and "pip's output: " in out
+    phases = ["downloading sfbuild==1.0", "preparing the build", "building sfbuild from source"]
+    if tty:  # the live line: phase and seconds, rewritten in place
+        assert re.search(r"\r\x1b\[K  \[3/6\] fetch: building sfbuild from source \(a C/C\+\+ compile: minutes\) "
+                         r"[1-9]\d*s", out), out
+        assert all(f"fetch: {p}" in out for p in phases)
+    else:  # a line per phase, in order
+        lines = [line.strip() for line in out.splitlines()]
+        at = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in phases]
+        assert at == sorted(at), out
