@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 from .._printable import printable
 from ._errors import USAGE, CliError, HelpFormatter
+from ._flags import in_range
 
 __all__ = ["add_batch_parser"]
 
@@ -65,7 +66,7 @@ def add_batch_parser(sub: Any) -> None:
     c = actions.add_parser("cancel", parents=[common], formatter_class=HelpFormatter, help="cancel a batch")
     c.add_argument("id", metavar="ID")
     ls = actions.add_parser("list", parents=[common], formatter_class=HelpFormatter, help="the key's batches")
-    ls.add_argument("--limit", type=int, default=20, help="at most this many, newest first (1-100)")
+    ls.add_argument("--limit", type=in_range(int, 1, 100), default=20, help="at most this many, newest first (1-100)")
     p.set_defaults(run=run_batch)
 
 

@@ -11,7 +11,7 @@ import argparse
 import difflib
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 __all__ = ["RUNTIME", "USAGE", "CliError", "Parser", "HelpFormatter", "suggest"]
 
@@ -46,8 +46,28 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Commands(argparse._SubParsersAction):
+    """Subcommands that report their own unknown options: argparse hands a command's leftover
+    words up to the top parser, whose error would name ``superfluid --help`` and suggest
+    flags of other commands (``serve --park``: "did you mean --port?")."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        extras = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        command = self._name_parser_map.get(values[0])
+        if extras and command is not None:  # the innermost command sees them first
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+
+
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line with a suggestion, exit 2."""
+    """An ``ArgumentParser`` whose errors are one line with a suggestion, exit 2. Abbreviations
+    are off (``--max-batc 4`` is a mistake, not ``--max-batch``), in every subcommand too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
 
     def error(self, message: str) -> NoReturn:
         message = self._with_suggestion(message)
@@ -55,15 +75,8 @@ class Parser(argparse.ArgumentParser):
         sys.exit(USAGE)
 
     def _all_options(self) -> list[str]:
-        out: list[str] = []
-        stack: list[argparse.ArgumentParser] = [self]
-        while stack:
-            parser = stack.pop()
-            for action in parser._actions:
-                out += [o for o in action.option_strings if o.startswith("--")]
-                if isinstance(action, argparse._SubParsersAction):
-                    stack += list(action.choices.values())
-        return out
+        """This command's own long options (a subcommand's are not offered here)."""
+        return [o for action in self._actions for o in action.option_strings if o.startswith("--")]
 
     def _with_suggestion(self, message: str) -> str:
         choice = re.match(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)$", message)

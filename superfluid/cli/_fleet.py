@@ -16,6 +16,7 @@ import trio
 
 from .. import _defaults as D
 from ._errors import USAGE, CliError, HelpFormatter
+from ._flags import fraction, nonneg_float, nonneg_int, positive_int
 
 __all__ = ["add_fleet_parsers", "add_head_flags", "head_config"]
 
@@ -71,10 +72,10 @@ def add_head_flags(s: argparse.ArgumentParser, hostport: Any) -> None:
     s.add_argument("--fleet-token", dest="token", metavar="TOKEN", help=_token_help("head"))
     s.add_argument("--fleet-policy", choices=POLICIES, default="load-aware",
                    help="where a request runs among the nodes of its model")
-    s.add_argument("--fleet-pool-high", type=float, default=0.9, metavar="FRACTION",
+    s.add_argument("--fleet-pool-high", type=fraction, default=0.9, metavar="FRACTION",
                    help="load-aware placement skips a node whose KV pool is this full")
     s.add_argument("--no-fleet-mdns", action="store_true", help="do not advertise --fleet-listen by mDNS")
-    s.add_argument("--fleet-wait", type=float, default=15.0, metavar="SEC",
+    s.add_argument("--fleet-wait", type=nonneg_float, default=15.0, metavar="SEC",
                    help="at start, how long resumable sessions in the log wait for their models' nodes to join "
                         "before they are resumed (those whose model has no node then stay in the log)")
 
@@ -133,9 +134,9 @@ def add_fleet_parsers(sub: Any, hostport: Any) -> None:
         p.add_argument("--insecure-no-auth", action="store_true",
                        help="take part without a token off loopback (still encrypted; anyone may connect)")
         p.add_argument("--identity", help="the node's name at the head (default: host name and a random suffix)")
-        p.add_argument("--max-batch", type=int, default=D.MAX_BATCH, help="lanes")
-        p.add_argument("--max-context", type=int, default=D.MAX_CONTEXT, help="tokens per lane")
-        p.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
+        p.add_argument("--max-batch", type=positive_int, default=D.MAX_BATCH, help="lanes")
+        p.add_argument("--max-context", type=positive_int, default=D.MAX_CONTEXT, help="tokens per lane")
+        p.add_argument("--threads", type=nonneg_int, default=D.THREADS, help="engine threads (default: all cores)")
         p.add_argument("--deterministic", action="store_true", help="as serve --deterministic")
         p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
         p.set_defaults(run=_node_main, models=[], fleet_role=p is j)

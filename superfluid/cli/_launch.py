@@ -37,6 +37,7 @@ import attrs
 import psutil
 
 from .._private import FILE_MODE, make_private_dir
+from ._flags import nonneg_float, positive_float
 
 __all__ = ["AGENTS", "add_launch_parsers", "launch_main", "split_agent_args", "stop_main"]
 
@@ -205,14 +206,14 @@ def add_launch_parsers(sub: Any) -> None:
     p.add_argument("--api-key", metavar="KEY", help="the daemon's API key (default: $SUPERFLUID_API_KEY)")
     p.add_argument("--print", action="store_true", dest="print_only",
                    help="show the environment and command instead of running the agent (starts no server)")
-    p.add_argument("--wait", type=float, default=180.0, metavar="SEC",
+    p.add_argument("--wait", type=positive_float, default=180.0, metavar="SEC",
                    help="seconds to wait for a server launch starts to list its models (default 180)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="an extra argument for the `superfluid serve` launch starts (repeatable), "
                         "e.g. --serve-arg=--max-context=32768")
     p.set_defaults(run=launch_main)
     s = sub.add_parser("stop", help="stop the server `superfluid launch` started (never another one)")
-    s.add_argument("--timeout", type=float, default=30.0, metavar="SEC",
+    s.add_argument("--timeout", type=nonneg_float, default=30.0, metavar="SEC",
                    help="seconds to wait for it to exit after SIGTERM before SIGKILL (default 30)")
     s.set_defaults(run=stop_main)
 
@@ -289,11 +290,11 @@ def _read_pid_file() -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def start_server(address: str, model: str | None, key: str | None, extra: list[str], wait_s: float) -> None:
+def start_server(address: str, model: str | None, key: str | None, extra: list[str], wait_s: float) -> subprocess.Popen[bytes]:
     """Start ``superfluid serve`` detached on ``address`` and wait until it lists models.
 
     Raises:
-        LaunchError: it exited, or listed nothing in ``wait_s``.
+        LaunchError: it exited, or listed nothing in ``wait_s`` (then it is stopped).
     """
     make_private_dir(log_file().parent)
     make_private_dir(pid_file().parent)
@@ -317,18 +318,34 @@ def start_server(address: str, model: str | None, key: str | None, extra: list[s
         json.dump(record, f)
     print(f"superfluid: started `superfluid serve` on {address} (pid {proc.pid}, log {log_file()}); "
           "`superfluid stop` stops it", file=sys.stderr)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        code = proc.poll()
-        if code is not None:
-            pid_file().unlink(missing_ok=True)
-            raise LaunchError(f"the server exited with code {code} before it served; see {log_file()}")
-        status, listed = _models(address, key)
-        if status == 200 and listed:
-            return
-        time.sleep(0.2)
-    raise LaunchError(f"the server on {address} listed no model within {wait_s:g}s; see {log_file()} "
-                      "(it is still starting: `superfluid stop` stops it)")
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            code = proc.poll()
+            if code is not None:
+                raise LaunchError(f"the server exited with code {code} before it served; see {log_file()}")
+            status, listed = _models(address, key)
+            if status == 200 and listed:
+                return proc
+            time.sleep(0.2)
+        raise LaunchError(f"the server on {address} listed no model within {wait_s:g}s (a longer --wait waits "
+                          f"longer); see {log_file()}")
+    except BaseException:  # Ctrl-C included: a server nobody will use is not left behind
+        stop_started(proc)
+        raise
+
+
+def stop_started(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Stop a server this launch started (SIGTERM, then SIGKILL after ``grace_s``) and forget it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(f"superfluid: launch: stopped the server it started (pid {proc.pid})", file=sys.stderr)
+    pid_file().unlink(missing_ok=True)
 
 
 # -- the commands ------------------------------------------------------------------------------
@@ -377,6 +394,11 @@ def launch(args: argparse.Namespace) -> int:
         print(f"superfluid: launch: unknown agent {args.agent!r}{hint}; agents: {', '.join(AGENTS)}",
               file=sys.stderr)
         return 2
+    # the agent before any server: a missing one must not leave a server behind it
+    binary = shutil.which(agent.binary)
+    if binary is None and not args.print_only:
+        how = f": {agent.install}" if agent.install else ""
+        raise LaunchError(f"{agent.name} is not installed (no {agent.binary!r} on PATH){how}")
     address = args.http or os.environ.get("SUPERFLUID_HTTP") or DEFAULT_HTTP
     address = address.removeprefix("http://").rstrip("/")
     key = args.api_key if args.api_key is not None else os.environ.get("SUPERFLUID_API_KEY") or None
@@ -384,12 +406,24 @@ def launch(args: argparse.Namespace) -> int:
     if status in (401, 403):
         raise LaunchError(f"the server on {address} wants an API key: --api-key KEY or $SUPERFLUID_API_KEY")
     note = ""
+    started = None
     if status is None:
         if args.print_only:
             note = f"# nothing answers on {address}: launch would start `superfluid serve` there first"
         else:
-            start_server(address, args.model, key, args.serve_arg, args.wait)
+            started = start_server(address, args.model, key, args.serve_arg, args.wait)
+    try:
+        if started is not None:
             status, listed = _models(address, key)
+        return _exec_agent(args, agent, address, key, status, listed, note, started is not None)
+    except BaseException:  # the agent did not start: nor does the server it was started for stay
+        if started is not None:
+            stop_started(started)
+        raise
+
+
+def _exec_agent(args: argparse.Namespace, agent: Agent, address: str, key: str | None, status: int | None,
+                listed: list[dict[str, Any]], note: str, started: bool) -> int:
     ids = [str(m.get("id")) for m in listed]
     model = args.model if args.model and (args.model in ids or not ids) else (ids[0] if ids else "default")
     if args.model and ids and args.model not in ids:
@@ -398,8 +432,10 @@ def launch(args: argparse.Namespace) -> int:
         model = named[0] if named else args.model
     n_ctx = _context(address, key, model, listed) if status is not None else 0
     if agent.min_ctx and n_ctx and n_ctx < agent.min_ctx:
+        how = (f"`superfluid stop`, then launch with --serve-arg=--max-context={agent.min_ctx}" if started
+               else f"serve it with --max-context {agent.min_ctx}")
         print(f"superfluid: warning: {model} has a {n_ctx}-token context; {agent.name} wants at least "
-              f"{agent.min_ctx} (serve it with --max-context {agent.min_ctx})", file=sys.stderr)
+              f"{agent.min_ctx} ({how})", file=sys.stderr)
     run_dir = _run_dir(agent.name)
     plan = agent.plan(Target(address=address, model=model, n_ctx=n_ctx, key=key), run_dir, list(args.agent_args))
     for name, text in plan.files.items():

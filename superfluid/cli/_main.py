@@ -7,8 +7,8 @@ import errno
 import functools
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from .. import __version__
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerDied, WorkerLoadFailed
 from ._errors import USAGE, CliError, HelpFormatter, Parser
+from ._flags import in_range, nonneg_float, nonneg_int, port, positive_float, positive_int
 from ..sched import PlannerConfig, QosClass, parse_qos
 from ..proto import MAX_DRAFT_DEPTH, SPEC_DIRECTIVES, SpecConfig
 from ..models._hub import PullError
@@ -35,8 +36,8 @@ __all__ = ["main"]
 
 def _hostport(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (a port 0 to 65535), got {value!r}")
     return host.strip("[]"), int(port)
 
 
@@ -80,42 +81,42 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http", type=_hostport, metavar="HOST:PORT",
                    help=f"address to listen on; overrides --host and --port (default {D.HOST}:{D.PORT})")
     s.add_argument("--host", default=D.HOST, help="address to listen on")
-    s.add_argument("--port", type=int, default=D.PORT, help="TCP port to listen on (0: any free port)")
-    s.add_argument("--backlog", type=_positive(int), default=D.BACKLOG,
+    s.add_argument("--port", type=port, default=D.PORT, help="TCP port to listen on (0: any free port)")
+    s.add_argument("--backlog", type=positive_int, default=D.BACKLOG,
                    help="connections the kernel queues for accept; a burst beyond it is dropped or reset "
                         f"(default {D.BACKLOG}; Linux caps it at net.core.somaxconn)")
-    s.add_argument("--max-connections-per-client", type=_count, default=D.MAX_CONNECTIONS_PER_CLIENT, metavar="N",
+    s.add_argument("--max-connections-per-client", type=nonneg_int, default=D.MAX_CONNECTIONS_PER_CLIENT, metavar="N",
                    help="connections one client IP may hold open at once; one more is answered 429 "
                         "too_many_connections and closed; loopback clients are not counted "
                         f"(default {D.MAX_CONNECTIONS_PER_CLIENT}; 0: no cap)")
-    s.add_argument("--header-timeout", type=_positive(float), default=D.HEADER_TIMEOUT_S, metavar="SEC",
+    s.add_argument("--header-timeout", type=positive_float, default=D.HEADER_TIMEOUT_S, metavar="SEC",
                    help="seconds a connection has to send a complete request head, from its accept or from "
                         "the end of its previous response (so also how long an idle keep-alive connection "
                         f"stays); then it is closed (default {D.HEADER_TIMEOUT_S:g})")
     s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
-    s.add_argument("--resume-ttl", type=float, default=D.RESUME_TTL_S,
+    s.add_argument("--resume-ttl", type=nonneg_float, default=D.RESUME_TTL_S,
                    help="seconds a resumable generation runs on with no client following it")
-    s.add_argument("--max-batch", type=int, default=D.MAX_BATCH, help=f"lanes per model (default {D.MAX_BATCH})")
-    s.add_argument("--max-context", type=int, default=D.MAX_CONTEXT,
+    s.add_argument("--max-batch", type=positive_int, default=D.MAX_BATCH, help=f"lanes per model (default {D.MAX_BATCH})")
+    s.add_argument("--max-context", type=positive_int, default=D.MAX_CONTEXT,
                    help=f"tokens per lane (default {D.MAX_CONTEXT})")
-    s.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
-    s.add_argument("--host-cache-mb", type=int, default=D.HOST_CACHE_MB,
+    s.add_argument("--threads", type=nonneg_int, default=D.THREADS, help="engine threads (default: all cores)")
+    s.add_argument("--host-cache-mb", type=nonneg_int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
-    s.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS,
+    s.add_argument("--stream-interval-ms", type=nonneg_int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
                         f"(default {D.STREAM_INTERVAL_MS}; 0: every engine round)")
-    s.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS,
+    s.add_argument("--agent-stream-interval-ms", type=nonneg_int, default=D.AGENT_STREAM_INTERVAL_MS,
                    help="the same for requests of the agent and background classes, which programs read "
                         f"(default {D.AGENT_STREAM_INTERVAL_MS}; 1 ms more per open agent lane, up to 1 s): "
                         "fewer chunks leave more CPU to the engine")
     s.add_argument("--no-cpu-yield", action="store_true",
                    help="do not run the daemon SCHED_BATCH while it only relays tokens (Linux; see SPEC.md)")
-    s.add_argument("--drain-timeout", type=float, default=D.DRAIN_TIMEOUT_S,
+    s.add_argument("--drain-timeout", type=nonneg_float, default=D.DRAIN_TIMEOUT_S,
                    help="seconds SIGUSR1 (drain) waits for in-flight requests before exiting")
-    s.add_argument("--shutdown-grace", type=_positive(float), default=D.SHUTDOWN_GRACE_S,
+    s.add_argument("--shutdown-grace", type=positive_float, default=D.SHUTDOWN_GRACE_S,
                    help="seconds SIGTERM/Ctrl-C gives in-flight streams to end with a server_shutting_down "
                         "error and [DONE] before the daemon exits (a second signal exits at once)")
     s.add_argument("--http-default-qos", type=_qos, default=QosClass.AGENT, metavar="CLASS",
@@ -125,13 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore the x-superfluid-qos request header (every request gets --http-default-qos)")
     s.add_argument("--class-lanes", type=_class_lanes, default={}, metavar="CLASS=N,...",
                    help="at most N lanes for a QoS class, e.g. background=2,agent=6 (default: no caps)")
-    s.add_argument("--starvation-ticks", type=int, default=D.STARVATION_TICKS,
+    s.add_argument("--starvation-ticks", type=positive_int, default=D.STARVATION_TICKS,
                    help="a waiting job's class rises one step every this many scheduler ticks")
-    s.add_argument("--prefill-budget", type=int, default=D.PREFILL_BUDGET,
+    s.add_argument("--prefill-budget", type=positive_int, default=D.PREFILL_BUDGET,
                    help="prompt tokens prefilled per scheduler tick at most")
-    s.add_argument("--tick-target-ms", type=int, default=D.TICK_TARGET_MS,
+    s.add_argument("--tick-target-ms", type=positive_int, default=D.TICK_TARGET_MS,
                    help="length of a scheduler tick while nothing waits (50 ms while a job is queued)")
-    s.add_argument("--hang-timeout", type=float, default=D.HANG_TIMEOUT_S,
+    s.add_argument("--hang-timeout", type=positive_float, default=D.HANG_TIMEOUT_S,
                    help="seconds a worker may leave a tick, a send or a tokenize unanswered before it is replaced")
     s.add_argument("--no-tui", action="store_true",
                    help="no live monitor: log lines on stderr instead (default: the monitor when stdout is a "
@@ -155,46 +156,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--web-origin", action="append", default=[], metavar="ORIGIN",
                    help="let web pages of ORIGIN (http(s)://HOST[:PORT], or *) call the API (repeatable; "
                         "also $SUPERFLUID_ORIGINS, comma-separated; default: pages on this machine only)")
-    s.add_argument("--rate-limit", type=int, default=0, metavar="RPM",
+    s.add_argument("--rate-limit", type=nonneg_int, default=0, metavar="RPM",
                    help="requests a minute per client IP, keys with their own rate_limit_rpm aside; "
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
-    s.add_argument("--max-conversation-bytes", type=_positive(int), default=D.MAX_CONVERSATION_BYTES,
+    s.add_argument("--max-conversation-bytes", type=positive_int, default=D.MAX_CONVERSATION_BYTES,
                    help=f"bytes a conversation's events may hold; more is refused with 413 "
                         f"(default {D.MAX_CONVERSATION_BYTES})")
-    s.add_argument("--max-message-bytes", type=_positive(int), default=D.MAX_MESSAGE_BYTES,
+    s.add_argument("--max-message-bytes", type=positive_int, default=D.MAX_MESSAGE_BYTES,
                    help=f"bytes one conversation message may hold; more is refused with 413 "
                         f"(default {D.MAX_MESSAGE_BYTES})")
-    s.add_argument("--max-conversation-events", type=_positive(int), default=D.MAX_CONVERSATION_EVENTS,
+    s.add_argument("--max-conversation-events", type=positive_int, default=D.MAX_CONVERSATION_EVENTS,
                    help=f"events one conversation may hold; more is refused with 413 "
                         f"(default {D.MAX_CONVERSATION_EVENTS})")
-    s.add_argument("--files-quota-gb", type=_nonneg_number, default=D.FILES_QUOTA_GB, metavar="GIB",
+    s.add_argument("--files-quota-gb", type=nonneg_float, default=D.FILES_QUOTA_GB, metavar="GIB",
                    help="GiB of files (uploads to /v1/files and batch outputs) each key's tenant may keep; an upload "
                         f"past it is refused with 413 files_quota_exceeded (default {D.FILES_QUOTA_GB:g}; 0: no limit)")
-    s.add_argument("--files-max-bytes", type=_positive(int), default=D.FILES_MAX_BYTES, metavar="BYTES",
+    s.add_argument("--files-max-bytes", type=positive_int, default=D.FILES_MAX_BYTES, metavar="BYTES",
                    help="bytes one uploaded file may hold; more is refused with 413 payload_too_large "
                         f"(default {D.FILES_MAX_BYTES})")
     s.add_argument("--max-prompt-bytes", type=_prompt_bytes, default=0,
                    help="bytes of rendered prompt a request may send to the tokenizer; more is answered 413 "
                         f"(default 0: {PROMPT_BYTES_PER_TOKEN} per token of the model's context, at least "
                         f"{PROMPT_BYTES_FLOOR >> 20} MiB; at most {MAX_PROMPT_BYTES >> 20} MiB)")
-    s.add_argument("--body-timeout", type=_positive(float), default=D.BODY_TIMEOUT_S,
+    s.add_argument("--body-timeout", type=positive_float, default=D.BODY_TIMEOUT_S,
                    help="seconds a request body may take to arrive; then 408 and the connection closes "
                         f"(default {D.BODY_TIMEOUT_S:g})")
-    s.add_argument("--ws-idle-timeout", type=_positive(float), default=D.WS_IDLE_TIMEOUT_S,
+    s.add_argument("--ws-idle-timeout", type=positive_float, default=D.WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay with no message from the client and no session to follow; "
                         f"then it is closed with 1001 (default {D.WS_IDLE_TIMEOUT_S:g})")
-    s.add_argument("--max-queue", type=_positive(int), default=D.MAX_QUEUE,
+    s.add_argument("--max-queue", type=positive_int, default=D.MAX_QUEUE,
                    help="requests waiting for a lane per QoS class per model; more are answered 429 queue_full "
                         f"(default {D.MAX_QUEUE})")
     s.add_argument("--model-dir", dest="model_dirs", action="append", type=Path, default=[], metavar="DIR",
                    help="a directory whose *.gguf files clients may load over HTTP, by name or path (repeatable; "
                         "default: only the models cache directory and the models given here)")
-    s.add_argument("--max-models", type=int, default=D.MAX_MODELS, metavar="N",
+    s.add_argument("--max-models", type=positive_int, default=D.MAX_MODELS, metavar="N",
                    help="models (and so worker processes) loaded at once; a load beyond it is refused "
                         f"with 429 too_many_models (default {D.MAX_MODELS})")
-    s.add_argument("--idle-timeout", type=_nonneg_float, default=D.IDLE_TIMEOUT_S, metavar="SEC",
+    s.add_argument("--idle-timeout", type=nonneg_float, default=D.IDLE_TIMEOUT_S, metavar="SEC",
                    help="unload a model no request has used for SEC seconds; never the default model (the first); "
                         f"it loads again on the next request naming it (default {D.IDLE_TIMEOUT_S:g}: never)")
     s.add_argument("--alias", dest="aliases", action="append", type=_alias, default=[], metavar="NAME=MODEL",
@@ -258,28 +259,28 @@ def _add_speculation(s: argparse.ArgumentParser) -> None:
                         "three (else two) tokens and verifies them in one pass (exact: greedy output is unchanged); "
                         "auto = prompt-lookup where the model's KV can drop a rejected draft, else plain; with "
                         "several models each resolves on its own (default off)")
-    s.add_argument("--spec-draft-tokens", type=_in_range(int, 1, MAX_DRAFT_DEPTH), default=d.depth, metavar="N",
+    s.add_argument("--spec-draft-tokens", type=in_range(int, 1, MAX_DRAFT_DEPTH), default=d.depth, metavar="N",
                    help=f"the deepest draft (1-{MAX_DRAFT_DEPTH}; default {d.depth})")
     s.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=d.adaptive,
                    help="pick the draft depth with the most measured tokens/s per lane count (default on)")
-    s.add_argument("--spec-min-yield", type=_in_range(float, 0, MAX_DRAFT_DEPTH), default=d.min_yield,
+    s.add_argument("--spec-min-yield", type=in_range(float, 0, MAX_DRAFT_DEPTH), default=d.min_yield,
                    help=f"a request averaging fewer accepted draft tokens a round stops drafting; two such and none "
                         f"passing abandon speculation (default {d.min_yield})")
-    s.add_argument("--spec-yield-rounds", type=_in_range(int, 1, 1 << 20), default=d.yield_rounds, metavar="N",
+    s.add_argument("--spec-yield-rounds", type=in_range(int, 1, 1 << 20), default=d.yield_rounds, metavar="N",
                    help=f"drafting rounds before the yield floor judges a request (default {d.yield_rounds})")
     s.add_argument("--spec-throughput-gate", action=argparse.BooleanOptionalAction, default=d.throughput_gate,
                    help="measure drafting against plain decoding per lane count; decode plainly where it is not "
                         "--spec-min-speedup faster (default on)")
-    s.add_argument("--spec-gate-probe-tokens", type=_in_range(int, 1, 4096), default=d.probe_rounds, metavar="N",
+    s.add_argument("--spec-gate-probe-tokens", type=in_range(int, 1, 4096), default=d.probe_rounds, metavar="N",
                    help=f"rounds of each side a throughput probe measures (default {d.probe_rounds})")
-    s.add_argument("--spec-min-speedup", type=_in_range(float, 0.01, 100), default=d.min_speedup,
+    s.add_argument("--spec-min-speedup", type=in_range(float, 0.01, 100), default=d.min_speedup,
                    help=f"the speedup a lane count must measure to keep drafting (default {d.min_speedup})")
-    s.add_argument("--spec-gate-reprobe", type=_in_range(int, 1, 1 << 20), default=d.reprobe, metavar="N",
+    s.add_argument("--spec-gate-reprobe", type=in_range(int, 1, 1 << 20), default=d.reprobe, metavar="N",
                    help=f"requests before a lane count that failed the gate is measured again, doubling each time "
                         f"(default {d.reprobe})")
-    s.add_argument("--spec-gate-reprobe-max", type=_in_range(int, 1, 1 << 20), default=d.reprobe_max, metavar="N",
+    s.add_argument("--spec-gate-reprobe-max", type=in_range(int, 1, 1 << 20), default=d.reprobe_max, metavar="N",
                    help=f"the longest re-probe interval (default {d.reprobe_max})")
-    s.add_argument("--spec-max-temperature", type=_in_range(float, 0, 100), default=None, metavar="T",
+    s.add_argument("--spec-max-temperature", type=in_range(float, 0, 100), default=None, metavar="T",
                    help="requests sampling hotter than T never draft (default: no cap)")
 
 
@@ -291,62 +292,6 @@ def _speculation(args: argparse.Namespace) -> SpecConfig:
                       probe_rounds=args.spec_gate_probe_tokens, min_speedup=args.spec_min_speedup,
                       reprobe=args.spec_gate_reprobe, reprobe_max=args.spec_gate_reprobe_max,
                       max_temperature=-1.0 if args.spec_max_temperature is None else args.spec_max_temperature)
-
-
-def _in_range(kind: type[int] | type[float], low: float, high: float) -> Callable[[str], Any]:
-    def parse(value: str) -> Any:
-        try:
-            number = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {value!r}") from None
-        if not low <= number <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {value!r}")
-        return number
-
-    return parse
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    def parse(value: str) -> Any:
-        try:
-            number = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {value!r}") from None
-        if not number > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {value!r}")
-        return number
-
-    return parse
-
-
-def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
-    return number
-
-
-def _nonneg_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
-    if not number >= 0 or number == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {value!r}")
-    return number
-
-
-def _nonneg_number(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value!r}")
-    return number
 
 
 def _alias(value: str) -> tuple[str, str]:
@@ -399,6 +344,9 @@ def _prompt_bytes(value: str) -> int:
     return int(value)
 
 
+_prompt_bytes.rule = f"0 (from the context) to {MAX_PROMPT_BYTES}"  # type: ignore[attr-defined]
+
+
 def _sources(args: argparse.Namespace) -> list[ModelSource]:
     """The models to serve, each with its runtime and worker, chosen and checked before
     anything loads. Raises CliError (a missing or unreadable file, 1) or SystemExit (a runtime
@@ -436,6 +384,7 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
             continue
         if not is_mock:
             _check_model_file(Path(spec))
+            _check_model_format(spec)  # before a runtime is chosen, installed or advised
         choice = _choose(spec, selector, args)
         runtime = choice.info.id
         if runtime == "llamacpp" and not Path(spec).is_file():
@@ -473,6 +422,20 @@ def _check_model_file(path: Path) -> None:
         raise CliError(f"model {path} is not readable (permission denied)")
 
 
+def _check_model_format(spec: str) -> None:
+    """Raises CliError if no runtime reads ``spec`` (by its magic, or a directory's files): saying
+    so beats advice to install llama.cpp, or a worker started to fail on it."""
+    from ..runtime._registry import detect_format
+
+    if detect_format(spec) is not None:
+        return
+    if Path(spec).is_dir():
+        raise CliError(f"{spec} is not a model: a model directory is an MLX model (config.json and *.safetensors) "
+                       "or a .base bundle, and llama.cpp loads a GGUF file")
+    raise CliError(f"{spec} is not a model: not a GGUF file (it does not begin with GGUF's magic) nor a .base "
+                   "bundle; `superfluid runtimes MODEL` says which runtime reads a file")
+
+
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
     """A mistake in --model-dir or --max-models, in one line; None if there is none."""
     for directory in args.model_dirs:
@@ -496,7 +459,30 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage)."""
+    """Run the command line; returns the exit code (0, 1 run-time failure, 2 usage; 141 when
+    stdout's reader went away, as ``superfluid runtimes --json | head -1`` does)."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe fails here, where it is caught, not at interpreter exit
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE  # what a shell reports for a program SIGPIPE ended (Python docs)
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of what the pipe refused is quiet."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # a replaced stdout (tests): nothing flushes at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def _run(argv: list[str] | None) -> int:
     argv, agent_args = split_agent_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     if args.command in ("runtimes", "runtime"):

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ class _TermProgress:
         self.tty = self.stream.isatty()
         self.current = ""
         self.live = False
+        self.phase_text = ""
+        self.phase_started = 0.0
 
     def _clear(self) -> None:
         if self.live:
@@ -63,6 +66,7 @@ class _TermProgress:
     def step(self, index: int, total: int, name: str, detail: str) -> None:
         self._clear()
         self.current = f"[{index}/{total}] {name}"
+        self.phase_text = ""
         self.stream.write(f"{self.current} {detail}".rstrip() + "\n")
         self.stream.flush()
 
@@ -85,9 +89,26 @@ class _TermProgress:
 
     def tick(self, elapsed_s: float) -> None:
         if self.tty:
-            self.stream.write(f"\r\x1b[K  {self.current}: {int(elapsed_s) // 60}m{int(elapsed_s) % 60:02d}s")
+            if self.phase_text:  # the phase and its own seconds: a source build is minutes of one phase
+                text = f"{self.current}: {self.phase_text} {time.monotonic() - self.phase_started:.0f}s"
+            else:
+                text = f"{self.current}: {int(elapsed_s) // 60}m{int(elapsed_s) % 60:02d}s"
+            self.stream.write(f"\r\x1b[K  {text}")
             self.stream.flush()
             self.live = True
+
+    def end(self) -> None:
+        """Erase the live line, so what is printed next starts a line of its own."""
+        self._clear()
+        self.stream.flush()
+
+    def phase(self, text: str) -> None:
+        """On a terminal the live line shows it with its seconds; elsewhere a line each."""
+        self.phase_text, self.phase_started = text, time.monotonic()
+        if self.tty:
+            self.tick(0.0)
+        else:
+            self.note(text)
 
 
 def _fail(message: str, code: int) -> int:
@@ -117,12 +138,16 @@ def install_on_first_use(rid: str) -> None:
 
     print(f"superfluid: runtime {rid} is not installed; installing it (--offline refuses instead)",
           file=sys.stderr)
+    progress = _TermProgress()
     try:
         plan = _install.make_plan(rid)
-        trio.run(lambda: _install.install(plan, progress=_TermProgress()))
+        trio.run(lambda: _install.install(plan, progress=progress))
     except _install.InstallError as exc:
+        progress.end()
         print(f"superfluid: {exc}", file=sys.stderr)
         raise SystemExit(2 if exc.usage else 1) from None
+    finally:
+        progress.end()  # the server's own lines start on a line of their own
 
 
 # -- runtimes -------------------------------------------------------------------------------
@@ -260,4 +285,6 @@ def _runtime(args: argparse.Namespace) -> int:
             return 0
     except _install.InstallError as exc:
         return _fail(str(exc), 2 if exc.usage else 1)
+    finally:
+        progress.end()
     return _fail(f"runtime {args.verb}: unknown", 2)

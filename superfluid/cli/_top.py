@@ -30,6 +30,7 @@ from rich.text import Text
 
 from .._printable import printable
 from .._term import QUIT_KEYS, Screen, cbreak, read_keys, sparkline
+from ._flags import positive_float
 
 __all__ = ["add_top_parser", "poll", "render", "top_main"]
 
@@ -51,7 +52,7 @@ def add_top_parser(sub: Any) -> None:
     t.add_argument("--api-key", metavar="KEY",
                    help="sent as a Bearer token to every server (default: $SUPERFLUID_API_KEY, else none)")
     t.add_argument("--once", action="store_true", help="print one table (two polls an interval apart) and exit")
-    t.add_argument("--interval", type=float, default=1.0, metavar="SEC", help="seconds between polls (default 1)")
+    t.add_argument("--interval", type=positive_float, default=1.0, metavar="SEC", help="seconds between polls (default 1)")
     t.set_defaults(run=top_main)
 
 

@@ -109,6 +109,12 @@ class _Captured:
                 self.log_file = None
         return self
 
+    def to_file(self, name: str, lines: list[str]) -> None:
+        """``lines`` as INFO records of logger ``name`` in the log file only (not the tail)."""
+        for line in lines if self._file is not None else []:
+            self._file.handle(logging.makeLogRecord({"name": name, "levelno": logging.INFO, "levelname": "INFO",
+                                                     "msg": "%s", "args": (line,)}))
+
     def __exit__(self, *exc: object) -> None:
         root = logging.getLogger()
         root.removeHandler(self.tail)
@@ -241,10 +247,12 @@ class Monitor:
     """The frames: the rate history across them and how each is drawn."""
 
     def __init__(self, registry: ModelRegistry, metrics: Metrics, *, binds: list[str], tail: LogTail,
-                 log_file: Path | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 log_file: Path | None = None, clock: Callable[[], float] = time.monotonic,
+                 summary: list[str] | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
         self.binds = binds
+        self.summary = summary or []  # the startup block (daemon/_summary.py), first line aside
         self.tail = tail
         self.log_file = log_file
         self.clock = clock
@@ -288,6 +296,15 @@ class Monitor:
             out.append(" draining: no new requests ", "black on yellow")
         out.append("  q quits (drains)\n", "dim")
         used = 1
+        # the startup summary stays on top: the alternate screen would hide the block logged before it
+        room = max(0, height // 3)
+        shown = self.summary[1:1 + room] if len(self.summary) - 1 <= room else self.summary[1:room]
+        for line in shown:
+            out.append(printable(line)[: width - 1] + "\n", "dim")
+        if len(shown) < len(self.summary) - 1:
+            out.append(f"  … {len(self.summary) - 1 - len(shown)} more summary lines (in the log file)\n", "dim")
+            used += 1
+        used += len(shown)
         spark_w = max(10, min(HISTORY, width - 62))
         for view in views:
             rates, decode, prefill, window = self._rate(view, now)
@@ -328,11 +345,12 @@ def _rule(title: str, width: int) -> str:
 
 
 async def run_monitor(registry: ModelRegistry, metrics: Metrics, *, binds: list[str], on_quit: Callable[[], None],
-                      log_file: Path | None = None, refresh_s: float = REFRESH_S) -> None:
-    """Own the terminal until cancelled: draw a frame every ``refresh_s``, call
-    ``on_quit`` (drain) on ``q``. Runs in the daemon's root nursery."""
+                      log_file: Path | None = None, refresh_s: float = REFRESH_S,
+                      summary: list[str] | None = None) -> None:
+    """Own the terminal until cancelled: draw a frame every ``refresh_s`` (the startup
+    ``summary`` on top), call ``on_quit`` (drain) on ``q``. Runs in the daemon's root nursery."""
     tail = LogTail()
-    monitor = Monitor(registry, metrics, binds=binds, tail=tail, log_file=log_file)
+    monitor = Monitor(registry, metrics, binds=binds, tail=tail, log_file=log_file, summary=summary)
 
     def key(k: str) -> bool:
         if k in QUIT_KEYS and not monitor.draining:
@@ -343,6 +361,7 @@ async def run_monitor(registry: ModelRegistry, metrics: Metrics, *, binds: list[
 
     with _Captured(tail, log_file) as captured, cbreak() as fd, Screen() as screen:
         monitor.log_file = captured.log_file
+        captured.to_file("superfluid.summary", summary or [])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read_keys, fd, key)
             while True:

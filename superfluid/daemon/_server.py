@@ -167,7 +167,7 @@ async def serve(
     ``monitor`` draws the live monitor on the terminal (daemon/_monitor.py) once listening.
     Once listening it hands the startup summary (``_summary.summary_lines``) to
     ``announce``; by default it is logged once on ``superfluid.summary`` (with the
-    monitor on, that is before it takes the terminal, so it shows after it ends).
+    monitor on, it also heads every frame of the monitor and opens its log file).
 
     Raises:
         WorkerLoadFailed: a model did not load at startup.
@@ -235,7 +235,7 @@ async def serve(
                     drain.set()
 
                 root.start_soon(functools.partial(run_monitor, registry, metrics, binds=binds, on_quit=quit_drain,
-                                                  log_file=sessions_dir / "logs" / "serve.log"))
+                                                  log_file=sessions_dir / "logs" / "serve.log", summary=lines))
             task_status.started(binds)
     finally:
         cpu.close()  # back to SCHED_OTHER: the thread may live on (tests run the daemon in-process)

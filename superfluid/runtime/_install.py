@@ -45,7 +45,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -105,6 +105,31 @@ class Progress:
 
     def tick(self, elapsed_s: float) -> None:
         pass
+
+    def phase(self, text: str) -> None:
+        """Where a long step is now (pip: downloading, building X from source, installing);
+        the step's raw output goes to the install log, not here."""
+
+
+# pip's (and uv's) output lines that start a phase of the fetch step, and what the phase is called
+_PIP_PHASES = (
+    (re.compile(r"^\s*(?:Collecting|Downloading|Obtaining)\s+(\S+)"), "downloading {}"),
+    (re.compile(r"^\s*(?:Installing build dependencies|Getting requirements to build|Preparing metadata)"),
+     "preparing the build"),
+    (re.compile(r"^\s*Building wheels? for (?:collected packages: )?([\w.-]+)"),
+     "building {} from source (a C/C++ compile: minutes)"),
+    (re.compile(r"^\s*Building ([\w.-]+)==\S+"), "building {} from source (a C/C++ compile: minutes)"),  # uv
+    (re.compile(r"^\s*(?:Installing collected packages|Installed \d+ package|Prepared \d+ package)"), "installing"),
+)
+
+
+def pip_phase(line: str) -> str | None:
+    """The phase a line of pip's or uv's output starts, or None."""
+    for pattern, name in _PIP_PHASES:
+        m = pattern.match(line)
+        if m:
+            return name.format(*m.groups())
+    return None
 
 
 @dataclass
@@ -339,9 +364,10 @@ async def _locked(rid: str, progress: Progress) -> int:
 
 
 async def _run_logged(argv: list[str], *, env: dict[str, str], log: _Log, progress: Progress,
-                      echo: bool = False) -> int:
-    """Run ``argv`` with its output in the log (and as notes when ``echo``); cancellation
-    kills it (trio's SIGTERM, then SIGKILL). The caller bounds its time."""
+                      phases: Callable[[str], str | None] | None = None) -> int:
+    """Run ``argv`` with its output in the log only (``phases`` names the phases its lines
+    start, for the progress display); cancellation kills it (trio's SIGTERM, then SIGKILL).
+    The caller bounds its time."""
     log.write("$ " + " ".join(argv))
     run = partial(trio.run_process, argv, env=env, stdin=None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                   check=False)
@@ -349,14 +375,17 @@ async def _run_logged(argv: list[str], *, env: dict[str, str], log: _Log, progre
         proc = await nursery.start(run)
         assert proc.stdout is not None
         buf = b""
+        current = None
         async for chunk in proc.stdout:
             buf += chunk
             *lines, buf = buf.split(b"\n")
             for raw in lines:
                 line = raw.decode(errors="replace").rstrip()
                 log.write(line)
-                if echo and line.strip():
-                    progress.note(redact(line.strip()))
+                now = phases(line) if phases is not None else None
+                if now is not None and now != current:
+                    current = now
+                    progress.phase(redact(now))
         if buf:
             log.write(buf.decode(errors="replace"))
         rc = await proc.wait()
@@ -563,7 +592,7 @@ class _Run:
         with trio.fail_after(300):
             rc = await _run_logged(argv, env=_pip_env(), log=self.log, progress=self.progress)
         if rc != 0:
-            raise InstallError(f"could not make the environment (exit {rc}); see {self.plan.target}/install.log")
+            raise InstallError(f"could not make the environment (exit {rc}); see {_failed_log(self.plan)}")
         site = _site_packages(env)
         if not site.is_dir():
             raise InstallError(f"the new environment has no {site}")
@@ -591,12 +620,15 @@ class _Run:
         if plan.build_env:
             argv.append("--no-cache-dir")  # a build for another backend: never pip's cached CPU build
         env = {**_pip_env(), **plan.build_env}
+        if source:
+            self.progress.note(f"{', '.join(source)} builds from source: a C/C++ compiler and cmake, some minutes")
+        self.progress.note(f"pip's output: {self.staging / 'install.log'} (then {plan.target / 'install.log'})")
         with trio.fail_after(PIP_TIMEOUT_S):
-            rc = await _run_logged(argv, env=env, log=self.log, progress=self.progress, echo=True)
+            rc = await _run_logged(argv, env=env, log=self.log, progress=self.progress, phases=pip_phase)
         if rc != 0:
             tail = [line for line in self._log_tail() if line.strip()]
             raise InstallError(f"pip could not install {plan.rid}'s packages (exit {rc}): "
-                               f"{tail[-1] if tail else 'no output'}")
+                               f"{tail[-1] if tail else 'no output'}; pip's output is in {_failed_log(plan)}")
 
     def _log_tail(self) -> list[str]:
         try:
@@ -777,6 +809,8 @@ async def install(plan: Plan, *, progress: Progress | None = None, hook: Hook | 
                 nursery.cancel_scope.cancel()
         except BaseException as exc:
             log.write(f"install stopped: {type(exc).__name__}: {exc}")
+            with suppress(OSError):  # the log outlives the staging directory: it says why
+                os.replace(staging / "install.log", _failed_log(plan))
             with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_TIMEOUT_S):
                 await trio.to_thread.run_sync(shutil.rmtree, staging, True)
             raise
@@ -785,6 +819,11 @@ async def install(plan: Plan, *, progress: Progress | None = None, hook: Hook | 
         return result
     finally:
         _home.release_lock(fd)
+
+
+def _failed_log(plan: Plan) -> Path:
+    """Where a failed install's log is kept (one per install name; a file is never an install)."""
+    return _home.runtime_dir(plan.rid) / f"install-{plan.install}.failed.log"
 
 
 async def _with_lock(rid: str, progress: Progress | None, fn: Callable[[], Any]) -> Any:
