@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import time
+import weakref
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,7 @@ import trio
 
 from .. import __version__
 from .._errors import first_leaf
+from .._printable import printable
 from ..chat import Delta, ToolCall
 from ..proto import encode_ndjson
 from ._admission import granted_keep_alive
@@ -43,8 +47,24 @@ _CHAT_FIELDS = {"model", "messages", "tools", "stream", "format", "options", "ke
                 "top_logprobs", "truncate", "shift", "cache_salt"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
                     "options", "keep_alive", "think", "logprobs", "top_logprobs", "truncate", "shift", "cache_salt"}
-_OPTIONS = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", "seed", "repeat_penalty",
-            "presence_penalty", "frequency_penalty", "stop"}
+# Ollama's options (api/types.go) and the JSON type each must have: Ollama refuses a wrong type
+# (400 here) and ignores, with a warning, a name it does not know
+_INT, _FLOAT, _BOOL, _STRINGS = "integer", "number", "boolean", "array of strings"
+_OPTION_TYPES = {
+    **dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch", "num_gpu",
+                     "main_gpu", "num_thread", "draft_num_predict"), _INT),
+    **dict.fromkeys(("top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"), _FLOAT),
+    "use_mmap": _BOOL, "stop": _STRINGS}
+# options earlier Ollama versions had (recent ones ignore them as unknown): named as such in the log
+_FORMER = {"numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "embedding_only", "mirostat",
+           "mirostat_tau", "mirostat_eta", "penalize_newline", "tfs_z"}
+# what the engine does with them; every other option (runner placement, mirostat, typical_p, ...) does not apply
+_MAPPED = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", "seed", "repeat_penalty",
+           "presence_penalty", "frequency_penalty", "stop"}
+_IGNORED_LOGGED_MAX = 256   # names logged per daemon: a client inventing names cannot grow the set without bound
+_ignored_logged: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+log = logging.getLogger("superfluid.ollama")
 
 
 def _now() -> str:
@@ -159,35 +179,74 @@ async def managed(app: App, scope: dict[str, Any], receive: Receive, send: Send,
                                          "it is started with (see `superfluid serve --model`) and manages no registry"})
 
 
-def _sampling_body(model: ServedModel, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """Ollama ``options`` as OpenAI-style sampling fields, and the token budget.
+def _ignored(app: App, key: str) -> None:
+    """Log once per daemon that option ``key`` does not apply here (Ollama logs each request)."""
+    seen = _ignored_logged.setdefault(app, set())
+    if key in seen or len(seen) >= _IGNORED_LOGGED_MAX:
+        return
+    seen.add(key)
+    if key in _OPTION_TYPES or key in _FORMER:
+        log.info("ollama option %s does not apply to this server and is ignored (logged once)", key)
+    else:
+        log.warning("unknown ollama option %s is ignored, as Ollama does (logged once)", printable(key[:100]))
+
+
+def _typed_option(key: str, value: Any) -> Any:
+    """``value`` as option ``key``'s type, as Ollama converts it (a JSON number is an integer
+    option's, truncated).
 
     Raises:
-        ApiError: an unsupported or out-of-range option.
+        ApiError: the wrong type, which Ollama refuses too.
     """
-    opts = body.get("options") or {}
-    if not isinstance(opts, dict):
+    kind = _OPTION_TYPES[key]
+    number_ = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == _INT and number_ and math.isfinite(value):
+        return int(value)
+    if kind == _FLOAT and number_:
+        return value
+    if kind == _BOOL and isinstance(value, bool):
+        return value
+    if kind == _STRINGS and isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ApiError(400, f"option {key!r} must be of type {kind}", param=f"options.{key}")
+
+
+def _sampling_body(app: App, model: ServedModel, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """Ollama ``options`` as OpenAI-style sampling fields, and the token budget. An option
+    that does not apply here (GPU placement, threads, mirostat, ...) or that Ollama does not
+    know is ignored, and logged once per name.
+
+    Raises:
+        ApiError: an option of the wrong type, or out of range.
+    """
+    raw = body.get("options") or {}
+    if not isinstance(raw, dict):
         raise ApiError(400, "options must be an object", param="options")
-    for key, value in opts.items():
-        if key not in _OPTIONS and value is not None:
-            raise ApiError(400, f"unsupported option: {key}", param=f"options.{key}")
+    opts: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue  # Ollama skips a null as unset
+        if key in _OPTION_TYPES:
+            value = _typed_option(key, value)
+        if key in _MAPPED:
+            opts[key] = value
+        else:
+            _ignored(app, key)
     out: dict[str, Any] = {k: opts.get(k) for k in ("temperature", "top_p", "min_p", "top_k", "repeat_penalty",
                                                      "presence_penalty", "frequency_penalty")}
     seed = opts.get("seed")
     out["seed"] = None if seed in (None, -1) else seed
     stop = opts.get("stop")
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
-                             or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+    if stop is not None and (len(stop) > 4 or not all(len(s) <= MAX_STOP_CHARS for s in stop)):
         raise ApiError(400, f"options.stop must be at most 4 strings of at most {MAX_STOP_CHARS} characters",
                        param="options.stop")
     out["stop"] = stop
     num_ctx = opts.get("num_ctx")
-    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > model.n_ctx):
+    if num_ctx is not None and num_ctx > model.n_ctx:
         raise ApiError(400, f"options.num_ctx may not exceed the server's window of {model.n_ctx}",
                        param="options.num_ctx")
     predict = opts.get("num_predict")
-    if predict is not None and (not isinstance(predict, int) or isinstance(predict, bool)
-                                or (predict <= 0 and predict not in (-1, -2))):
+    if predict is not None and predict <= 0 and predict not in (-1, -2):
         raise ApiError(400, "options.num_predict must be > 0, or -1/-2 to fill the context",
                        param="options.num_predict")
     number(out, "temperature", lo=0.0, hi=100.0)
@@ -268,7 +327,7 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
         if not messages:
             await _loaded(send, model, "message", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(model, body)
+        fields, budget = _sampling_body(app, model, body)
         tools = parse_tools(body.get("tools"))
         req = ChatRequest(
             messages=messages, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
@@ -298,7 +357,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         if not prompt:
             await _loaded(send, model, "response", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(model, body)
+        fields, budget = _sampling_body(app, model, body)
         raw = bool(body.get("raw"))
         if raw and (body.get("system") or body.get("format") or body.get("think") is not None):
             raise ApiError(400, "raw prompts take no system, format or think")
