@@ -81,8 +81,8 @@ def _name(app: App, name: Any) -> str:
         raise ApiError(400, "model is required")
     reg = app.registry
     if name not in reg.loaded and name not in reg.known and name.endswith(":latest"):
-        return name.removesuffix(":latest")
-    return name
+        name = name.removesuffix(":latest")
+    return reg.resolve_alias(name)  # (an --alias, hf.co/org/repo:QUANT, ...: the model's own name)
 
 
 def _details(model: ServedModel | None) -> dict[str, Any]:

@@ -389,7 +389,7 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         pulled = hub_model(spec, offline=args.offline) if not is_mock else None  # org/repo[:QUANT]
         if pulled is not None:
             choice = _choose(str(pulled.path), selector, args)
-            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.repo,
+            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.name,
                                    worker=choice.worker))
             continue
         if not is_mock:
