@@ -4,11 +4,13 @@ those that do are mapped, and a wrong type is refused as Ollama refuses it (issu
 from __future__ import annotations
 
 import logging
+import struct
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import Daemon
+from .conftest import REAL_GGUF, Daemon, mock_config, open_daemon
 
 HI = [{"role": "user", "content": "hi"}]
 # every option Ollama has had that superfluid's engine does not use, as clients send them
@@ -65,3 +67,57 @@ async def test_a_known_option_of_the_wrong_type_is_refused(daemon: Daemon, optio
 async def test_unknown_or_null_options_of_any_type_are_ignored(daemon: Daemon) -> None:
     r = await _chat(daemon, {"mirostat": "two", "no_such_option": "x", "num_gpu": None, "num_predict": 3})
     assert r.status_code == 200 and r.json()["eval_count"] == 3
+
+
+# --- model listings: sizes and quantisation from the GGUF header ---------------------------------------------
+
+
+def _gguf(path: Path, tensors: dict[str, tuple[int, ...]], meta: dict[str, Any]) -> None:
+    """A small GGUF v3 file: ``meta`` (strings and u32s) and tensor infos (no tensor data)."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    for key, value in meta.items():
+        out += string(key) + (struct.pack("<I", 8) + string(value) if isinstance(value, str)
+                              else struct.pack("<II", 4, value))
+    for name, dims in tensors.items():
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", 12, 0)
+    path.write_bytes(out + b"\0" * 1000)
+
+
+TINY = {"general.architecture": "qwen3", "general.file_type": 15, "qwen3.context_length": 2048}
+
+
+async def test_tags_and_models_carry_the_files_size_and_quantisation(tmp_path: Path) -> None:
+    first, second = (tmp_path / f"tiny-Q4_K_M-0000{i}-of-00002.gguf" for i in (1, 2))
+    _gguf(first, {"a": (1000, 1000), "b": (1000,)}, TINY)
+    _gguf(second, {"c": (500, 1000)}, {"split.no": 1})
+    _gguf(tmp_path / "other.gguf", {"w": (7, 1000, 1000)}, {**TINY, "general.architecture": "llama",
+                                                             "general.file_type": 1})
+    async with open_daemon(mock_config(model_dirs=(tmp_path,))) as d:
+        tags = {m["name"]: m for m in (await d.client.get("/api/tags")).json()["models"]}
+        tiny = tags["tiny-Q4_K_M-00001-of-00002"]
+        assert tiny["size"] == first.stat().st_size + second.stat().st_size
+        assert tiny["details"] == {"parent_model": "", "format": "gguf", "family": "qwen3", "families": ["qwen3"],
+                                   "parameter_size": "1.50M", "quantization_level": "Q4_K_M"}
+        assert tags["other"]["details"]["quantization_level"] == "F16"
+        assert tags["other"]["details"]["parameter_size"] == "7M" and tags["other"]["details"]["family"] == "llama"
+        assert tags["mock"]["size"] == 0  # no file
+        listed = {m["id"]: m for m in (await d.client.get("/v1/models")).json()["data"]}
+        assert listed["other"]["size"] == tags["other"]["size"] and listed["other"]["quantization"] == "F16"
+        assert listed["tiny-Q4_K_M-00001-of-00002"]["quantization"] == "Q4_K_M" and "size" not in listed["mock"]
+        one = (await d.client.get("/v1/models/other")).json()
+        assert one["size"] == tags["other"]["size"] and one["quantization"] == "F16"
+        shown = (await d.client.post("/api/show", json={"model": "other"})).json()
+        assert shown["details"]["quantization_level"] == "F16"
+
+
+@pytest.mark.skipif(not REAL_GGUF.exists(), reason="needs the SmolLM2 GGUF (python -m superfluid.models)")
+def test_smollm2s_facts_are_ollamas() -> None:
+    from superfluid.models._gguf import model_facts
+
+    facts = model_facts(REAL_GGUF)
+    assert (facts.size, facts.quantization_level, facts.family) == (REAL_GGUF.stat().st_size, "Q4_1", "llama")
+    assert facts.parameter_size == "134.52M" and facts.context_length == 8192  # what `ollama list`/show say

@@ -26,6 +26,7 @@ from .. import __version__
 from .._errors import first_leaf
 from .._printable import printable
 from ..chat import Delta, ToolCall
+from ..models._gguf import ModelFacts, model_facts
 from ..proto import encode_ndjson
 from ._admission import granted_keep_alive
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
@@ -85,19 +86,40 @@ def _name(app: App, name: Any) -> str:
     return reg.resolve_alias(name)  # (an --alias, hf.co/org/repo:QUANT, ...: the model's own name)
 
 
-def _details(model: ServedModel | None) -> dict[str, Any]:
-    arch = model.info.get("architecture", "") if model is not None else ""
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else [],
-            "parameter_size": "", "quantization_level": ""}
+def _details(facts: ModelFacts | None, model: ServedModel | None = None) -> dict[str, Any]:
+    family = (facts.family if facts is not None else "") or (model.info.get("architecture", "") if model else "")
+    return {"parent_model": "", "format": facts.format if facts is not None else "gguf", "family": family,
+            "families": [family] if family else [],
+            "parameter_size": facts.parameter_size if facts is not None else "",
+            "quantization_level": facts.quantization_level if facts is not None else ""}
 
 
-def _entry(name: str, model: ServedModel | None) -> dict[str, Any]:
+def _file_of(app: App, name: str) -> str | None:
+    """The file (or directory) model ``name`` loads from; None for the mock or a fleet model."""
+    reg = app.registry
+    model = reg.loaded.get(name)
+    if model is not None:
+        return None if model.runtime == "mock" or model.group is not None else model.path
+    source = reg.known.get(name)
+    return None if source is None or source.runtime == "mock" else source.spec
+
+
+async def _facts(app: App, names: list[str]) -> dict[str, ModelFacts]:
+    """What each model's file says of it (size, quantisation, parameters, family), read in a thread."""
+    files = {n: f for n in names if (f := _file_of(app, n)) is not None}
+    if not files:
+        return {}
+    return await trio.to_thread.run_sync(lambda: {n: model_facts(f) for n, f in files.items()})
+
+
+def _entry(name: str, model: ServedModel | None, facts: ModelFacts | None) -> dict[str, Any]:
     # a loaded model file's digest is the sha256 of its real path: `superfluid models`/`rm` match files by it
     import os
 
     key = os.path.realpath(model.path) if model is not None and model.runtime != "mock" else name
-    return {"name": name, "model": name, "modified_at": _now(), "size": 0,
-            "digest": hashlib.sha256(key.encode()).hexdigest(), "details": _details(model)}
+    modified = _wall(facts.modified) if facts is not None and facts.modified else _now()
+    return {"name": name, "model": name, "modified_at": modified, "size": facts.size if facts is not None else 0,
+            "digest": hashlib.sha256(key.encode()).hexdigest(), "details": _details(facts, model)}
 
 
 async def root(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -114,7 +136,8 @@ async def api_tags(app: App, scope: dict[str, Any], receive: Receive, send: Send
     _method(scope, "GET", "HEAD")
     reg = app.registry
     names = sorted(n for n in set(reg.loaded) | set(reg.known) if principal_of(scope).may_use(n))
-    await send_json(send, 200, {"models": [_entry(n, reg.loaded.get(n)) for n in names]})
+    facts = await _facts(app, names)
+    await send_json(send, 200, {"models": [_entry(n, reg.loaded.get(n), facts.get(n)) for n in names]})
 
 
 async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -124,13 +147,14 @@ async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, 
     _method(scope, "GET", "HEAD")
     reg = app.registry
     models = []
+    facts = await _facts(app, list(reg.loaded))
     for n, m in sorted(reg.loaded.items()):
         if not principal_of(scope).may_use(n):
             continue
         at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s)
         if at <= time.time() and not (m.holds or m.actor.session_tasks):
             continue  # its last request has ended: it goes as soon as its scheduler has settled
-        models.append({**_entry(n, m), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
+        models.append({**_entry(n, m, facts.get(n)), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
                        "expires_at": _wall(FOREVER_AT if at == FOREVER else at)})
     await send_json(send, 200, {"models": models})
 
@@ -156,6 +180,7 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
         model = app.registry.loaded.get(name)
         if model is None and name not in app.registry.known:
             raise ApiError(404, f"model '{name}' not found")
+        facts = (await _facts(app, [name])).get(name)
         caps = ["completion"]
         info: dict[str, Any] = {}
         template = ""
@@ -166,8 +191,10 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
                 caps.append("thinking")
             arch = model.info.get("architecture", "")
             info = {"general.architecture": arch, f"{arch}.context_length": model.n_ctx}
+        if facts is not None and facts.parameters:
+            info["general.parameter_count"] = facts.parameters
         await send_json(send, 200, {"modelfile": "", "parameters": "", "template": template,
-                                    "details": _details(model), "model_info": info, "capabilities": caps,
+                                    "details": _details(facts, model), "model_info": info, "capabilities": caps,
                                     "modified_at": _now()})
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
