@@ -3,6 +3,7 @@ those that do are mapped, and a wrong type is refused as Ollama refuses it (issu
 
 from __future__ import annotations
 
+import json
 import logging
 import struct
 from pathlib import Path
@@ -121,3 +122,61 @@ def test_smollm2s_facts_are_ollamas() -> None:
     facts = model_facts(REAL_GGUF)
     assert (facts.size, facts.quantization_level, facts.family) == (REAL_GGUF.stat().st_size, "Q4_1", "llama")
     assert facts.parameter_size == "134.52M" and facts.context_length == 8192  # what `ollama list`/show say
+
+
+# --- num_ctx: clamped above the window, Ollama's truncation below the prompt -------------------------------
+
+def _history(pairs: int) -> list[dict[str, str]]:
+    out = [{"role": "system", "content": "be brief"}]
+    for i in range(pairs):
+        out += [{"role": "user", "content": f"question {i} " + "word " * 40},
+                {"role": "assistant", "content": f"answer {i} " + "word " * 40}]
+    return [*out, {"role": "user", "content": "last"}]
+
+
+async def test_num_ctx_above_the_window_is_clamped_with_a_warning() -> None:
+    async with open_daemon(mock_config("mock?step_ms=1&prefill_us=5&n_ctx=512")) as d:
+        for stream in (False, True):
+            r = await d.client.post("/api/chat", json={"model": "mock", "messages": HI, "stream": stream,
+                                                       "options": {"num_ctx": 131072, "num_predict": 3}})
+            assert r.status_code == 200, r.text
+            last = json.loads(r.text.strip().splitlines()[-1])
+            assert last["done"] and last["eval_count"] == 3
+            assert last["superfluid"] == {"warnings": [
+                "options.num_ctx 131072 is more than this server's context window of 512 tokens: clamped to 512"]}
+        r = await _chat(d, {"num_ctx": 512, "num_predict": 3})  # within it: no warning
+        assert r.status_code == 200 and "superfluid" not in r.json()
+
+
+async def test_num_ctx_below_the_conversation_drops_its_oldest_messages_as_ollama_does() -> None:
+    async with open_daemon(mock_config("mock?step_ms=1&prefill_us=5&eos_every=1000000")) as d:
+        c = d.client
+
+        async def chat(messages: list[dict[str, str]], options: dict[str, Any], **extra: Any) -> Any:
+            return await c.post("/api/chat", json={"model": "mock", "messages": messages, "stream": False,
+                                                   "options": {"num_predict": 3, **options}, **extra})
+
+        history = _history(6)
+        whole = (await chat(history, {})).json()["prompt_eval_count"]
+        alone = (await chat([history[0], history[-1]], {})).json()["prompt_eval_count"]  # the system one stays
+        two = (await chat([history[0], *history[-3:]], {})).json()["prompt_eval_count"]
+        r = (await chat(history, {"num_ctx": two + 1})).json()
+        assert r["prompt_eval_count"] == two < whole and r["eval_count"] == 3
+        assert r["superfluid"]["warnings"] == [f"options.num_ctx {two + 1}: the 10 oldest messages did not fit "
+                                               "and were left out"]
+        r = (await chat(history, {"num_ctx": alone - 1})).json()  # the last message stays, whole
+        assert r["prompt_eval_count"] == alone and len(r["superfluid"]["warnings"]) == 2
+        assert r["superfluid"]["warnings"][1] == f"the prompt of {alone} tokens is longer than options.num_ctx " \
+                                                 f"{alone - 1}: sent whole"
+        r = await chat(history, {"num_ctx": two + 1}, truncate=False)  # Ollama's truncate: false is an error
+        assert r.status_code == 400 and r.json() == {
+            "error": f"the prompt of {whole} tokens exceeds options.num_ctx of {two + 1} tokens"}
+        r = (await chat(history[-1:], {"num_ctx": 4096, "num_predict": 500}, shift=False)).json()
+        assert r["eval_count"] == 500 and "superfluid" not in r
+        last = (await chat(history[-1:], {})).json()["prompt_eval_count"]
+        r = (await chat(history[-1:], {"num_ctx": last + 5, "num_predict": 500}, shift=False)).json()
+        assert r["eval_count"] == 5 and r["done_reason"] == "length"  # shift: false ends at num_ctx
+        r = (await chat(history[-1:], {"num_ctx": last + 5, "num_predict": 50})).json()
+        assert r["eval_count"] == 50  # the default shift goes on past it, as Ollama's context shift does
+        r = await c.post("/api/generate", json={"model": "mock", "prompt": "hi", "shift": "no"})
+        assert r.status_code == 400 and r.json() == {"error": "shift must be a boolean"}

@@ -20,6 +20,7 @@ import weakref
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from .. import __version__
@@ -30,13 +31,16 @@ from ..models._gguf import ModelFacts, model_facts
 from ..proto import encode_ndjson
 from ._admission import granted_keep_alive
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
-from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
+from ._chat import (ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, render_chat,
+                    thinking_kwargs)
+from ._lane import tokenize
 from ._tenancy import Partition, partition_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 from ..serving import FOREVER, expires_at_wall, parse_keep_alive
 
 if TYPE_CHECKING:
+    from ..sched import QosClass
     from ..serving import ServedModel
     from ._host import App
 
@@ -238,7 +242,8 @@ def _typed_option(key: str, value: Any) -> Any:
     raise ApiError(400, f"option {key!r} must be of type {kind}", param=f"options.{key}")
 
 
-def _sampling_body(app: App, model: ServedModel, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+def _sampling_body(model: ServedModel, body: dict[str, Any], app: App | None = None,
+                   ) -> tuple[dict[str, Any], int | None]:
     """Ollama ``options`` as OpenAI-style sampling fields, and the token budget. An option
     that does not apply here (GPU placement, threads, mirostat, ...) or that Ollama does not
     know is ignored, and logged once per name.
@@ -257,7 +262,7 @@ def _sampling_body(app: App, model: ServedModel, body: dict[str, Any]) -> tuple[
             value = _typed_option(key, value)
         if key in _MAPPED:
             opts[key] = value
-        else:
+        elif app is not None:
             _ignored(app, key)
     out: dict[str, Any] = {k: opts.get(k) for k in ("temperature", "top_p", "min_p", "top_k", "repeat_penalty",
                                                      "presence_penalty", "frequency_penalty")}
@@ -268,16 +273,91 @@ def _sampling_body(app: App, model: ServedModel, body: dict[str, Any]) -> tuple[
         raise ApiError(400, f"options.stop must be at most 4 strings of at most {MAX_STOP_CHARS} characters",
                        param="options.stop")
     out["stop"] = stop
-    num_ctx = opts.get("num_ctx")
-    if num_ctx is not None and num_ctx > model.n_ctx:
-        raise ApiError(400, f"options.num_ctx may not exceed the server's window of {model.n_ctx}",
-                       param="options.num_ctx")
     predict = opts.get("num_predict")
     if predict is not None and predict <= 0 and predict not in (-1, -2):
         raise ApiError(400, "options.num_predict must be > 0, or -1/-2 to fill the context",
                        param="options.num_predict")
     number(out, "temperature", lo=0.0, hi=100.0)
     return out, (predict if predict and predict > 0 else None)
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{key} must be a boolean", param=key)
+    return value is not False
+
+
+async def _prompt_tokens(model: ServedModel, req: ChatRequest, klass: QosClass) -> int:
+    rendered = render_chat(model, req)
+    add_special = bool(req.raw_prompt) and bool(model.info.get("add_bos", False))
+    return len(await tokenize(model, rendered.segments, add_special=add_special, klass=klass))
+
+
+async def _fit(app: App, scope: dict[str, Any], model: ServedModel, req: ChatRequest,
+               body: dict[str, Any]) -> tuple[ChatRequest, list[str]]:
+    """``options.num_ctx`` as Ollama applies it, and the warnings the reply carries.
+
+    Above the model's window it is clamped to it. A conversation longer than it loses its
+    oldest messages, as Ollama drops them (system messages and the last message stay); one
+    still longer is refused with ``truncate: false`` and otherwise sent whole (a warning
+    says so: superfluid cuts no message). With ``shift: false`` the reply ends (``length``)
+    where the window is full; by default it goes on, as Ollama's context shift lets it,
+    within the model's window. No ``num_ctx``: the model's window, as for any request.
+
+    Raises:
+        ApiError: a prompt longer than ``num_ctx`` with ``truncate: false``; a bad flag.
+    """
+    truncate, shift = _flag(body, "truncate"), _flag(body, "shift")
+    asked = (body.get("options") or {}).get("num_ctx")   # an integer: _sampling_body checked it
+    if asked is None or int(asked) <= 0:
+        return req, []
+    window, warnings = int(asked), []
+    if window > model.n_ctx:
+        warnings.append(f"options.num_ctx {window} is more than this server's context window of {model.n_ctx} "
+                        f"tokens: clamped to {model.n_ctx}")
+        window = model.n_ctx
+    klass = qos_of(app, scope)
+    count = await _prompt_tokens(model, req, klass)
+    if count >= window and truncate and len(req.messages) > 1 and not req.raw_prompt:
+        messages = req.messages
+
+        async def tokens_from(i: int) -> int | None:
+            """The prompt's tokens from message ``i`` on, with the system messages before it."""
+            kept = [m for m in messages[:i] if m["role"] == "system"] + messages[i:]
+            try:
+                return await _prompt_tokens(model, attrs.evolve(req, messages=kept), klass)
+            except ApiError:
+                return None   # the template takes no conversation that starts there
+
+        # the earliest start that fits, as Ollama's walk back from the last message finds it
+        # (server/prompt.go chatPrompt), by bisection: a long history costs log2(n) tokenizations
+        lo, hi, found = 1, len(messages) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            n = await tokens_from(mid)
+            if n is not None and n < window:
+                found, hi = (mid, n), mid - 1
+            else:
+                lo = mid + 1
+        if found is None:   # the last message stays, even alone and too long
+            n = await tokens_from(len(messages) - 1)
+            found = (len(messages) - 1, n) if n is not None else None
+        if found is not None:
+            start, count = found
+            fitted = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+            warnings.append(f"options.num_ctx {window}: the {len(messages) - len(fitted)} oldest messages did not "
+                            "fit and were left out")
+            req = attrs.evolve(req, messages=fitted)
+    if count >= window:
+        if not truncate:
+            raise ApiError(400, f"the prompt of {count} tokens exceeds options.num_ctx of {window} tokens",
+                           code="context_length_exceeded", param="options.num_ctx")
+        warnings.append(f"the prompt of {count} tokens is longer than options.num_ctx {window}: sent whole")
+    if not shift:
+        room = max(1, window - count)
+        req = attrs.evolve(req, max_tokens=min(req.max_tokens or room, room))
+    return req, warnings
 
 
 def _grammar(fmt: Any) -> str:
@@ -354,13 +434,14 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
         if not messages:
             await _loaded(send, model, "message", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(app, model, body)
+        fields, budget = _sampling_body(model, body, app)
         tools = parse_tools(body.get("tools"))
         req = ChatRequest(
             messages=messages, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
             max_tokens=budget, tools=tools, choice=parse_tool_choice(None, tools), grammar=_grammar(body.get("format")),
             grammar_param="format", template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [])
-        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), partition)
+        req, warnings = await _fit(app, scope, model, req, body)
+        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), partition, warnings)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -384,7 +465,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         if not prompt:
             await _loaded(send, model, "response", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(app, model, body)
+        fields, budget = _sampling_body(model, body, app)
         raw = bool(body.get("raw"))
         if raw and (body.get("system") or body.get("format") or body.get("think") is not None):
             raise ApiError(400, "raw prompts take no system, format or think")
@@ -395,7 +476,8 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
             max_tokens=budget, grammar=_grammar(body.get("format")), grammar_param="format",
             template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [],
             raw_prompt=prompt if raw else "")
-        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition)
+        req, warnings = await _fit(app, scope, model, req, body)
+        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition, warnings)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -446,19 +528,21 @@ def _record(model: str, kind: str, text: str, thinking: str, calls: list[ToolCal
 
 
 async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, model: ServedModel, req: ChatRequest,
-               kind: str, stream: Any, partition: Partition) -> None:
+               kind: str, stream: Any, partition: Partition, warnings: list[str] | None = None) -> None:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
+    # what the server did otherwise than asked rides on the last record, in a field Ollama clients ignore
+    extra = {"superfluid": {"warnings": warnings}} if warnings else {}
     async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
         if not stream:
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)
-            await send_json(send, 200, {**record, "done": True, **_stats(reply)})
+            await send_json(send, 200, {**record, "done": True, **_stats(reply), **extra})
         else:
-            await _stream_ndjson(send, reply, model.name, kind)
+            await _stream_ndjson(send, reply, model.name, kind, extra)
 
 
-async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> None:
+async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str, extra: dict[str, Any] | None = None) -> None:
     await reply.wait_admitted()
     await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
     try:
@@ -474,7 +558,7 @@ async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> Non
         tail = b""
         if reply.calls:
             tail = encode_ndjson({**_record(model, kind, "", "", reply.calls), "done": False})
-        final = tail + encode_ndjson({**_record(model, kind, "", ""), "done": True, **_stats(reply)})
+        final = tail + encode_ndjson({**_record(model, kind, "", ""), "done": True, **_stats(reply), **(extra or {})})
     except ApiError as exc:
         final = encode_ndjson({"error": exc.message})
     await send({"type": "http.response.body", "body": final, "more_body": False})
