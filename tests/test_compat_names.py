@@ -132,3 +132,17 @@ def test_the_library_finds_a_model_by_its_hf_co_name(tmp_path: Path, monkeypatch
     for name in (SERVED, "hf.co/org/repo:Q4_1", "huggingface.co/org/repo:q4_1"):
         found = find(name)
         assert found is not None and found.name == SERVED, name
+
+
+def test_an_alias_may_name_a_hub_model_as_requests_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--alias gpt=org/repo`` still works now that ``serve org/repo:Q4_1`` serves ``org/repo:Q4_1``."""
+    from superfluid.cli._main import _check_limits
+
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path))
+    sources = (ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name=SERVED),)
+
+    def check(target: str) -> str | None:
+        return _check_limits(argparse.Namespace(model_dirs=[], max_models=4, aliases=[("gpt", target)]), sources)
+
+    assert check("org/repo") is None and check("hf.co/org/repo:q4_1") is None and check(SERVED) is None
+    assert check("org/repo:Q8_0") == f"--alias gpt=org/repo:Q8_0: no model 'org/repo:Q8_0' is served (models: {SERVED})"

@@ -310,7 +310,7 @@ async def _fit(app: App, scope: dict[str, Any], model: ServedModel, req: ChatReq
     """
     truncate, shift = _flag(body, "truncate"), _flag(body, "shift")
     asked = (body.get("options") or {}).get("num_ctx")   # an integer: _sampling_body checked it
-    if asked is None or int(asked) <= 0:
+    if asked is None or int(asked) <= 0 or model.n_ctx <= 0:
         return req, []
     window, warnings = int(asked), []
     if window > model.n_ctx:

@@ -444,8 +444,10 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
 
     names = {s.name for s in sources} | set(model_dir_names(tuple(args.model_dirs)))
     names |= {e.name for e in entries() if e.kind in ("pull", "copy")} if args.aliases else set()
+    from ..models._hub import hub_name_in
+
     for alias, target in args.aliases:
-        if target not in names:
+        if target not in names and hub_name_in(target, names) is None:  # (org/repo, hf.co/...: as requests)
             return (f"--alias {alias}={target}: no model {target!r} is served (models: "
                     f"{', '.join(sorted(names))})")
         if alias in names:

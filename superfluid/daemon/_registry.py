@@ -54,7 +54,7 @@ import trio
 from ._lifetime import Lifetimes
 from ..models._files import cache_dir, model_name, resolve_runtime
 from ..models._gguf import GgufError, available_memory, memory_need
-from ..models._hub import DEFAULT_QUANT, strip_hub_host
+from ..models._hub import hub_name_in
 from ..nursery import ModelActor, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
 from ..fleet._head import NodeSource
@@ -144,33 +144,12 @@ class ModelRegistry:
                 self._models = None
 
     def resolve_alias(self, name: str) -> str:
-        """The model an ``--alias`` name stands for, or the known model a Hub name means
-        (:meth:`_hub_name`); a name that is neither, as is."""
+        """The model an ``--alias`` name stands for, or the known model a Hugging Face name
+        means (``models/_hub.hub_name_in``); a name that is neither, as is."""
         if name in self.known:
             return name
         target = self.aliases.get(name, name)
-        return target if target in self.known else self._hub_name(target) or target
-
-    def _hub_name(self, name: str) -> str | None:
-        """The known model ``name`` means as a Hugging Face id, as Ollama clients write one:
-        ``hf.co/`` or ``huggingface.co/`` before it, the repo and quant in any case, and
-        ``org/repo`` (or ``:latest``) for its one known quant, else its default quant."""
-        bare = strip_hub_host(name)
-        repo, _, tag = bare.partition(":")
-        if "/" not in repo:
-            return None
-        if tag.lower() == "latest":
-            tag = ""
-        if tag:
-            want = f"{repo}:{tag}".lower()
-            same = [k for k in self.known if k.lower() == want]
-            return same[0] if len(same) == 1 else None
-        if bare != name and bare in self.known:
-            return bare
-        quants = [k for k in self.known if k.partition(":")[0].lower() == repo.lower() and ":" in k]
-        if len(quants) > 1:
-            quants = [k for k in quants if k.partition(":")[2].lower() == DEFAULT_QUANT.lower()]
-        return quants[0] if len(quants) == 1 else None
+        return target if target in self.known else hub_name_in(target, self.known) or target
 
     def hold(self, model: ServedModel) -> None:
         """An HTTP request uses ``model`` until :meth:`release`: it is not idle."""

@@ -36,6 +36,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -45,7 +46,8 @@ from .._private import make_private_dir
 from ._files import cache_dir
 
 __all__ = ["HubRef", "PullCancelled", "PullError", "PullProgress", "Pulled", "Quant", "cached", "fetch", "hub_cache",
-           "fetch_async", "is_offline", "parse_hub_id", "strip_hub_host", "pull", "resolve_async", "pull_lock_path", "quants", "resolve", "superfluid_home"]
+           "fetch_async", "hub_name_in", "is_offline", "parse_hub_id", "pull", "resolve_async", "pull_lock_path",
+           "quants", "resolve", "strip_hub_host", "superfluid_home"]
 
 DEFAULT_QUANT = "Q4_K_M"
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$", re.IGNORECASE)
@@ -113,6 +115,29 @@ def strip_hub_host(name: str) -> str:
     if m is None or not _REPO.fullmatch(name[m.end():].partition(":")[0]):
         return name
     return name[m.end():]
+
+
+def hub_name_in(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` (models served as ``org/repo:QUANT``) that ``name`` means as a
+    Hugging Face id, as Ollama clients write one: ``hf.co/`` or ``huggingface.co/`` before it,
+    the repo and quant in any case, ``org/repo`` (or ``:latest``) for its one quant, else for
+    its default quant; None if it means none, or several."""
+    bare = strip_hub_host(name)
+    repo, _, tag = bare.partition(":")
+    if "/" not in repo:
+        return None
+    names = list(names)
+    if tag.lower() == "latest":
+        tag = ""
+    if tag:
+        same = [n for n in names if n.lower() == f"{repo}:{tag}".lower()]
+        return same[0] if len(same) == 1 else None
+    if bare != name and bare in names:
+        return bare
+    quants = [n for n in names if ":" in n and n.partition(":")[0].lower() == repo.lower()]
+    if len(quants) > 1:
+        quants = [n for n in quants if n.partition(":")[2].lower() == DEFAULT_QUANT.lower()]
+    return quants[0] if len(quants) == 1 else None
 
 
 def parse_hub_id(arg: str, *, disk: bool = True) -> HubRef | None:
