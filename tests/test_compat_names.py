@@ -1,11 +1,12 @@
 """Model names as clients write them (issue 47): a pulled model is served as the
 ``org/repo:QUANT`` it was asked by, and answers to that name in any case, to ``org/repo``
-(its one quant) and to Ollama's ``hf.co/org/repo:QUANT`` / ``huggingface.co/...`` names."""
+(its one quant) and to Ollama's ``hf.co/org/repo:QUANT`` / ``huggingface.co/...`` names.
+``serve org/repo:Q4_1`` end to end (a pull from the fake hub, a real load) is
+tests/test_pulls.py::test_serve_pulls_then_serves_and_starts_again_from_the_cache."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -95,30 +96,6 @@ def test_serve_names_a_pulled_model_by_its_quant(monkeypatch: pytest.MonkeyPatch
         source, = _main._sources(args)
         assert source.name == SERVED and source.spec == str(REAL_GGUF) and source.runtime == "llamacpp"
     assert [str(r) for r in asked] == ["org/repo:q4_1", "org/repo:Q4_1"]
-
-
-@pytest.mark.real
-def test_serve_a_hub_quant_end_to_end(tmp_path: Path) -> None:
-    """``serve hf.co/org/repo:Q4_1`` pulls it from a (fake) hub and serves it under its quant."""
-    import httpx
-
-    from .fakehub import FakeHub, smollm_repo
-    from .test_pulls import ROOT, _Served
-
-    with FakeHub({"org/repo": smollm_repo(REAL_GGUF, synthetic=4096)}) as hub:  # type: ignore[arg-type]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_", "SUPERFLUID_"))}
-        env.update(SUPERFLUID_HOME=str(tmp_path / "sf"), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url,
-                   HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=str(ROOT))
-        d = _Served(env, "hf.co/org/repo:q4_1", "--max-context", "256", "--max-batch", "1")
-        try:
-            d.wait()
-            assert [m["id"] for m in httpx.get(d.url + "/v1/models").json()["data"]] == [SERVED]
-            for name in (SERVED, "hf.co/org/repo:Q4_1", "org/repo"):
-                r = httpx.post(d.url + "/api/generate", timeout=60, json={
-                    "model": name, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}})
-                assert r.status_code == 200 and r.json()["model"] == SERVED, r.text
-        finally:
-            d.stop()
 
 
 def test_the_library_finds_a_model_by_its_hf_co_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
