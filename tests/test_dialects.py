@@ -178,7 +178,7 @@ def _ollama_mock(url: str) -> None:
                                                            options={"num_predict": 8, "seed": 3}))
     assert streamed == gen.response and gen.eval_count == 8
     for call, status in ((lambda: client.chat("mock", messages=history, format="json"), 400),
-                         (lambda: client.chat("mock", messages=history, options={"mirostat": 2}), 400),
+                         (lambda: client.chat("mock", messages=history, options={"num_gpu": "all"}), 400),
                          (lambda: client.embed("mock", [""]), 400),
                          (lambda: client.chat("nope", messages=history), 404),
                          (lambda: client.pull("mock"), 400),  # not a Hugging Face id (tests/test_pulls.py)

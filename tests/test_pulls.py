@@ -330,9 +330,12 @@ def test_serve_pulls_then_serves_and_starts_again_from_the_cache(env: dict[str, 
     try:
         d.wait()
         assert hub.served == REAL_GGUF.stat().st_size
-        r = httpx.post(d.url + "/v1/chat/completions", timeout=120, json={
-            "model": "org/repo", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
-        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert [m["id"] for m in httpx.get(d.url + "/v1/models").json()["data"]] == ["org/repo:Q4_1"]
+        for name in ("org/repo", "org/repo:Q4_1", "hf.co/org/repo:q4_1"):  # served by its quant (issue 47)
+            r = httpx.post(d.url + "/v1/chat/completions", timeout=120, json={
+                "model": name, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+            assert r.json()["model"] == "org/repo:Q4_1"
         refused = _sf(env, "rm", "org/repo:Q4_1", "--http", f"127.0.0.1:{d.port}")
         assert refused.returncode == 1 and f"loaded by the daemon at {d.url}" in refused.stderr
         loaded = json.loads(_sf(env, "models", "--json", "--http", f"127.0.0.1:{d.port}").stdout)

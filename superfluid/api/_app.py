@@ -277,7 +277,7 @@ class App:
                 await send_json(send, 200, {"status": "ok", **models})
             return
         if path in ("/v1/models", "/models") and method == "GET":
-            await send_json(send, 200, {"object": "list", "data": self._model_list()})
+            await send_json(send, 200, {"object": "list", "data": await self._with_facts(self._model_list())})
             return
         if path in ("/v1/models/load", "/v1/models/unload") and method == "POST":
             body = await read_json(scope, receive)
@@ -289,9 +289,9 @@ class App:
             current_principal().check_model(name)
             model = self.registry.loaded.get(name)
             if model is not None:
-                await send_json(send, 200, model.describe())
+                await send_json(send, 200, (await self._with_facts([model.describe()]))[0])
             elif name in self.registry.known:
-                await send_json(send, 200, self._known(name))
+                await send_json(send, 200, (await self._with_facts([self._known(name)]))[0])
             else:
                 raise ApiError(404, f"model '{m.group(1)}' not found", code="model_not_found")
             return
@@ -418,6 +418,26 @@ class App:
         src = self.registry.known[name]
         return {"id": name, "object": "model", "created": 0, "owned_by": "superfluid", "loaded": False,
                 "runtime": {"id": src.runtime}}
+
+    async def _with_facts(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``entries`` with each model file's ``size`` (bytes on disk) and ``quantization``
+        (read in a thread, once per file version; extra fields, which OpenAI clients ignore)."""
+        from ..models._gguf import model_facts
+
+        reg = self.registry
+        files: dict[str, str] = {}
+        for e in entries:
+            name = e.get("alias_of", e["id"])
+            model, source = reg.loaded.get(name), reg.known.get(name)
+            if model is not None and model.runtime != "mock" and model.group is None:
+                files[e["id"]] = model.path
+            elif model is None and source is not None and source.runtime != "mock":
+                files[e["id"]] = source.spec
+        if not files:
+            return entries
+        facts = await trio.to_thread.run_sync(lambda: {n: model_facts(f) for n, f in files.items()})
+        return [{**e, "size": facts[e["id"]].size, "quantization": facts[e["id"]].quantization_level}
+                if e["id"] in facts else e for e in entries]
 
     def _model_list(self) -> list[dict[str, Any]]:
         reg = self.registry

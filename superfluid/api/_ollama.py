@@ -13,25 +13,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import time
+import weakref
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from .. import __version__
 from .._errors import first_leaf
+from .._printable import printable
 from ..chat import Delta, ToolCall
+from ..models._gguf import ModelFacts, model_facts
 from ..proto import encode_ndjson
 from ._admission import granted_keep_alive
 from ._http import ApiError, Receive, Send, read_json, send_json, send_text, answer_errors
-from ._chat import ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, thinking_kwargs
+from ._chat import (ChatRequest, Reply, open_reply, parse_tool_choice, parse_tools, qos_of, render_chat,
+                    thinking_kwargs)
+from ._lane import tokenize
 from ._tenancy import Partition, partition_of
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 from ..serving import FOREVER, expires_at_wall, parse_keep_alive
 
 if TYPE_CHECKING:
+    from ..sched import QosClass
     from ..serving import ServedModel
     from ._host import App
 
@@ -43,8 +52,24 @@ _CHAT_FIELDS = {"model", "messages", "tools", "stream", "format", "options", "ke
                 "top_logprobs", "truncate", "shift", "cache_salt"}
 _GENERATE_FIELDS = {"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format", "images",
                     "options", "keep_alive", "think", "logprobs", "top_logprobs", "truncate", "shift", "cache_salt"}
-_OPTIONS = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", "seed", "repeat_penalty",
-            "presence_penalty", "frequency_penalty", "stop"}
+# Ollama's options (api/types.go) and the JSON type each must have: Ollama refuses a wrong type
+# (400 here) and ignores, with a warning, a name it does not know
+_INT, _FLOAT, _BOOL, _STRINGS = "integer", "number", "boolean", "array of strings"
+_OPTION_TYPES = {
+    **dict.fromkeys(("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch", "num_gpu",
+                     "main_gpu", "num_thread", "draft_num_predict"), _INT),
+    **dict.fromkeys(("top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"), _FLOAT),
+    "use_mmap": _BOOL, "stop": _STRINGS}
+# options earlier Ollama versions had (recent ones ignore them as unknown): named as such in the log
+_FORMER = {"numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "embedding_only", "mirostat",
+           "mirostat_tau", "mirostat_eta", "penalize_newline", "tfs_z"}
+# what the engine does with them; every other option (runner placement, mirostat, typical_p, ...) does not apply
+_MAPPED = {"num_predict", "num_ctx", "temperature", "top_p", "min_p", "top_k", "seed", "repeat_penalty",
+           "presence_penalty", "frequency_penalty", "stop"}
+_IGNORED_LOGGED_MAX = 256   # names logged per daemon: a client inventing names cannot grow the set without bound
+_ignored_logged: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+log = logging.getLogger("superfluid.ollama")
 
 
 def _now() -> str:
@@ -61,23 +86,44 @@ def _name(app: App, name: Any) -> str:
         raise ApiError(400, "model is required")
     reg = app.registry
     if name not in reg.loaded and name not in reg.known and name.endswith(":latest"):
-        return name.removesuffix(":latest")
-    return name
+        name = name.removesuffix(":latest")
+    return reg.resolve_alias(name)  # (an --alias, hf.co/org/repo:QUANT, ...: the model's own name)
 
 
-def _details(model: ServedModel | None) -> dict[str, Any]:
-    arch = model.info.get("architecture", "") if model is not None else ""
-    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else [],
-            "parameter_size": "", "quantization_level": ""}
+def _details(facts: ModelFacts | None, model: ServedModel | None = None) -> dict[str, Any]:
+    family = (facts.family if facts is not None else "") or (model.info.get("architecture", "") if model else "")
+    return {"parent_model": "", "format": facts.format if facts is not None else "gguf", "family": family,
+            "families": [family] if family else [],
+            "parameter_size": facts.parameter_size if facts is not None else "",
+            "quantization_level": facts.quantization_level if facts is not None else ""}
 
 
-def _entry(name: str, model: ServedModel | None) -> dict[str, Any]:
+def _file_of(app: App, name: str) -> str | None:
+    """The file (or directory) model ``name`` loads from; None for the mock or a fleet model."""
+    reg = app.registry
+    model = reg.loaded.get(name)
+    if model is not None:
+        return None if model.runtime == "mock" or model.group is not None else model.path
+    source = reg.known.get(name)
+    return None if source is None or source.runtime == "mock" else source.spec
+
+
+async def _facts(app: App, names: list[str]) -> dict[str, ModelFacts]:
+    """What each model's file says of it (size, quantisation, parameters, family), read in a thread."""
+    files = {n: f for n in names if (f := _file_of(app, n)) is not None}
+    if not files:
+        return {}
+    return await trio.to_thread.run_sync(lambda: {n: model_facts(f) for n, f in files.items()})
+
+
+def _entry(name: str, model: ServedModel | None, facts: ModelFacts | None) -> dict[str, Any]:
     # a loaded model file's digest is the sha256 of its real path: `superfluid models`/`rm` match files by it
     import os
 
     key = os.path.realpath(model.path) if model is not None and model.runtime != "mock" else name
-    return {"name": name, "model": name, "modified_at": _now(), "size": 0,
-            "digest": hashlib.sha256(key.encode()).hexdigest(), "details": _details(model)}
+    modified = _wall(facts.modified) if facts is not None and facts.modified else _now()
+    return {"name": name, "model": name, "modified_at": modified, "size": facts.size if facts is not None else 0,
+            "digest": hashlib.sha256(key.encode()).hexdigest(), "details": _details(facts, model)}
 
 
 async def root(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -94,7 +140,8 @@ async def api_tags(app: App, scope: dict[str, Any], receive: Receive, send: Send
     _method(scope, "GET", "HEAD")
     reg = app.registry
     names = sorted(n for n in set(reg.loaded) | set(reg.known) if principal_of(scope).may_use(n))
-    await send_json(send, 200, {"models": [_entry(n, reg.loaded.get(n)) for n in names]})
+    facts = await _facts(app, names)
+    await send_json(send, 200, {"models": [_entry(n, reg.loaded.get(n), facts.get(n)) for n in names]})
 
 
 async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
@@ -104,13 +151,14 @@ async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, 
     _method(scope, "GET", "HEAD")
     reg = app.registry
     models = []
+    facts = await _facts(app, list(reg.loaded))
     for n, m in sorted(reg.loaded.items()):
         if not principal_of(scope).may_use(n):
             continue
         at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s)
         if at <= time.time() and not (m.holds or m.actor.session_tasks):
             continue  # its last request has ended: it goes as soon as its scheduler has settled
-        models.append({**_entry(n, m), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
+        models.append({**_entry(n, m, facts.get(n)), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,
                        "expires_at": _wall(FOREVER_AT if at == FOREVER else at)})
     await send_json(send, 200, {"models": models})
 
@@ -136,6 +184,7 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
         model = app.registry.loaded.get(name)
         if model is None and name not in app.registry.known:
             raise ApiError(404, f"model '{name}' not found")
+        facts = (await _facts(app, [name])).get(name)
         caps = ["completion"]
         info: dict[str, Any] = {}
         template = ""
@@ -146,8 +195,10 @@ async def api_show(app: App, scope: dict[str, Any], receive: Receive, send: Send
                 caps.append("thinking")
             arch = model.info.get("architecture", "")
             info = {"general.architecture": arch, f"{arch}.context_length": model.n_ctx}
+        if facts is not None and facts.parameters:
+            info["general.parameter_count"] = facts.parameters
         await send_json(send, 200, {"modelfile": "", "parameters": "", "template": template,
-                                    "details": _details(model), "model_info": info, "capabilities": caps,
+                                    "details": _details(facts, model), "model_info": info, "capabilities": caps,
                                     "modified_at": _now()})
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
@@ -159,39 +210,154 @@ async def managed(app: App, scope: dict[str, Any], receive: Receive, send: Send,
                                          "it is started with (see `superfluid serve --model`) and manages no registry"})
 
 
-def _sampling_body(model: ServedModel, body: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """Ollama ``options`` as OpenAI-style sampling fields, and the token budget.
+def _ignored(app: App, key: str) -> None:
+    """Log once per daemon that option ``key`` does not apply here (Ollama logs each request)."""
+    seen = _ignored_logged.setdefault(app, set())
+    if key in seen or len(seen) >= _IGNORED_LOGGED_MAX:
+        return
+    seen.add(key)
+    if key in _OPTION_TYPES or key in _FORMER:
+        log.info("ollama option %s does not apply to this server and is ignored (logged once)", key)
+    else:
+        log.warning("unknown ollama option %s is ignored, as Ollama does (logged once)", printable(key[:100]))
+
+
+def _typed_option(key: str, value: Any) -> Any:
+    """``value`` as option ``key``'s type, as Ollama converts it (a JSON number is an integer
+    option's, truncated).
 
     Raises:
-        ApiError: an unsupported or out-of-range option.
+        ApiError: the wrong type, which Ollama refuses too.
     """
-    opts = body.get("options") or {}
-    if not isinstance(opts, dict):
+    kind = _OPTION_TYPES[key]
+    number_ = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == _INT and number_ and math.isfinite(value):
+        return int(value)
+    if kind == _FLOAT and number_:
+        return value
+    if kind == _BOOL and isinstance(value, bool):
+        return value
+    if kind == _STRINGS and isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise ApiError(400, f"option {key!r} must be of type {kind}", param=f"options.{key}")
+
+
+def _sampling_body(model: ServedModel, body: dict[str, Any], app: App | None = None,
+                   ) -> tuple[dict[str, Any], int | None]:
+    """Ollama ``options`` as OpenAI-style sampling fields, and the token budget. An option
+    that does not apply here (GPU placement, threads, mirostat, ...) or that Ollama does not
+    know is ignored, and logged once per name.
+
+    Raises:
+        ApiError: an option of the wrong type, or out of range.
+    """
+    raw = body.get("options") or {}
+    if not isinstance(raw, dict):
         raise ApiError(400, "options must be an object", param="options")
-    for key, value in opts.items():
-        if key not in _OPTIONS and value is not None:
-            raise ApiError(400, f"unsupported option: {key}", param=f"options.{key}")
+    opts: dict[str, Any] = {}
+    for key, value in raw.items():
+        if value is None:
+            continue  # Ollama skips a null as unset
+        if key in _OPTION_TYPES:
+            value = _typed_option(key, value)
+        if key in _MAPPED:
+            opts[key] = value
+        elif app is not None:
+            _ignored(app, key)
     out: dict[str, Any] = {k: opts.get(k) for k in ("temperature", "top_p", "min_p", "top_k", "repeat_penalty",
                                                      "presence_penalty", "frequency_penalty")}
     seed = opts.get("seed")
     out["seed"] = None if seed in (None, -1) else seed
     stop = opts.get("stop")
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
-                             or not all(isinstance(s, str) and len(s) <= MAX_STOP_CHARS for s in stop)):
+    if stop is not None and (len(stop) > 4 or not all(len(s) <= MAX_STOP_CHARS for s in stop)):
         raise ApiError(400, f"options.stop must be at most 4 strings of at most {MAX_STOP_CHARS} characters",
                        param="options.stop")
     out["stop"] = stop
-    num_ctx = opts.get("num_ctx")
-    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx > model.n_ctx):
-        raise ApiError(400, f"options.num_ctx may not exceed the server's window of {model.n_ctx}",
-                       param="options.num_ctx")
     predict = opts.get("num_predict")
-    if predict is not None and (not isinstance(predict, int) or isinstance(predict, bool)
-                                or (predict <= 0 and predict not in (-1, -2))):
+    if predict is not None and predict <= 0 and predict not in (-1, -2):
         raise ApiError(400, "options.num_predict must be > 0, or -1/-2 to fill the context",
                        param="options.num_predict")
     number(out, "temperature", lo=0.0, hi=100.0)
     return out, (predict if predict and predict > 0 else None)
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{key} must be a boolean", param=key)
+    return value is not False
+
+
+async def _prompt_tokens(model: ServedModel, req: ChatRequest, klass: QosClass) -> int:
+    rendered = render_chat(model, req)
+    add_special = bool(req.raw_prompt) and bool(model.info.get("add_bos", False))
+    return len(await tokenize(model, rendered.segments, add_special=add_special, klass=klass))
+
+
+async def _fit(app: App, scope: dict[str, Any], model: ServedModel, req: ChatRequest,
+               body: dict[str, Any]) -> tuple[ChatRequest, list[str]]:
+    """``options.num_ctx`` as Ollama applies it, and the warnings the reply carries.
+
+    Above the model's window it is clamped to it. A conversation longer than it loses its
+    oldest messages, as Ollama drops them (system messages and the last message stay); one
+    still longer is refused with ``truncate: false`` and otherwise sent whole (a warning
+    says so: superfluid cuts no message). With ``shift: false`` the reply ends (``length``)
+    where the window is full; by default it goes on, as Ollama's context shift lets it,
+    within the model's window. No ``num_ctx``: the model's window, as for any request.
+
+    Raises:
+        ApiError: a prompt longer than ``num_ctx`` with ``truncate: false``; a bad flag.
+    """
+    truncate, shift = _flag(body, "truncate"), _flag(body, "shift")
+    asked = (body.get("options") or {}).get("num_ctx")   # an integer: _sampling_body checked it
+    if asked is None or int(asked) <= 0 or model.n_ctx <= 0:
+        return req, []
+    window, warnings = int(asked), []
+    if window > model.n_ctx:
+        warnings.append(f"options.num_ctx {window} is more than this server's context window of {model.n_ctx} "
+                        f"tokens: clamped to {model.n_ctx}")
+        window = model.n_ctx
+    klass = qos_of(app, scope)
+    count = await _prompt_tokens(model, req, klass)
+    if count >= window and truncate and len(req.messages) > 1 and not req.raw_prompt:
+        messages = req.messages
+
+        async def tokens_from(i: int) -> int | None:
+            """The prompt's tokens from message ``i`` on, with the system messages before it."""
+            kept = [m for m in messages[:i] if m["role"] == "system"] + messages[i:]
+            try:
+                return await _prompt_tokens(model, attrs.evolve(req, messages=kept), klass)
+            except ApiError:
+                return None   # the template takes no conversation that starts there
+
+        # the earliest start that fits, as Ollama's walk back from the last message finds it
+        # (server/prompt.go chatPrompt), by bisection: a long history costs log2(n) tokenizations
+        lo, hi, found = 1, len(messages) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            n = await tokens_from(mid)
+            if n is not None and n < window:
+                found, hi = (mid, n), mid - 1
+            else:
+                lo = mid + 1
+        if found is None:   # the last message stays, even alone and too long
+            n = await tokens_from(len(messages) - 1)
+            found = (len(messages) - 1, n) if n is not None else None
+        if found is not None:
+            start, count = found
+            fitted = [m for m in messages[:start] if m["role"] == "system"] + messages[start:]
+            warnings.append(f"options.num_ctx {window}: the {len(messages) - len(fitted)} oldest messages did not "
+                            "fit and were left out")
+            req = attrs.evolve(req, messages=fitted)
+    if count >= window:
+        if not truncate:
+            raise ApiError(400, f"the prompt of {count} tokens exceeds options.num_ctx of {window} tokens",
+                           code="context_length_exceeded", param="options.num_ctx")
+        warnings.append(f"the prompt of {count} tokens is longer than options.num_ctx {window}: sent whole")
+    if not shift:
+        room = max(1, window - count)
+        req = attrs.evolve(req, max_tokens=min(req.max_tokens or room, room))
+    return req, warnings
 
 
 def _grammar(fmt: Any) -> str:
@@ -268,13 +434,14 @@ async def api_chat(app: App, scope: dict[str, Any], receive: Receive, send: Send
         if not messages:
             await _loaded(send, model, "message", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(model, body)
+        fields, budget = _sampling_body(model, body, app)
         tools = parse_tools(body.get("tools"))
         req = ChatRequest(
             messages=messages, sampling=sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30))),
             max_tokens=budget, tools=tools, choice=parse_tool_choice(None, tools), grammar=_grammar(body.get("format")),
             grammar_param="format", template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [])
-        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), partition)
+        req, warnings = await _fit(app, scope, model, req, body)
+        await _run(app, scope, receive, send, model, req, "message", body.get("stream", True), partition, warnings)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -298,7 +465,7 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         if not prompt:
             await _loaded(send, model, "response", body.get("stream", True), keep_alive)
             return
-        fields, budget = _sampling_body(model, body)
+        fields, budget = _sampling_body(model, body, app)
         raw = bool(body.get("raw"))
         if raw and (body.get("system") or body.get("format") or body.get("think") is not None):
             raise ApiError(400, "raw prompts take no system, format or think")
@@ -309,7 +476,8 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
             max_tokens=budget, grammar=_grammar(body.get("format")), grammar_param="format",
             template_kwargs=_think(model, body.get("think")), stops=fields["stop"] or [],
             raw_prompt=prompt if raw else "")
-        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition)
+        req, warnings = await _fit(app, scope, model, req, body)
+        await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition, warnings)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
 
@@ -360,19 +528,21 @@ def _record(model: str, kind: str, text: str, thinking: str, calls: list[ToolCal
 
 
 async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, model: ServedModel, req: ChatRequest,
-               kind: str, stream: Any, partition: Partition) -> None:
+               kind: str, stream: Any, partition: Partition, warnings: list[str] | None = None) -> None:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean")
+    # what the server did otherwise than asked rides on the last record, in a field Ollama clients ignore
+    extra = {"superfluid": {"warnings": warnings}} if warnings else {}
     async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
         if not stream:
             text, thinking, _rows = await reply.collect()
             record = _record(model.name, kind, text, thinking, reply.calls)
-            await send_json(send, 200, {**record, "done": True, **_stats(reply)})
+            await send_json(send, 200, {**record, "done": True, **_stats(reply), **extra})
         else:
-            await _stream_ndjson(send, reply, model.name, kind)
+            await _stream_ndjson(send, reply, model.name, kind, extra)
 
 
-async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> None:
+async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str, extra: dict[str, Any] | None = None) -> None:
     await reply.wait_admitted()
     await send({"type": "http.response.start", "status": 200, "headers": NDJSON_HEADERS})
     try:
@@ -388,7 +558,7 @@ async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str) -> Non
         tail = b""
         if reply.calls:
             tail = encode_ndjson({**_record(model, kind, "", "", reply.calls), "done": False})
-        final = tail + encode_ndjson({**_record(model, kind, "", ""), "done": True, **_stats(reply)})
+        final = tail + encode_ndjson({**_record(model, kind, "", ""), "done": True, **_stats(reply), **(extra or {})})
     except ApiError as exc:
         final = encode_ndjson({"error": exc.message})
     await send({"type": "http.response.body", "body": final, "more_body": False})

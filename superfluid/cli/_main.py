@@ -379,7 +379,7 @@ def _sources(args: argparse.Namespace) -> list[ModelSource]:
         pulled = hub_model(spec, offline=args.offline) if not is_mock else None  # org/repo[:QUANT]
         if pulled is not None:
             choice = _choose(str(pulled.path), selector, args)
-            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.repo,
+            out.append(ModelSource(spec=str(pulled.path), runtime=choice.info.id, name=pulled.name,
                                    worker=choice.worker))
             continue
         if not is_mock:
@@ -445,12 +445,13 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
         return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
     from ..daemon._registry import model_dir_names
 
+    from ..models._hub import hub_name_in
     from ..models._library import entries
 
     names = {s.name for s in sources} | set(model_dir_names(tuple(args.model_dirs)))
     names |= {e.name for e in entries() if e.kind in ("pull", "copy")} if args.aliases else set()
     for alias, target in args.aliases:
-        if target not in names:
+        if target not in names and hub_name_in(target, names) is None:  # (org/repo, hf.co/...: as requests)
             return (f"--alias {alias}={target}: no model {target!r} is served (models: "
                     f"{', '.join(sorted(names))})")
         if alias in names:

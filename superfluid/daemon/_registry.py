@@ -54,6 +54,7 @@ import trio
 from ._lifetime import Lifetimes
 from ..models._files import cache_dir, model_name, resolve_runtime
 from ..models._gguf import GgufError, available_memory, memory_need
+from ..models._hub import hub_name_in
 from ..nursery import ModelActor, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
 from ..fleet._head import NodeSource
@@ -143,8 +144,12 @@ class ModelRegistry:
                 self._models = None
 
     def resolve_alias(self, name: str) -> str:
-        """The model an ``--alias`` name stands for (a name that is no alias, as is)."""
-        return self.aliases.get(name, name) if name not in self.known else name
+        """The model an ``--alias`` name stands for, or the known model a Hugging Face name
+        means (``models/_hub.hub_name_in``); a name that is neither, as is."""
+        if name in self.known:
+            return name
+        target = self.aliases.get(name, name)
+        return target if target in self.known else hub_name_in(target, self.known) or target
 
     def hold(self, model: ServedModel) -> None:
         """An HTTP request uses ``model`` until :meth:`release`: it is not idle."""

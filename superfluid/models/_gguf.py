@@ -15,13 +15,16 @@ another amount is available: tests, and a cap on a shared machine.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import struct
 from typing import IO, Any
 
 import attrs
 
-__all__ = ["GgufError", "MemoryNeed", "available_memory", "format_bytes", "memory_need", "read_metadata"]
+__all__ = ["GgufError", "MemoryNeed", "ModelFacts", "available_memory", "format_bytes", "memory_need", "model_facts",
+           "read_metadata"]
 
 MAGIC = b"GGUF"
 KV_BYTES_PER_ELEMENT = 2          # llama.cpp's default KV type is f16
@@ -82,6 +85,23 @@ def _value(f: IO[bytes], kind: int) -> Any:
     raise GgufError(f"unknown metadata type {kind}")
 
 
+def _header(f: IO[bytes], path: str | os.PathLike[str]) -> tuple[int, dict[str, Any]]:
+    """The tensor count and the metadata of the GGUF file ``f`` (read up to its tensor table)."""
+    if f.read(4) != MAGIC:
+        raise GgufError(f"{path} is not a GGUF file")
+    version = _unpack(f, "<I")
+    if version not in (2, 3):
+        raise GgufError(f"GGUF version {version} is not supported")
+    n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
+    if n_kv > MAX_KEYS:
+        raise GgufError(f"{n_kv} metadata keys")
+    out: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _string(f)
+        out[key] = _value(f, _unpack(f, "<I"))
+    return n_tensors, out
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The GGUF file's metadata (long arrays as None). Blocking: call it in a thread.
 
@@ -90,19 +110,112 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         OSError: the file cannot be read.
     """
     with open(path, "rb", buffering=1 << 16) as f:
-        if f.read(4) != MAGIC:
-            raise GgufError(f"{path} is not a GGUF file")
-        version = _unpack(f, "<I")
-        if version not in (2, 3):
-            raise GgufError(f"GGUF version {version} is not supported")
-        _n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
-        if n_kv > MAX_KEYS:
-            raise GgufError(f"{n_kv} metadata keys")
-        out: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = _string(f)
-            out[key] = _value(f, _unpack(f, "<I"))
-        return out
+        return _header(f, path)[1]
+
+
+# -- what a model listing says of a file (Ollama /api/tags details, /v1/models) ---------------------------
+
+# llama.cpp's llama_ftype (general.file_type): the type most of the file's tensors have
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+              26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+              36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
+MAX_TENSORS = 1 << 20
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+
+
+@attrs.frozen(kw_only=True)
+class ModelFacts:
+    """A model file as a listing describes it; what could not be read is empty."""
+
+    size: int = 0                   # bytes on disk, every part of a split file
+    format: str = ""                # gguf, safetensors (an MLX directory), base
+    family: str = ""                # general.architecture
+    parameters: int = 0             # elements of every tensor
+    quantization_level: str = ""    # Q4_K_M, F16, ...
+    context_length: int = 0         # trained
+    modified: float = 0.0           # the file's mtime
+
+    @property
+    def parameter_size(self) -> str:
+        """Ollama's form of the parameter count: 135M, 134.52M, 8B, 7.6B."""
+        n = self.parameters
+        for unit, scale, places in (("B", 10**9, 1), ("M", 10**6, 2), ("K", 10**3, 0)):
+            if n >= scale:
+                value = n / scale
+                return f"{value:.0f}{unit}" if value == int(value) else f"{value:.{places}f}{unit}"
+        return str(n) if n else ""
+
+
+def _tensor_elements(f: IO[bytes], n_tensors: int) -> int:
+    if n_tensors > MAX_TENSORS:
+        raise GgufError(f"{n_tensors} tensors")
+    total = 0
+    for _ in range(n_tensors):
+        _string(f, keep=False)
+        n_dims = _unpack(f, "<I")
+        if n_dims > 8:
+            raise GgufError(f"a tensor of {n_dims} dimensions")
+        count = 1
+        for _ in range(n_dims):
+            count *= _unpack(f, "<Q")
+        f.seek(12, os.SEEK_CUR)  # type (u32), offset (u64)
+        total += count
+    return total
+
+
+def _parts(path: str) -> list[str]:
+    """A split GGUF's parts (from its first), else the file alone."""
+    m = _SPLIT.search(path)
+    if m is None or int(m.group(1)) != 1:
+        return [path]
+    stem, total = path[: m.start()], int(m.group(2))
+    return [f"{stem}-{i:05d}-of-{total:05d}{path[m.end() - 5:]}" for i in range(1, total + 1)]
+
+
+@functools.lru_cache(maxsize=256)
+def _facts(path: str, _size: int, _mtime_ns: int) -> ModelFacts:
+    if os.path.isdir(path):
+        size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        return ModelFacts(size=size, format="safetensors", modified=os.path.getmtime(path))
+    if not path.lower().endswith(".gguf") and not _is_gguf(path):
+        return ModelFacts(size=os.path.getsize(path), format="base" if path.endswith(".base") else "",
+                          modified=os.path.getmtime(path))
+    meta: dict[str, Any] = {}
+    size = elements = 0
+    for i, part in enumerate(_parts(path)):
+        size += os.path.getsize(part)
+        with open(part, "rb", buffering=1 << 16) as f:
+            n_tensors, part_meta = _header(f, part)
+            elements += _tensor_elements(f, n_tensors)
+        meta = meta if i else part_meta
+    arch = str(meta.get("general.architecture", ""))
+    ftype = meta.get("general.file_type")
+    return ModelFacts(size=size, format="gguf", family=arch, parameters=elements,
+                      quantization_level=FILE_TYPES.get(ftype, "") if isinstance(ftype, int) else "",
+                      context_length=int(meta.get(f"{arch}.context_length", 0) or 0),
+                      modified=os.path.getmtime(path))
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def model_facts(path: str | os.PathLike[str]) -> ModelFacts:
+    """What a listing says of the model at ``path`` (a GGUF file, an MLX directory, a bundle):
+    read once per version of the file. Blocking: call it in a thread. A file that cannot be
+    read, or a broken header, gives what is known (the size, at least, when it exists)."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+        return _facts(real, st.st_size, st.st_mtime_ns)
+    except (OSError, GgufError, struct.error):
+        try:
+            return ModelFacts(size=os.path.getsize(real), modified=os.path.getmtime(real))
+        except OSError:
+            return ModelFacts()
 
 
 @attrs.frozen(kw_only=True)

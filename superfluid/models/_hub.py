@@ -36,6 +36,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -45,7 +46,8 @@ from .._private import make_private_dir
 from ._files import cache_dir
 
 __all__ = ["HubRef", "PullCancelled", "PullError", "PullProgress", "Pulled", "Quant", "cached", "fetch", "hub_cache",
-           "fetch_async", "is_offline", "parse_hub_id", "pull", "resolve_async", "pull_lock_path", "quants", "resolve", "superfluid_home"]
+           "fetch_async", "hub_name_in", "is_offline", "parse_hub_id", "pull", "resolve_async", "pull_lock_path",
+           "quants", "resolve", "strip_hub_host", "superfluid_home"]
 
 DEFAULT_QUANT = "Q4_K_M"
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$", re.IGNORECASE)
@@ -102,15 +104,51 @@ class HubRef:
 
 
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Ollama names a Hub GGUF hf.co/org/repo[:QUANT] (and huggingface.co/...): the same model as org/repo[:QUANT]
+_HUB_HOSTS = re.compile(r"(?:https?://)?(?:www\.)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
+
+
+def strip_hub_host(name: str) -> str:
+    """``name`` without an Ollama-style ``hf.co/`` or ``huggingface.co/`` prefix (with or
+    without ``https://``), when it names ``org/repo`` after it; else ``name`` as is."""
+    m = _HUB_HOSTS.match(name)
+    if m is None or not _REPO.fullmatch(name[m.end():].partition(":")[0]):
+        return name
+    return name[m.end():]
+
+
+def hub_name_in(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` (models served as ``org/repo:QUANT``) that ``name`` means as a
+    Hugging Face id, as Ollama clients write one: ``hf.co/`` or ``huggingface.co/`` before it,
+    the repo and quant in any case, ``org/repo`` (or ``:latest``) for its one quant, else for
+    its default quant; None if it means none, or several."""
+    bare = strip_hub_host(name)
+    repo, _, tag = bare.partition(":")
+    if "/" not in repo:
+        return None
+    names = list(names)
+    if tag.lower() == "latest":
+        tag = ""
+    if tag:
+        same = [n for n in names if n.lower() == f"{repo}:{tag}".lower()]
+        return same[0] if len(same) == 1 else None
+    if bare != name and bare in names:
+        return bare
+    quants = [n for n in names if ":" in n and n.partition(":")[0].lower() == repo.lower()]
+    if len(quants) > 1:
+        quants = [n for n in quants if n.partition(":")[2].lower() == DEFAULT_QUANT.lower()]
+    return quants[0] if len(quants) == 1 else None
 
 
 def parse_hub_id(arg: str, *, disk: bool = True) -> HubRef | None:
     """``arg`` as a hub id, or None if it is a path: an id contains ``/`` (before an
     optional ``:tag``), does not exist on disk (``disk``: checked; over HTTP it is not,
     so no client learns what exists), does not start with ``.``, ``/`` or ``~`` and does
-    not end in ``.gguf``."""
+    not end in ``.gguf``. An ``hf.co/`` or ``huggingface.co/`` prefix (Ollama's names for
+    Hub models) is dropped."""
     if not arg or arg[0] in "./~" or arg.lower().endswith(".gguf") or (disk and os.path.exists(arg)):
         return None
+    arg = strip_hub_host(arg)
     repo, _, tag = arg.partition(":")
     if not _REPO.fullmatch(repo) or ".." in repo or (tag and not re.fullmatch(r"[\w.-]+", tag)):
         return None

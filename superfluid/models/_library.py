@@ -116,7 +116,11 @@ def entries() -> list[Entry]:
 
 def find(name: str) -> Entry | None:
     """The model ``name`` names: exactly, else with its tag in any case, else ``org/repo``
-    when exactly one quant of that repo was pulled, else ``name.gguf`` in the cache directory."""
+    when exactly one quant of that repo was pulled, else ``name.gguf`` in the cache directory.
+    An Ollama-style ``hf.co/`` (or ``huggingface.co/``) before ``org/repo`` is dropped."""
+    from ._hub import strip_hub_host
+
+    name = strip_hub_host(name)
     every = entries()
     for test in (lambda e: e.name == name,
                  lambda e: e.name.lower() == name.lower(),

@@ -50,7 +50,9 @@ class Registry(Protocol):
     idle_timeout_s: float              # --idle-timeout (serving/_keepalive.py)
 
     def resolve_alias(self, name: str) -> str:
-        """The model an ``--alias`` name stands for (a name that is no alias, as is)."""
+        """The model an ``--alias`` name stands for, or the known model a Hugging Face name
+        means (``hf.co/org/repo:QUANT``, a quant in any case, ``org/repo`` for its one quant);
+        a name that is neither, as is."""
         ...
 
     async def get(self, name: str) -> ServedModel | None:
