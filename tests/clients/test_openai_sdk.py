@@ -39,7 +39,6 @@ def test_stream_with_usage_matches_the_whole_reply(served: Served) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
-@pytest.mark.xfail(strict=False, reason="n>1 lands with the nresp branch")
 def test_n_choices_whole_and_streamed(served: Served) -> None:
     c = client(served)
     kw = dict(model=MOCK, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=3, seed=7)
