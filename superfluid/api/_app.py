@@ -28,6 +28,8 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
                       api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses
+from ._infill import completion as llama_completion
+from ._infill import infill
 
 from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
@@ -65,6 +67,8 @@ _POST_JSON: dict[str, Handler] = {
     "/api/push": managed,
     "/api/create": managed,
     "/api/copy": api_copy,
+    "/infill": infill,                    # llama-server's own (api/_infill.py)
+    "/completion": llama_completion,
 }
 # Routes served without a JSON body (Ollama discovery, and DELETE /api/delete); each handler checks its method.
 _GET_JSON: dict[str, Handler] = {
@@ -104,7 +108,8 @@ def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
 
 
 _GENERATING = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate"})
+                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate", "/infill",
+                         "/completion"})
 
 
 def _logged_at_info(exchange: Exchange) -> bool:
