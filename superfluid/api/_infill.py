@@ -1,4 +1,4 @@
-"""Fill-in-the-middle, and llama-server's own text routes: ``/infill``, ``/completion``.
+"""Fill-in-the-middle, and llama-server's own routes: ``/infill``, ``/completion``, ``/tokenize``, ``/detokenize``.
 
 A FIM prompt is built from the model's own marker tokens (the worker reports them:
 ``info.extra.fim``, from GGUF ``tokenizer.ggml.fim_*_token_id`` or the vocabulary),
@@ -12,6 +12,9 @@ A model without the markers is refused (400 ``fim_unsupported``), never served a
 prompt it was not trained on. FIM requests run in the ``completion`` QoS class
 unless the client (or its key) names one. The OpenAI ``suffix`` and Ollama
 ``suffix`` paths (``_openai.py``, ``_ollama.py``) use :func:`fim_prompt` too.
+
+``/tokenize`` and ``/detokenize`` ask the model's worker (it owns the vocabulary):
+a piece is a token's bytes, shown as text when they are UTF-8, else as their values.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import trio
 
 from ..chat import ReplyParser
 from ..proto import encode_sse_json
-from ..sched import QosClass
+from ..sched import QosClass, Unavailable
 from ._chat import Reply, qos_of, require_grammar
 from ._http import ApiError, Receive, Send, header, send_json
 from ._lane import Follower, open_lane, prepare, prompt_limit, tokenize, wait_admitted
@@ -40,9 +43,10 @@ if TYPE_CHECKING:
     from ..serving import ServedModel
     from ._host import App
 
-__all__ = ["DEFAULT_FIM_TOKENS", "FimTokens", "MAX_EXTRA_CHUNKS", "completion", "fim_prompt", "fim_qos", "fim_tokens", "grammar_of",
-           "infill", "open_token_reply"]
+__all__ = ["DEFAULT_FIM_TOKENS", "FimTokens", "MAX_DETOKENIZE", "MAX_EXTRA_CHUNKS", "completion", "detokenize",
+           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "tokenize_route"]
 
+MAX_DETOKENIZE = 1 << 20         # ids in one /detokenize (a prompt's worth; the body limits allow about that)
 MAX_EXTRA_CHUNKS = 256           # input_extra entries (llama.vscode sends at most a few dozen)
 DEFAULT_FIM_TOKENS = 128         # a completion's length when the client names none (OpenAI and Ollama suffix)
 _SNIPPET = "\n\n--- snippet ---\n\n"  # llama-server's separator of extra chunks without file markers
@@ -323,3 +327,67 @@ def _final(model: ServedModel, job: Job, follower: Follower, content: str, trunc
                     "predicted_per_token_ms": predicted_ms / n_new if n_new else 0.0,
                     "predicted_per_second": n_new / predicted_ms * 1e3 if predicted_ms else 0.0},
     }
+
+
+# --- llama-server's /tokenize and /detokenize ---------------------------------------------------------------------
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"invalid request: {key} must be a boolean", param=key)
+    return value
+
+
+def _piece(data: bytes) -> str | list[int]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)   # part of a character: its bytes, as llama-server shows them
+
+
+async def tokenize_route(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``POST /tokenize``: ``content``, ``add_special`` (BOS; default false), ``parse_special``
+    (marker text becomes marker ids; default true), ``with_pieces``; the model by ``model`` or the default."""
+    model = await app.resolve_model(body.get("model") or app.registry.default)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise ApiError(400, "invalid request: content must be a string", param="content")
+    add_special, parse_special = _flag(body, "add_special", False), _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    if not with_pieces:
+        ids = await tokenize(model, [(content, parse_special)], add_special=add_special, klass=qos_of(app, scope))
+        await send_json(send, 200, {"tokens": ids})
+        return
+    limit = prompt_limit(model)
+    if len(content) > limit or len(content.encode("utf-8", "surrogatepass")) > limit:
+        raise ApiError(413, f"content is over the {limit}-byte limit for model '{model.name}' (--max-prompt-bytes)",
+                       code="prompt_too_large", param="content")
+    try:
+        pairs = await model.scheduler.pieces([(content, parse_special)], add_special=add_special,
+                                             klass=qos_of(app, scope))
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), code=exc.code) from None
+    await send_json(send, 200, {"tokens": [{"id": t, "piece": _piece(p)} for t, p in pairs]})
+
+
+async def detokenize(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``POST /detokenize``: ``tokens`` (ids of the model's vocabulary) to ``content``."""
+    model = await app.resolve_model(body.get("model") or app.registry.default)
+    ids = body.get("tokens")
+    n_vocab = int(model.info.get("n_vocab", 1 << 30))
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise ApiError(400, "invalid request: tokens must be an array of token ids", param="tokens")
+    if len(ids) > MAX_DETOKENIZE:
+        raise ApiError(413, f"invalid request: more than {MAX_DETOKENIZE} tokens", code="prompt_too_large",
+                       param="tokens")
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"invalid request: token {bad} is outside the vocabulary (0..{n_vocab - 1})",
+                       param="tokens")
+    pairs: list[tuple[int, bytes]] = []
+    if ids:
+        try:
+            pairs = await model.scheduler.pieces(ids=ids, klass=qos_of(app, scope))
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), code=exc.code) from None
+    await send_json(send, 200, {"content": b"".join(p for _t, p in pairs).decode("utf-8", "replace")})
