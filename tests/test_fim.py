@@ -19,7 +19,6 @@ import trio
 from superfluid.api._http import ApiError
 from superfluid.api._infill import fim_prompt, fim_tokens
 from superfluid.sched import QosClass
-from superfluid.serving import ModelSource
 from superfluid.worker._mock import FIM_IDS, MockEngine
 
 from .conftest import REAL_GGUF, mock_config, open_daemon
@@ -163,12 +162,55 @@ async def test_model_without_fim_markers_is_refused_on_mock() -> None:
 
 @pytest.mark.real
 async def test_smollm2_has_no_fim_markers_and_is_refused() -> None:
-    config = mock_config(max_batch=1)
-    import attrs
+    from .test_real_daemon import real_config
 
-    config = attrs.evolve(config, models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),))
-    async with open_daemon(config) as d:
+    async with open_daemon(real_config(REAL_GGUF, "smol", max_batch=1)) as d:
         r = await d.client.post("/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "fim_unsupported", r.text
         r = await d.client.post("/api/generate", json={"model": "smol", "prompt": "a", "suffix": "b"})
         assert r.status_code == 400
+
+
+# --- a raw GBNF ``grammar`` (llama-server's field) on chat, completions, /completion and /infill ------------------
+
+YES_NO = 'root ::= "yes" | "no"'
+
+
+async def test_grammar_field_is_checked_and_refused_on_the_mock() -> None:
+    async with open_daemon(mock_config()) as d:
+        c = d.client
+        chat = {"model": "mock", "messages": [{"role": "user", "content": "hi"}]}
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"model": "mock", "prompt": "a"}),
+                           ("/completion", {"prompt": "a"}), ("/infill", {"input_prefix": "a"})):
+            r = await c.post(path, json={**body, "grammar": YES_NO})   # the mock has no grammar engine
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", (path, r.text)
+            assert r.json()["error"]["param"] == "grammar"
+            r = await c.post(path, json={**body, "grammar": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", (path, r.text)
+        r = await c.post("/v1/chat/completions", json={**chat, "grammar": YES_NO,
+                                                       "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grammar"
+        r = await c.post("/v1/completions", json={"model": "mock", "prompt": "a", "grammar": "json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grammar"   # not GBNF: no "::="
+
+
+@pytest.mark.real
+async def test_grammar_constrains_smollm2_and_a_bad_one_is_a_400() -> None:
+    from .test_real_daemon import real_config
+
+    async with open_daemon(real_config(REAL_GGUF, "smol", max_batch=1)) as d:
+        c = d.client
+        r = await c.post("/v1/chat/completions", json={
+            "model": "smol", "messages": [{"role": "user", "content": "Is the sky green?"}], "grammar": YES_NO,
+            "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+        r = await c.post("/v1/completions", json={"model": "smol", "prompt": "Answer:", "grammar": YES_NO,
+                                                  "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+        r = await c.post("/completion", json={"prompt": "Answer:", "grammar": YES_NO, "n_predict": 4,
+                                              "temperature": 0})
+        assert r.status_code == 200 and r.json()["content"] in ("yes", "no"), r.text
+        for path, body in (("/v1/completions", {"model": "smol", "prompt": "a"}), ("/completion", {"prompt": "a"})):
+            r = await c.post(path, json={**body, "grammar": "root ::= ( \"a\""})
+            assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], (path, r.text)

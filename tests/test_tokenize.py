@@ -3,13 +3,11 @@ fields that carry a token's bytes (``Tokenize.ids``/``pieces``, ``Tokenized.piec
 
 from __future__ import annotations
 
-import attrs
 import msgpack
 import pytest
 
 from superfluid.proto import Tokenize, Tokenized, from_wire, to_wire, tokenized_pieces
 from superfluid.proto._events import TOKENIZED_PIECE
-from superfluid.serving import ModelSource
 from superfluid.worker._mock import SPECIALS, MockEngine
 
 from .conftest import REAL_GGUF, mock_config, open_daemon
@@ -82,9 +80,9 @@ async def test_tokenize_is_bounded_by_the_prompt_limit() -> None:
 
 @pytest.mark.real
 async def test_tokenize_round_trip_on_smollm2() -> None:
-    config = attrs.evolve(mock_config(max_batch=1),
-                          models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),))
-    async with open_daemon(config) as d:
+    from .test_real_daemon import real_config
+
+    async with open_daemon(real_config(REAL_GGUF, "smol", max_batch=1)) as d:
         text = "def add(a, b):\n    return a + b  # ünïcode"
         r = await d.client.post("/tokenize", json={"content": "<|im_start|>" + text, "with_pieces": True})
         assert r.status_code == 200, r.text

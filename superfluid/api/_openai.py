@@ -103,13 +103,13 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         req = ChatRequest(
             messages=parse_messages(body), sampling=sampling, max_tokens=max_tokens_from(body), tools=tools,
             choice=parse_tool_choice(body.get("tool_choice"), tools),
-            grammar=grammar_from_response_format(body.get("response_format")),
+            grammar=_grammar(body), grammar_param="grammar" if body.get("grammar") else "response_format",
             template_kwargs=thinking_kwargs(model.template.source, kwargs, enable=body.get("enable_thinking"),
                                             effort=body.get("reasoning_effort")),
             stops=stops_from(body), ignore_eos=bool(body.get("ignore_eos", False)))
     else:
         prompt = _completion_prompt(body.get("prompt"), n_vocab=int(model.info.get("n_vocab", 1 << 30)))
-        grammar = grammar_from_response_format(body.get("response_format")) or grammar_of(body)
+        grammar = _grammar(body)
         if grammar:
             require_grammar(model, "response_format" if body.get("response_format") else "grammar")
             sampling = attrs.evolve(sampling, grammar=grammar)
@@ -156,6 +156,18 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
+
+
+def _grammar(body: dict[str, Any]) -> str:
+    """The output constraint: ``response_format``, or a raw GBNF ``grammar`` (llama-server's field).
+
+    Raises:
+        ApiError: 400 for both at once, or a bad value.
+    """
+    fmt, gbnf = grammar_from_response_format(body.get("response_format")), grammar_of(body)
+    if fmt and gbnf:
+        raise ApiError(400, "invalid request: give a response_format or a grammar, not both", param="grammar")
+    return fmt or gbnf
 
 
 def _fim_mode(model: ServedModel, body: dict[str, Any]) -> str | None:
