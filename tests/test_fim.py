@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -214,3 +215,73 @@ async def test_grammar_constrains_smollm2_and_a_bad_one_is_a_400() -> None:
         for path, body in (("/v1/completions", {"model": "smol", "prompt": "a"}), ("/completion", {"prompt": "a"})):
             r = await c.post(path, json={**body, "grammar": "root ::= ( \"a\""})
             assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], (path, r.text)
+
+
+# --- a real llama.cpp model with FIM markers: SmolLM2 with tokenizer.ggml.fim_*_token_id added ---------------------
+
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _skip_value(data: bytes, at: int, kind: int) -> int:
+    if kind == 8:   # string: u64 length, bytes
+        return at + 8 + int.from_bytes(data[at:at + 8], "little")
+    if kind == 9:   # array: u32 element type, u64 count, elements
+        inner, count = int.from_bytes(data[at:at + 4], "little"), int.from_bytes(data[at + 4:at + 12], "little")
+        at += 12
+        if inner in _SIZES:
+            return at + count * _SIZES[inner]
+        for _ in range(count):
+            at = _skip_value(data, at, inner)
+        return at
+    return at + _SIZES[kind]
+
+
+def with_fim_metadata(src: Path, dst: Path, ids: dict[str, int]) -> None:
+    """Copy GGUF ``src`` to ``dst`` with ``tokenizer.ggml.fim_<k>_token_id`` entries added (u32):
+    the KV section grows, the tensor infos follow unchanged, the data is re-aligned (32)."""
+    import struct
+
+    data = src.read_bytes()
+    assert data[:4] == b"GGUF"
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    at = 24
+    for _ in range(n_kv):
+        at += 8 + int.from_bytes(data[at:at + 8], "little")           # the key
+        kind = int.from_bytes(data[at:at + 4], "little")
+        at = _skip_value(data, at + 4, kind)
+    kv_end = at
+    for _ in range(n_tensors):
+        at += 8 + int.from_bytes(data[at:at + 8], "little")           # the name
+        n_dims = int.from_bytes(data[at:at + 4], "little")
+        at += 4 + 8 * n_dims + 4 + 8
+    infos_end, align = at, 32
+    data_start = (infos_end + align - 1) // align * align
+    extra = b"".join(struct.pack("<Q", len(k)) + k + struct.pack("<II", 4, v)
+                     for k, v in ((f"tokenizer.ggml.fim_{name}_token_id".encode(), tid) for name, tid in ids.items()))
+    head = data[:16] + struct.pack("<Q", n_kv + len(ids)) + data[24:kv_end] + extra + data[kv_end:infos_end]
+    with dst.open("wb") as f:
+        f.write(head + b"\0" * (-len(head) % align))
+        f.write(memoryview(data)[data_start:])
+
+
+@pytest.mark.real
+async def test_infill_on_llamacpp_with_fim_markers(tmp_path: Path) -> None:
+    from .test_real_daemon import real_config
+
+    # SmolLM2's control tokens 6, 7, 8 (<filename>, <gh_stars>, <issue_start>) declared as FIM markers
+    model = tmp_path / "smol-fim.gguf"
+    with_fim_metadata(REAL_GGUF, model, {"pre": 6, "suf": 7, "mid": 8})
+    async with open_daemon(real_config(model, "smol-fim", max_batch=1)) as d:
+        fim = d.client
+        r = await fim.post("/infill", json={"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n",
+                                            "n_predict": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        pre = (await fim.post("/tokenize", json={"content": "def add(a, b):\n    return ", "parse_special": False}))
+        suf = (await fim.post("/tokenize", json={"content": "\n", "parse_special": False}))
+        repo = (await fim.post("/tokenize", json={"content": "myproject\n", "parse_special": False}))
+        # llama.cpp finds SmolLM2's <reponame> (4) as the repo marker by its spelling: the repo-level head leads
+        n = 1 + len(repo.json()["tokens"]) + 1 + len(pre.json()["tokens"]) + 1 + len(suf.json()["tokens"]) + 1
+        assert r.json()["tokens_evaluated"] == n
+        r = await fim.post("/api/generate", json={"model": "smol-fim", "prompt": "x = ", "suffix": "\n",
+                                                  "stream": False, "options": {"num_predict": 2}})
+        assert r.status_code == 200, r.text
