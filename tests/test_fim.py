@@ -76,6 +76,9 @@ async def test_long_inputs_are_cut_to_the_window() -> None:
     assert cut and len(ids) <= 64 - 16
     assert ids[0] == PRE and ids[1:ids.index(SUF)] == tok("a") * (ids.index(SUF) - 1)  # the prefix's end kept
     assert ids.index(SUF) - 1 > ids.index(MID) - ids.index(SUF) - 1                   # 3:1 for the prefix
+    # a max_tokens beyond the window leaves the code half of it, not nothing
+    ids, cut = await fim_prompt(model, prefix=prefix, suffix=suffix, max_new=10**7, klass=QosClass.COMPLETION)
+    assert cut and len(ids) == 32 and ids.index(SUF) > 16
 
 
 def test_spellings_from_special_tokens_and_refusal() -> None:

@@ -126,8 +126,8 @@ async def fim_prompt(model: ServedModel, *, prefix: str, suffix: str, prompt: st
                      klass: QosClass, param: str = "suffix") -> tuple[list[int], bool]:
     """The token ids of a FIM request, and whether any input was cut to fit.
 
-    What does not fit the window (less ``max_new``, or a quarter of it for no limit)
-    is cut as llama-server cuts it: the prefix from its start, the suffix from its end
+    What does not fit the window (less ``max_new`` up to half of it, or a quarter for no
+    limit) is cut as llama-server cuts it: the prefix from its start, the suffix from its end
     (three quarters of the room to the prefix when both are long), then the extra
     chunks from their start.
 
@@ -159,7 +159,8 @@ async def fim_prompt(model: ServedModel, *, prefix: str, suffix: str, prompt: st
 
     info = model.info
     bos = [int(info["bos"])] if info.get("add_bos") and isinstance(info.get("bos"), int) else []
-    reserve = max_new if max_new is not None else model.n_ctx // 4
+    # the reply's room, but never more than half the window: a huge max_tokens must not cut the code away
+    reserve = min(max_new, model.n_ctx // 2) if max_new is not None else model.n_ctx // 4
     room = max(0, model.n_ctx - reserve - len(bos) - 3 - len(mid))
     n_pre = min(len(pre), max(room * 3 // 4, room - len(suf)))
     n_suf = min(len(suf), room - n_pre)
