@@ -105,6 +105,8 @@ async def test_infill_openai_and_ollama_suffix_on_mock(caplog: pytest.LogCapture
     expected = [REP, *tok("myproject\n"), SEP, *tok("a.py\n"), *tok("x = 1"), SEP, *tok("filename\n"),
                 PRE, *tok("def add(a, b):\n    return"), SUF, *tok("\n\nprint(add(1, 2))\n"), MID]
     async with open_daemon(mock_config()) as d:
+        models = (await d.client.get("/v1/models")).json()["data"]
+        assert models[0]["capabilities"]["fim"] is True
         r = await d.client.post("/infill", json={
             "input_prefix": "def add(a, b):\n    return", "input_suffix": "\n\nprint(add(1, 2))\n",
             "input_extra": [{"filename": "a.py", "text": "x = 1"}], "n_predict": 8, "temperature": 0,
@@ -152,6 +154,8 @@ async def test_infill_openai_and_ollama_suffix_on_mock(caplog: pytest.LogCapture
 async def test_model_without_fim_markers_is_refused_on_mock() -> None:
     config = mock_config("mock?step_ms=1&prefill_us=5&fim=0")
     async with open_daemon(config) as d:
+        models = (await d.client.get("/v1/models")).json()["data"]
+        assert models[0]["capabilities"]["fim"] == "the mock was started with fim=0"
         for path, body in (("/infill", {"input_prefix": "a", "input_suffix": "b"}),
                            ("/v1/completions", {"model": "mock", "prompt": "a", "suffix": "b"})):
             r = await d.client.post(path, json=body)
@@ -171,6 +175,7 @@ async def test_smollm2_has_no_fim_markers_and_is_refused() -> None:
     async with open_daemon(real_config(REAL_GGUF, "smol", max_batch=1)) as d:
         r = await d.client.post("/infill", json={"input_prefix": "def f(", "input_suffix": ")"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "fim_unsupported", r.text
+        assert "fill-in-the-middle" in (await d.client.get("/v1/models")).json()["data"][0]["capabilities"]["fim"]
         r = await d.client.post("/api/generate", json={"model": "smol", "prompt": "a", "suffix": "b"})
         assert r.status_code == 400
 
@@ -276,6 +281,7 @@ async def test_infill_on_llamacpp_with_fim_markers(tmp_path: Path) -> None:
     with_fim_metadata(REAL_GGUF, model, {"pre": 6, "suf": 7, "mid": 8})
     async with open_daemon(real_config(model, "smol-fim", max_batch=1)) as d:
         fim = d.client
+        assert (await fim.get("/v1/models")).json()["data"][0]["capabilities"]["fim"] is True
         r = await fim.post("/infill", json={"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n",
                                             "n_predict": 3, "temperature": 0})
         assert r.status_code == 200, r.text

@@ -202,6 +202,9 @@ def _scan_vocab(vocab: Any, n_vocab: int) -> tuple[tuple[int, ...], dict[str, in
     return tuple(eog), specials
 
 
+_NO_FIM = "the model has no fill-in-the-middle tokens (tokenizer.ggml.fim_pre/suf/mid_token_id)"
+
+
 def _fim_tokens(vocab: Any) -> dict[str, int]:
     """The fill-in-the-middle marker ids llama.cpp found (GGUF ``tokenizer.ggml.fim_*_token_id``,
     else the ``<|fim_prefix|>``/``<fim_prefix>``/``<PRE>`` spellings in the vocabulary): ``pre``,
@@ -346,6 +349,7 @@ class LlamaEngine:
                 "shared KV pool (sliding-window/recurrent model): only a whole cached sequence is reused"),
             "embeddings": True,
             "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
+            "fim": True if {"pre", "suf", "mid"} <= self.info.extra["fim"].keys() else _NO_FIM,
         }
 
     # -- vocabulary (safe beside decode) ----------------------------------------

@@ -196,6 +196,7 @@ class MockEngine:
             "prefix_cache": True,
             "embeddings": True,
             "input": {"text": True, "image": "text-only runtime", "audio": "text-only runtime"},
+            "fim": True if self.opts["fim"] else "the mock was started with fim=0",
         }
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
