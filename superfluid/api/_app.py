@@ -28,6 +28,8 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
                       api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses, route_responses
+from ._infill import completion as llama_completion
+from ._infill import detokenize, infill, tokenize_route
 
 from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
@@ -65,6 +67,10 @@ _POST_JSON: dict[str, Handler] = {
     "/api/push": managed,
     "/api/create": managed,
     "/api/copy": api_copy,
+    "/infill": infill,                    # llama-server's own (api/_infill.py)
+    "/completion": llama_completion,
+    "/tokenize": tokenize_route,
+    "/detokenize": detokenize,
 }
 # Routes served without a JSON body (Ollama discovery, and DELETE /api/delete); each handler checks its method.
 _GET_JSON: dict[str, Handler] = {
@@ -104,7 +110,12 @@ def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
 
 
 _GENERATING = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate"})
+                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate", "/infill",
+                         "/completion"})
+
+
+# routes that start no generation: still answered while the daemon stops
+_NOT_GENERATING = frozenset({"/v1/tokenize", "/tokenize", "/detokenize"})
 
 
 def _logged_at_info(exchange: Exchange) -> bool:
@@ -264,7 +275,7 @@ class App:
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        if self.stopping.started and method in ("POST", "PUT") and path != "/v1/tokenize":
+        if self.stopping.started and method in ("POST", "PUT") and path not in _NOT_GENERATING:
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):
             models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}

@@ -144,12 +144,16 @@ class Hello(Event):
 class Tokenize(Event):
     """Tokenize ``segments`` (``[text, parse_special]`` pairs) and concatenate.
     Scaffold from a chat template is parsed for special markers; client text
-    is not, so a user cannot forge a turn."""
+    is not, so a user cannot forge a turn. With ``pieces`` the answer carries
+    each id's bytes too; ``ids`` (no segments) asks only for their bytes: a
+    detokenize (``/detokenize``, ``/tokenize`` ``with_pieces``)."""
 
     code: ClassVar[int] = 0x03
     req: int = attrs.field(validator=_nonneg)
     segments: tuple[tuple[str, bool], ...] = attrs.field(converter=lambda v: tuple((str(t), bool(p)) for t, p in v))
     add_special: bool = False
+    ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple, validator=_token_list, metadata={"since": 1})
+    pieces: bool = attrs.field(default=False, metadata={"since": 1})
 
 
 @attrs.frozen(kw_only=True)
@@ -267,15 +271,19 @@ class Tokenized(Event):
     req: int = attrs.field(validator=_nonneg)
     tokens: tuple[int, ...] = attrs.field(converter=_tuple, validator=_token_list)
     more: bool = False
+    pieces: tuple[bytes, ...] = attrs.field(default=(), converter=_tuple, metadata={"since": 1})  # asked: one per id
 
 
-def tokenized_pieces(req: int, tokens: list[int]) -> list[Tokenized]:
+def tokenized_pieces(req: int, tokens: list[int], pieces: list[bytes] | None = None) -> list[Tokenized]:
     """The answer to tokenize request ``req``, split so no frame can outgrow the
     link's limit however long the prompt (a msgpack int is at most 9 bytes, so a
-    piece is at most ~600 KiB), and the reader decodes it in bounded steps."""
+    piece is at most ~600 KiB; with each id's bytes, an eighth as many ids), and
+    the reader decodes it in bounded steps."""
     n = len(tokens)
-    starts = range(0, n, TOKENIZED_PIECE) if n else [0]
-    return [Tokenized(req=req, tokens=tokens[i : i + TOKENIZED_PIECE], more=i + TOKENIZED_PIECE < n)
+    step = TOKENIZED_PIECE if pieces is None else TOKENIZED_PIECE // 8
+    starts = range(0, n, step) if n else [0]
+    return [Tokenized(req=req, tokens=tokens[i : i + step], more=i + step < n,
+                      pieces=() if pieces is None else pieces[i : i + step])
             for i in starts]
 
 

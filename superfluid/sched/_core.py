@@ -145,6 +145,8 @@ class TokenizeRequest:
     add_special: bool
     reply: Reply
     klass: QosClass = QosClass.INTERACTIVE
+    ids: tuple[int, ...] = ()     # only these ids' bytes (a detokenize)
+    pieces: bool = False          # the answer is ``(id, bytes)`` pairs
 
 
 @attrs.frozen(eq=False)
@@ -326,7 +328,8 @@ class SchedulerCore:
         cmd = pending.command
         if isinstance(cmd, EmbedRequest):
             return Embed(req=req, inputs=cmd.inputs, normalize=cmd.normalize)
-        return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special)
+        return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special, ids=cmd.ids,
+                        pieces=cmd.pieces)
 
     def _fail_tokenizes(self, error: Unavailable, *, unsent_only: bool = False) -> None:
         for req, pending in list(self._tokenize.items()):
@@ -721,7 +724,9 @@ class SchedulerCore:
         elif isinstance(event, Tokenized):
             pending = self._tokenize.get(event.req)
             if pending is not None:
-                pending.parts += event.tokens
+                cmd = pending.command
+                wants = isinstance(cmd, TokenizeRequest) and (cmd.pieces or bool(cmd.ids))
+                pending.parts += zip(event.tokens, event.pieces, strict=False) if wants else event.tokens
                 if not event.more:
                     self._tokenize_done(event.req)
                     pending.command.reply.set(pending.parts)
