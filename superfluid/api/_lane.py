@@ -242,7 +242,9 @@ def log_refusal(exc: JournalWriteError) -> ApiError:
 
 
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
-    """``SessionStore.open``, refused typed as :func:`check_log` says."""
+    """``SessionStore.open``, refused typed as :func:`check_log` says. The job
+    takes the session's stop strings: its lane ends at the token completing one."""
+    job.stops = tuple(s for s in kw.get("stops", ()) if s)
     try:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:

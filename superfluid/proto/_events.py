@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 TOKENIZED_PIECE = 1 << 16  # token ids in one Tokenized frame
 DROPPABLE_BASE = 0x80
 MAX_LOGPROBS = 20
-FINISH_REASONS = frozenset({"eos", "length", "context", "cancelled", "error"})
+FINISH_REASONS = frozenset({"eos", "length", "context", "stop", "cancelled", "error"})   # stop: Admit.stops
 
 
 def _nonneg(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
@@ -189,6 +189,8 @@ class Admit(Event):
     priority: int = attrs.field(default=2, validator=_nonneg)   # QoS class: 0 most urgent; orders prefill
     # prefix-cache partition: KV computed under one salt is reused only under the same salt
     cache_salt: str = attrs.field(default="", metadata={"since": 1})
+    # stop strings: the lane ends (finish ``stop``) with the token that completes one
+    stops: tuple[str, ...] = attrs.field(default=(), converter=tuple, metadata={"since": 1})
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:

@@ -69,6 +69,7 @@ from typing import Any
 
 import attrs
 
+from ..chat import StopScan
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
@@ -102,6 +103,7 @@ class Lane:
     cached: int = 0
     replay: bool = False   # exact mode: tokens after the prompt are decoded one per round
     spec: LaneSpec | None = None   # drafting state, if this lane may speculate
+    stops: StopScan | None = None  # its stop strings over what it generated (Admit.stops)
 
     @property
     def prefill_end(self) -> int:
@@ -280,7 +282,7 @@ class Executor:
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
             sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
             cached=min(matched, msg.n_prompt), replay=replay,
-            spec=LaneSpec() if self._may_draft(msg.sampling) else None,
+            spec=LaneSpec() if self._may_draft(msg.sampling) else None, stops=self._stop_scan(msg),
         )
         if self.gates is not None:
             self.gates.admitted()
@@ -947,6 +949,15 @@ class Executor:
             return s
         return attrs.evolve(s, logit_bias=(*s.logit_bias, *((tok, -math.inf) for tok in self.info.eog)))
 
+    def _stop_scan(self, msg: Admit) -> StopScan | None:
+        """The lane's stop scan, past what it generated before (a re-admitted lane)."""
+        if not msg.stops:
+            return None
+        scan = StopScan(msg.stops)
+        for token in msg.tokens[msg.n_prompt:]:
+            scan.feed(b"" if self.engine.is_eog(token) else self.engine.piece(token))
+        return scan
+
     def _sample(self, ln: Lane, out: Any) -> list[Any]:
         k = ln.n_generated
         token = ln.sampler.sample(out, k)
@@ -962,6 +973,8 @@ class Executor:
             finish = "context"
         # an end-of-generation token passed by ignore_eos renders as no text
         piece = b"" if self.engine.is_eog(token) else self.engine.piece(token)
+        if ln.stops is not None and ln.stops.feed(piece):
+            finish = "stop"   # at the token completing a stop: the engine decodes no further for it
         return [ln.lane, token, piece, finish, lp]
 
     def close(self) -> None:

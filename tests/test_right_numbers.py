@@ -1,0 +1,159 @@
+"""Right numbers (issue 47): a stop string ends the job in its lane at the token that
+completes it, and every dialect's usage counts exactly the tokens up to that one;
+a JSON document cut by ``max_tokens`` gets a legal ending; ``--spec-max-temperature``
+caps only a default temperature."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+
+from superfluid.client import aiter_sse
+from superfluid.sched import PlannerConfig
+from superfluid.serving import ModelSource, ServeConfig
+from superfluid.suite._client import metric_sum
+
+from .conftest import REAL_GGUF, Daemon, sse_events, start_daemon, stream_text
+
+USER = [{"role": "user", "content": "tell me a story about the river"}]
+REPEAT = 3
+
+
+async def _metric(d: Daemon, name: str) -> float:
+    return metric_sum((await d.client.get("/metrics")).text, name) or 0.0
+
+
+async def _lanes_active(d: Daemon) -> float:
+    return await _metric(d, "superfluid_lanes_active")
+
+
+def _cut_at(pieces: list[str], stop: str) -> tuple[str, int]:
+    """The text returned with ``stop`` and the tokens it counts: up to the one completing the stop."""
+    text = ""
+    for i, piece in enumerate(pieces):
+        text += piece
+        if stop in text:
+            return text[: text.index(stop)], i + 1
+    raise AssertionError(f"{stop!r} is not in the reply")
+
+
+async def _reference(d: Daemon, **kw: Any) -> list[str]:
+    """The unstopped greedy reply's tokens (as text), from its logprobs."""
+    body = {"model": "mock", "messages": USER, "temperature": 0, "max_tokens": 40, "logprobs": True, **kw}
+    r = (await d.client.post("/v1/chat/completions", json=body)).json()
+    return [row["token"] for row in r["choices"][0]["logprobs"]["content"]]
+
+
+def _stop_of(pieces: list[str]) -> str:
+    """A stop string that the reply completes several tokens in (not its first word)."""
+    return pieces[6].strip() or pieces[7].strip()
+
+
+async def test_a_stop_ends_the_lane_and_every_dialect_counts_the_same_tokens(daemon: Daemon) -> None:
+    pieces = await _reference(daemon)
+    stop = _stop_of(pieces)
+    want_text, want_n = _cut_at(pieces, stop)
+    c = daemon.client
+    chat = {"model": "mock", "messages": USER, "temperature": 0, "max_tokens": 40, "stop": [stop]}
+
+    async def openai_whole() -> tuple[str, int]:
+        r = (await c.post("/v1/chat/completions", json=chat)).json()
+        assert r["choices"][0]["finish_reason"] == "stop"
+        return r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]
+
+    async def openai_stream() -> tuple[str, int]:
+        async with c.stream("POST", "/v1/chat/completions",
+                            json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = await sse_events(r)
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        return stream_text(events), events[-1]["usage"]["completion_tokens"]
+
+    anthropic = {"model": "mock", "messages": USER, "temperature": 0, "max_tokens": 40, "stop_sequences": [stop]}
+
+    async def anthropic_whole() -> tuple[str, int]:
+        r = (await c.post("/v1/messages", json=anthropic)).json()
+        assert (r["stop_reason"], r["stop_sequence"]) == ("stop_sequence", stop)
+        return r["content"][0]["text"], r["usage"]["output_tokens"]
+
+    async def anthropic_stream() -> tuple[str, int]:
+        async with c.stream("POST", "/v1/messages", json={**anthropic, "stream": True}) as r:
+            events = [e.json() async for e in aiter_sse(r.aiter_bytes()) if e.data]
+        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        [end] = [e for e in events if e["type"] == "message_delta"]
+        return text, end["usage"]["output_tokens"]
+
+    ollama = {"model": "mock", "messages": USER, "options": {"temperature": 0, "num_predict": 40, "stop": [stop]}}
+
+    async def ollama_whole() -> tuple[str, int]:
+        r = (await c.post("/api/chat", json={**ollama, "stream": False})).json()
+        assert r["done_reason"] == "stop"
+        return r["message"]["content"], r["eval_count"]
+
+    async def ollama_stream() -> tuple[str, int]:
+        async with c.stream("POST", "/api/chat", json={**ollama, "stream": True}) as r:
+            lines = [json.loads(line) async for line in r.aiter_lines() if line.strip()]
+        assert lines[-1]["done"]
+        return "".join(x["message"]["content"] for x in lines), lines[-1]["eval_count"]
+
+    for ask in (openai_whole, openai_stream, anthropic_whole, anthropic_stream, ollama_whole, ollama_stream):
+        for _ in range(REPEAT):
+            assert await ask() == (want_text, want_n), ask.__name__
+            # the job ended in its lane at the stop: nothing holds a lane once the reply is out
+            assert await _lanes_active(daemon) == 0, ask.__name__
+
+
+async def test_a_seeded_stop_counts_the_same_on_completions_stream_or_not(daemon: Daemon) -> None:
+    """Sampled with a seed on ``/v1/completions``: the same text and usage every time,
+    the tokens up to the one completing the stop."""
+    base = {"model": "mock", "prompt": "once upon a time", "max_tokens": 200, "temperature": 0.9, "seed": 11,
+            "ignore_eos": True}
+    ref = (await daemon.client.post("/v1/completions", json={**base, "logprobs": 0})).json()["choices"][0]
+    pieces = ref["logprobs"]["tokens"]
+    stop = _stop_of(pieces)
+    want_text, want_n = _cut_at(pieces, stop)
+    for _ in range(REPEAT):
+        decoded = await _metric(daemon, "superfluid_decode_tokens_total")
+        r = (await daemon.client.post("/v1/completions", json={**base, "stop": stop})).json()
+        assert (r["choices"][0]["text"], r["usage"]["completion_tokens"]) == (want_text, want_n)
+        assert r["choices"][0]["finish_reason"] == "stop"
+        assert await _lanes_active(daemon) == 0
+        # the engine stopped at the stop: it decoded no token past it (the first came from the prefill)
+        await trio.sleep(0.1)   # (its tick's report may follow the reply)
+        assert await _metric(daemon, "superfluid_decode_tokens_total") - decoded <= want_n
+        async with daemon.client.stream("POST", "/v1/completions", json={
+                **base, "stop": stop, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            events = await sse_events(s)
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want_text
+        assert events[-1]["usage"]["completion_tokens"] == want_n
+        assert await _lanes_active(daemon) == 0
+
+
+@pytest.mark.real
+async def test_a_stop_counts_the_same_tokens_on_smollm2(nursery: trio.Nursery) -> None:
+    """llama.cpp's tokenizer: a stop inside a word, stream or not, counts the tokens up to the one
+    completing it, every time."""
+    config = ServeConfig(models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),), port=0,
+                         max_batch=2, max_context=1024, planner=PlannerConfig(max_batch=2), hang_timeout_s=120.0)
+    d = await start_daemon(nursery, config)
+    try:
+        chat = {"model": "smol", "messages": [{"role": "user", "content": "Describe a river in three sentences."}],
+                "temperature": 0, "max_tokens": 16}
+        ref = (await d.client.post("/v1/chat/completions", json={**chat, "logprobs": True})).json()
+        pieces = [row["token"] for row in ref["choices"][0]["logprobs"]["content"]]
+        word = next(p.strip() for p in pieces[2:] if len(p.strip()) >= 4 and p.strip().isalpha())
+        stop = word[1:3]   # ends inside a token: the token completing it counts, its text is cut
+        want_text, want_n = _cut_at(pieces, stop)
+        for _ in range(2):
+            r = (await d.client.post("/v1/chat/completions", json={**chat, "stop": stop})).json()
+            assert (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"]) == (want_text, want_n)
+            async with d.client.stream("POST", "/v1/chat/completions", json={
+                    **chat, "stop": stop, "stream": True, "stream_options": {"include_usage": True}}) as s:
+                events = await sse_events(s)
+            assert (stream_text(events), events[-1]["usage"]["completion_tokens"]) == (want_text, want_n)
+            assert await _lanes_active(d) == 0
+    finally:
+        await d.client.aclose()
+        d.scope.cancel()
