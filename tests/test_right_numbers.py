@@ -11,8 +11,11 @@ from typing import Any
 import pytest
 import trio
 
+from superfluid.api._lane import Follower
+from superfluid.chat import document_schema
 from superfluid.client import aiter_sse
-from superfluid.sched import PlannerConfig
+from superfluid.proto import Sampling
+from superfluid.sched import Job, PlannerConfig
 from superfluid.serving import ModelSource, ServeConfig
 from superfluid.suite._client import metric_sum
 
@@ -135,9 +138,7 @@ async def test_a_seeded_stop_counts_the_same_on_completions_stream_or_not(daemon
 async def test_a_stop_counts_the_same_tokens_on_smollm2(nursery: trio.Nursery) -> None:
     """llama.cpp's tokenizer: a stop inside a word, stream or not, counts the tokens up to the one
     completing it, every time."""
-    config = ServeConfig(models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),), port=0,
-                         max_batch=2, max_context=1024, planner=PlannerConfig(max_batch=2), hang_timeout_s=120.0)
-    d = await start_daemon(nursery, config)
+    d = await start_daemon(nursery, _smol())
     try:
         chat = {"model": "smol", "messages": [{"role": "user", "content": "Describe a river in three sentences."}],
                 "temperature": 0, "max_tokens": 16}
@@ -154,6 +155,96 @@ async def test_a_stop_counts_the_same_tokens_on_smollm2(nursery: trio.Nursery) -
                 events = await sse_events(s)
             assert (stream_text(events), events[-1]["usage"]["completion_tokens"]) == (want_text, want_n)
             assert await _lanes_active(d) == 0
+    finally:
+        await d.client.aclose()
+        d.scope.cancel()
+
+
+def _smol(max_batch: int = 2) -> ServeConfig:
+    return ServeConfig(models=(ModelSource(spec=str(REAL_GGUF), runtime="llamacpp", name="smol"),), port=0,
+                       max_batch=max_batch, max_context=1024, planner=PlannerConfig(max_batch=max_batch),
+                       hang_timeout_s=120.0)
+
+
+# --- a JSON document cut by max_tokens ---------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+    "type": "string"}}, "age": {"type": "integer"}}, "required": ["name", "tags", "age"]}
+
+
+def _cut_job(grammar: str, pieces: list[bytes]) -> Job:
+    job = Job(prompt=[1], sampling=Sampling(grammar=grammar), max_new=len(pieces))
+    job.tokens = list(range(len(pieces)))
+    job.pieces = list(pieces)
+    return job
+
+
+async def _read(follower: Follower) -> tuple[list[str], str | None]:
+    deltas = []
+    while True:
+        text, _rows, done = await follower.next_delta()
+        deltas.append(text)
+        if done:
+            return deltas, follower.finish
+
+
+@pytest.mark.parametrize(("grammar", "pieces", "closing"), [
+    ("json", [b'{"name": "Ma', b'ra", "tags": ["a', b'b'], '"]}'),
+    ("json", [b'{"a": {"b": [1, 2.'], "0]}}"),
+    ("json", [b"\n"], "{}"),
+    ("json_schema:" + json.dumps(PERSON), [b'{"name": "Ma', b'ra", "tags": ["a'], '"],"age":0}'),
+])
+async def test_a_document_cut_by_max_tokens_gets_a_legal_ending_in_its_last_delta(
+        grammar: str, pieces: list[bytes], closing: str) -> None:
+    job = _cut_job(grammar, pieces[:1])
+    follower = Follower(job, [], document=document_schema(grammar))
+    first, _rows, done = await follower.next_delta()
+    assert (first, done) == (pieces[0].decode(), False)
+    job.tokens.append(len(pieces))
+    job.pieces += pieces[1:]
+    job.finish_with("length")
+    deltas, finish = await _read(follower)
+    assert finish == "length"
+    assert deltas == ["".join(p.decode() for p in pieces[1:]) + closing]   # the closing ends the last delta
+    doc = json.loads(first + deltas[-1])
+    if grammar != "json":
+        assert set(PERSON["required"]) <= set(doc)
+
+
+async def test_a_document_ended_otherwise_or_free_text_is_left_as_it_is() -> None:
+    stopped = _cut_job("json", [b'{"a": 1, "b": "x'])
+    stopped.finish_with("stop")       # a stop string cut it: the client asked for that text
+    assert (await _read(Follower(stopped, [], document=document_schema("json"))))[0] == ['{"a": 1, "b": "x']
+    text = _cut_job("", [b'{"a": "x'])
+    text.finish_with("length")
+    assert document_schema("") is None and document_schema('root ::= "a"') is None
+    assert (await _read(Follower(text, [])))[0] == ['{"a": "x']
+
+
+@pytest.mark.real
+async def test_a_json_reply_cut_by_max_tokens_parses_on_smollm2(nursery: trio.Nursery) -> None:
+    """``json_object`` and ``json_schema`` cut short on llama.cpp: the reply parses, with
+    ``finish_reason: length``, whole and streamed (Ollama ``format`` too)."""
+    d = await start_daemon(nursery, _smol())
+    try:
+        ask = {"model": "smol", "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+               "temperature": 0, "max_tokens": 8}
+        for fmt in ({"type": "json_object"},
+                    {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}):
+            r = (await d.client.post("/v1/chat/completions", json={**ask, "response_format": fmt})).json()
+            assert r["choices"][0]["finish_reason"] == "length"
+            whole = r["choices"][0]["message"]["content"]
+            assert isinstance(json.loads(whole), dict), whole
+            async with d.client.stream("POST", "/v1/chat/completions",
+                                       json={**ask, "response_format": fmt, "stream": True}) as s:
+                events = await sse_events(s)
+            assert stream_text(events) == whole
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        r = (await d.client.post("/api/chat", json={"model": "smol", "messages": ask["messages"], "stream": False,
+                                                    "format": "json", "options": {"temperature": 0,
+                                                                                  "num_predict": 8}})).json()
+        assert r["done_reason"] == "length"
+        assert isinstance(json.loads(r["message"]["content"]), dict)
     finally:
         await d.client.aclose()
         d.scope.cancel()

@@ -25,8 +25,8 @@ import attrs
 
 from ..chat import (
     Delta, ForcedCallParser, ReasoningSplitter, ReplyParser, TemplateRenderError, Tool, ToolCall, ToolCallParser,
-    ToolChoice, ToolWire, call_markers, call_schema, detect_wire, flatten_tool_messages, forced_prefill, reasoning_tags,
-    render_chatml, template_knows_tools,
+    ToolChoice, ToolWire, call_markers, call_schema, detect_wire, document_schema, flatten_tool_messages,
+    forced_prefill, reasoning_tags, render_chatml, template_knows_tools,
 )
 from ..proto import Sampling
 from ..sched import QosClass, parse_qos
@@ -251,8 +251,10 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
                         partition=partition, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
+    # a forced call's document is the call parser's to close (it marks the call recovered)
+    document = None if req.choice.forced else document_schema(rendered.grammar)
     async with open_lane(app, model, job, kind="chat", stops=stops):
-        yield Reply(model, job, Follower(job, stops), rendered.parser)
+        yield Reply(model, job, Follower(job, stops, document=document), rendered.parser)
 
 
 def thinking_kwargs(template_source: str, kwargs: dict[str, Any], *, enable: Any = None, effort: Any = None,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..chat import document_schema
 from ..proto import encode_sse_json
 from ._chat import (
     ChatRequest, Reply, grammar_from_response_format, max_tokens_from, open_reply, openai_call, openai_delta,
@@ -245,7 +246,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, send: Send,
                           stops: list[str], *, stream: bool, usage: bool = False, continuous: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
-    follower = Follower(job, stops)
+    follower = Follower(job, stops, document=document_schema(job.sampling.grammar))
     async with open_lane(app, model, job, kind="completion", stops=stops):  # a disconnect cancels the request
         if stream:
             await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
