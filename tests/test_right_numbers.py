@@ -12,12 +12,15 @@ import pytest
 import trio
 
 from superfluid.api._lane import Follower
+from superfluid.api._params import sampling_from
 from superfluid.chat import document_schema
 from superfluid.client import aiter_sse
-from superfluid.proto import Sampling
+from superfluid.proto import Admit, Sampling, SpecConfig, from_wire, to_wire
 from superfluid.sched import Job, PlannerConfig
 from superfluid.serving import ModelSource, ServeConfig
 from superfluid.suite._client import metric_sum
+from superfluid.worker._executor import Executor
+from superfluid.worker._mock import WORD0, MockEngine
 
 from .conftest import REAL_GGUF, Daemon, sse_events, start_daemon, stream_text
 
@@ -248,3 +251,34 @@ async def test_a_json_reply_cut_by_max_tokens_parses_on_smollm2(nursery: trio.Nu
     finally:
         await d.client.aclose()
         d.scope.cancel()
+
+
+# --- --spec-max-temperature caps only a default temperature ------------------------------------
+
+def test_a_request_that_names_no_temperature_is_marked_default() -> None:
+    assert sampling_from({}, n_vocab=100).temperature_default
+    assert sampling_from({"temperature": None}, n_vocab=100).temperature_default
+    for asked in (1.0, 0, 1.7):
+        s = sampling_from({"temperature": asked}, n_vocab=100)
+        assert (s.temperature, s.temperature_default) == (asked, False)
+    # on the wire only when true: a worker that predates the field reads every other Sampling as before
+    assert "temperature_default" not in Sampling(temperature=1.0).to_dict()
+    admit = Admit(lane=1, tokens=[1, 2], n_prompt=2, max_new=4, sampling=sampling_from({}, n_vocab=100))
+    assert from_wire(to_wire(admit), max_len=1 << 20) == admit
+
+
+def test_spec_max_temperature_caps_a_default_temperature_never_a_requested_one() -> None:
+    mock = "mock?step_ms=0&prefill_us=0&n_ctx=2048&copy=0.8"
+    doc = [WORD0 + i % 20 for i in range(40)]
+    capped = Executor(MockEngine(mock, n_seq=4), max_lanes=4, speculate=SpecConfig(max_temperature=0.5))
+    plain = Executor(MockEngine(mock, n_seq=4), max_lanes=4)
+    asks = [Sampling(temperature=1.0, temperature_default=True),   # the default: capped, so it drafts
+            Sampling(temperature=1.0),                             # asked for: kept, and too hot to draft
+            Sampling(temperature=0.3)]                             # asked for, cooler than the cap: drafts
+    for i, s in enumerate(asks):
+        capped.admit(Admit(lane=i, tokens=doc, n_prompt=len(doc), max_new=4, sampling=s))
+        plain.admit(Admit(lane=i, tokens=doc, n_prompt=len(doc), max_new=4, sampling=s))
+    assert [ln.sampling.temperature for ln in capped.lanes.values()] == [0.5, 1.0, 0.3]
+    assert [ln.spec is not None for ln in capped.lanes.values()] == [True, False, True]
+    # the cap is a speculation setting: a worker that does not speculate samples what it was sent
+    assert [ln.sampling.temperature for ln in plain.lanes.values()] == [1.0, 1.0, 0.3]

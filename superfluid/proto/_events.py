@@ -111,6 +111,9 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
     n_logprobs: int = attrs.field(default=-1)
     grammar: str = ""
+    # the request named no temperature (``temperature`` is the default): --spec-max-temperature may
+    # lower it on a speculating worker, and never one a request set (on the wire only when true)
+    temperature_default: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -125,6 +128,8 @@ class Sampling:
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
+        if not self.temperature_default:
+            del d["temperature_default"]   # (added after version 1: a peer that predates it reads the rest)
         return d
 
 
