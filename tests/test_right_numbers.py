@@ -13,11 +13,13 @@ import trio
 
 from superfluid.api._lane import Follower
 from superfluid.api._params import sampling_from
+from superfluid.api._sessions import follower_at
 from superfluid.chat import document_schema
 from superfluid.client import aiter_sse
 from superfluid.proto import Admit, Sampling, SpecConfig, from_wire, to_wire
 from superfluid.sched import Job, PlannerConfig
 from superfluid.serving import ModelSource, ServeConfig
+from superfluid.sessions._resumable import LiveSession
 from superfluid.suite._client import metric_sum
 from superfluid.worker._executor import Executor
 from superfluid.worker._mock import WORD0, MockEngine
@@ -212,6 +214,15 @@ async def test_a_document_cut_by_max_tokens_gets_a_legal_ending_in_its_last_delt
     doc = json.loads(first + deltas[-1])
     if grammar != "json":
         assert set(PERSON["required"]) <= set(doc)
+
+
+async def test_a_resumed_stream_closes_a_cut_document_too() -> None:
+    """A resumable session's follower (``x-superfluid-resumable``, resumed from a cursor) streams
+    text and closes a cut ``response_format`` document the same way."""
+    job = _cut_job("json", [b'{"a": ["x', b'", "y'])
+    job.finish_with("length")
+    session = LiveSession(id="s-1", job=job, model="m", kind="chat", stops=[], resumable=True)
+    assert (await _read(follower_at(session, 1)))[0] == ['", "y"]}']
 
 
 async def test_a_document_ended_otherwise_or_free_text_is_left_as_it_is() -> None:
