@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from .._errors import leaves
+from ..chat import document_schema
 from ..proto import encode_sse_json
 from ._chat import (
     ChatRequest, Reply, choices_from, grammar_from_response_format, max_tokens_from, open_replies, open_reply,
@@ -312,7 +313,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, send: Send,
                           stops: list[str], *, stream: bool, usage: bool = False, continuous: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
-    follower = Follower(job, stops)
+    follower = Follower(job, stops, document=document_schema(job.sampling.grammar))
     async with open_lane(app, model, job, kind="completion", stops=stops):  # a disconnect cancels the request
         if stream:
             await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
@@ -509,7 +510,7 @@ async def _run_completions(app: App, model: ServedModel, first: Job, n: int, sen
     async with open_lane(app, model, first, kind="completion", stops=stops):  # a disconnect cancels every choice
         async with open_siblings(app, model, first, n, kind="completion", stops=stops) as siblings:
             jobs = [first, *siblings]
-            followers = [Follower(job, stops) for job in jobs]
+            followers = [Follower(job, stops, document=document_schema(job.sampling.grammar)) for job in jobs]
             if stream:
                 await _stream_completions(send, jobs, followers, rid=rid, created=created, model=model.name,
                                           usage=usage, continuous=continuous)

@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 TOKENIZED_PIECE = 1 << 16  # token ids in one Tokenized frame
 DROPPABLE_BASE = 0x80
 MAX_LOGPROBS = 20
-FINISH_REASONS = frozenset({"eos", "length", "context", "cancelled", "error"})
+FINISH_REASONS = frozenset({"eos", "length", "context", "stop", "cancelled", "error"})   # stop: Admit.stops
 
 
 def _nonneg(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
@@ -111,6 +111,9 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
     n_logprobs: int = attrs.field(default=-1)
     grammar: str = ""
+    # the request named no temperature (``temperature`` is the default): --spec-max-temperature may
+    # lower it on a speculating worker, and never one a request set (on the wire only when true)
+    temperature_default: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -125,6 +128,8 @@ class Sampling:
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
+        if not self.temperature_default:
+            del d["temperature_default"]   # (added after version 1: a peer that predates it reads the rest)
         return d
 
 
@@ -193,6 +198,8 @@ class Admit(Event):
     priority: int = attrs.field(default=2, validator=_nonneg)   # QoS class: 0 most urgent; orders prefill
     # prefix-cache partition: KV computed under one salt is reused only under the same salt
     cache_salt: str = attrs.field(default="", metadata={"since": 1})
+    # stop strings: the lane ends (finish ``stop``) with the token that completes one
+    stops: tuple[str, ...] = attrs.field(default=(), converter=tuple, metadata={"since": 1})
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:

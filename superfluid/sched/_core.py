@@ -598,7 +598,7 @@ class SchedulerCore:
         return Admit(
             lane=lane, tokens=job.prompt + generated, n_prompt=len(job.prompt),
             max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
-            cache_salt=job.partition,
+            cache_salt=job.partition, stops=job.stops,
         )
 
     def _dequeue(self, job_id: int) -> Job:
@@ -760,11 +760,22 @@ class SchedulerCore:
             if spec:
                 job.spec = (int(spec[0][0]), int(spec[0][1]))
             if token >= 0 and finish not in ("eos", "cancelled", "error"):
+                stopped = bool(job.stops) and job.completes_stop(piece)
                 job.staged.append((token, piece, lp))
                 span = spans.setdefault(job.id, (job, [], []))
                 span[1].append(token)
                 span[2].append(piece)
                 decoding += 1
+                if stopped:
+                    # The job ends here, with this token (usage counts it, as llama-server's does):
+                    # the lane is free now and its Cancel goes out with the next write, ahead of any
+                    # Admit; what the worker emits for it until then (a draft's tail) is dropped.
+                    del self.running[lane]
+                    ended.append((job, "stop"))
+                    if finish is None:
+                        job.cancel_sent = True
+                        self._frames.append(Cancel(lane=lane, publish=True))
+                    continue
             if finish is not None:
                 del self.running[lane]
                 ended.append((job, finish))
