@@ -547,6 +547,15 @@ MUTATIONS = (
              "                await registry.wait_for_models(store.models_to_resume(), config.fleet_wait_s)\n",
              "                pass\n",
              (F + "test_a_head_restart_resumes_resumable_streams_on_the_nodes",)),
+    # ---- stop strings (SPEC.md §1: matched in the worker and in the core) ----
+    Mutation("the worker ends a lane at the token completing a stop", "superfluid/worker/_executor.py",
+             "        if ln.stops is not None and ln.stops.feed(piece):\n",
+             "        if False:\n",
+             ("tests/test_right_numbers.py::test_a_seeded_stop_counts_the_same_on_completions_stream_or_not",)),
+    Mutation("the core ends a job at the token completing a stop", "superfluid/sched/_core.py",
+             "                stopped = bool(job.stops) and job.completes_stop(piece)\n",
+             "                stopped = False\n",
+             (C + "test_a_token_that_completes_a_stop_ends_its_job_there_and_cancels_a_lane_the_worker_left_open",)),
     # ---- batches (SPEC.md §7 "Batches") ----
     Mutation("a line is logged once: replay keeps the first result of an index", "superfluid/proto/_batch.py",
              "            if index in self.lines:\n                return  # the first result of a line is the one",
