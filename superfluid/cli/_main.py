@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a connection has to send a complete request head, from its accept or from "
                         "the end of its previous response (so also how long an idle keep-alive connection "
                         f"stays); then it is closed (default {D.HEADER_TIMEOUT_S:g})")
-    s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
+    s.add_argument("--sessions", type=Path, help="sessions directory (default $SUPERFLUID_HOME/sessions, ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
     s.add_argument("--resume-ttl", type=nonneg_float, default=D.RESUME_TTL_S,

@@ -9,6 +9,7 @@ import attrs
 
 from .. import _defaults as D
 from ..proto import SpecConfig
+from ..runtime._home import home
 from ..sched import PlannerConfig, QosClass
 
 __all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir", "secret_digest"]
@@ -123,4 +124,5 @@ class ServeConfig:
 
 
 def default_sessions_dir() -> Path:
-    return Path.home() / ".superfluid" / "sessions"
+    """``$SUPERFLUID_HOME/sessions`` (``~/.superfluid/sessions``), beside the models, runtimes and logs."""
+    return home() / "sessions"
