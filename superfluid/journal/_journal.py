@@ -569,7 +569,9 @@ class Journal:
         since = _unix_ms() - int(self.config.conversation_ttl_s * 1000)
         for s in self.sessions.values():
             if s.conversation is not None:
-                if s.open_turn >= 0 or s.session in busy:
+                if s.done:  # purged
+                    drop.append(s.session)
+                elif s.open_turn >= 0 or s.session in busy:
                     keep.append(s)
                 elif s.last_ts >= since:
                     idle.append(s)
