@@ -123,7 +123,7 @@ class Watcher:
     reason (``purged``, ``shutdown``); what was queued before is still read.
     """
 
-    def __init__(self, cid: str, capacity: int = WATCH_QUEUE) -> None:
+    def __init__(self, cid: str, capacity: int) -> None:
         self.cid = cid
         self.capacity = capacity
         self.queue: collections.deque[tuple[str, Any]] = collections.deque()
@@ -159,6 +159,7 @@ class Watcher:
 
     async def next(self) -> tuple[str, Any] | None:
         """The next frame; None once ended and drained."""
+        await trio.lowlevel.checkpoint()
         while not self.queue:
             if self.ended is not None:
                 return None
@@ -275,9 +276,10 @@ class ConversationStore:
     # -- watching ------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def watching(self, cid: str, capacity: int = WATCH_QUEUE) -> Iterator[Watcher]:
-        """A :class:`Watcher` of ``cid`` for the block: every event committed to it is pushed."""
-        watcher = Watcher(cid, capacity)
+    def watching(self, cid: str, capacity: int | None = None) -> Iterator[Watcher]:
+        """A :class:`Watcher` of ``cid`` for the block (``capacity`` default :data:`WATCH_QUEUE`):
+        every event committed to it is pushed."""
+        watcher = Watcher(cid, capacity or WATCH_QUEUE)
         self._watchers.setdefault(cid, set()).add(watcher)
         try:
             yield watcher
