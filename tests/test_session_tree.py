@@ -4,17 +4,25 @@ their replay after a daemon restart."""
 
 from __future__ import annotations
 
+import json
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from trio_websocket import open_websocket_url
 
 from superfluid.journal import SessionStateError, open_journal
+from superfluid.proto._sse import SseDecoder
+from superfluid.sessions._conversations import Watcher
 from superfluid.proto._wal import body_conversation, body_message, body_meta, body_purged, body_turn
 
-from .conftest import mock_config, open_daemon
+from .conftest import Daemon, mock_config, open_daemon
 
 SAMPLING = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 U1 = {"role": "user", "content": "tell me about rivers"}
@@ -171,3 +179,347 @@ async def test_journal_meta_and_purged_events_replay_and_compaction_drops_purged
             await journal.append("c", body_meta(version=2))
         await journal.compact()
         assert "c" not in journal.sessions and "d" in journal.sessions
+
+
+# -- one test per operation over HTTP, the WebSocket and the unix socket --------------------------------------------
+
+CALLS = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+         {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "{}"}}]
+ASKED = {"role": "assistant", "content": None, "tool_calls": CALLS}
+
+
+class Surface:
+    """The ops of the API shape over one surface; ``call`` answers ``(ok, body)``: the reply
+    (HTTP's JSON, or the op's reply frame), or the error object."""
+
+    name = ""
+
+    async def call(self, op: str, session: str | None = None, **body: Any) -> tuple[bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    async def frame(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        pass
+
+
+class HttpSurface(Surface):
+    name = "http"
+    _ROUTES = {"meta": ("PATCH", ""), "rebase": ("POST", "/rebase"), "trim": ("POST", "/trim"),
+               "purge": ("DELETE", ""), "tool_calls": ("GET", "/tool_calls"),
+               "tool_result": ("POST", "/tool_results"), "tree": ("GET", None), "events": ("GET", "/events")}
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def call(self, op: str, session: str | None = None, **body: Any) -> tuple[bool, dict[str, Any]]:
+        method, tail = self._ROUTES[op]
+        if tail is None:
+            r = await self.client.get("/v1/sessions", params={"view": "tree", **(
+                {"include_archived": 1} if body.get("include_archived") else {})})
+        elif method in ("GET", "DELETE"):
+            r = await self.client.request(method, f"/v1/sessions/{session}{tail}", params=body)
+        else:
+            r = await self.client.request(method, f"/v1/sessions/{session}{tail}", json=body)
+        data = r.json()
+        return r.status_code < 400, data.get("error", data)
+
+
+class FrameSurface(Surface):
+    """The WebSocket's frames, over a WebSocket or the unix socket."""
+
+    _REPLY = {"meta": "info", "rebase": "info", "trim": "info"}
+
+    def __init__(self) -> None:
+        self.ref = 0
+
+    async def put(self, msg: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def call(self, op: str, session: str | None = None, **body: Any) -> tuple[bool, dict[str, Any]]:
+        self.ref += 1
+        msg: dict[str, Any] = {"op": op, "id": self.ref, "body": body}
+        if session is not None:
+            msg["session"] = session
+        await self.put(msg)
+        while True:
+            reply = await self.frame()
+            if reply.get("id") == self.ref:
+                break
+        if reply["op"] == "error":
+            return False, reply["error"]
+        if op in self._REPLY:
+            return True, reply[self._REPLY[op]]
+        if op == "tool_result":
+            return True, {"events": reply["events"]}
+        if op == "purge":
+            return True, {"id": session, "deleted": True, "purged": reply["purged"], "rerooted": reply["rerooted"]}
+        return True, {k: v for k, v in reply.items() if k not in ("op", "id", "session")}
+
+
+class WsSurface(FrameSurface):
+    name = "ws"
+
+    def __init__(self, ws: Any) -> None:
+        super().__init__()
+        self.ws = ws
+
+    async def put(self, msg: dict[str, Any]) -> None:
+        await self.ws.send_message(json.dumps(msg))
+
+    async def frame(self) -> dict[str, Any]:
+        return dict(json.loads(await self.ws.get_message()))
+
+
+class UnixSurface(FrameSurface):
+    name = "socket"
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.buffer = b""
+
+    async def put(self, msg: dict[str, Any]) -> None:
+        await self.stream.send_all(json.dumps(msg).encode() + b"\n")
+
+    async def frame(self) -> dict[str, Any]:
+        while b"\n" not in self.buffer:
+            data = await self.stream.receive_some(65536)
+            assert data, "the daemon closed the unix socket"
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return dict(json.loads(line))
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def short_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="sf-", dir="/tmp"))  # a unix socket path is at most 107 bytes
+
+
+@asynccontextmanager
+async def surface(kind: str, d: Daemon, sock: Path) -> AsyncIterator[Surface]:
+    if kind == "http":
+        yield HttpSurface(d.client)
+    elif kind == "ws":
+        async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws") as ws:
+            yield WsSurface(ws)
+    else:
+        stream = await trio.open_unix_socket(str(sock))
+        s = UnixSurface(stream)
+        try:
+            yield s
+        finally:
+            await s.aclose()
+
+
+@pytest.mark.parametrize("kind", ["http", "ws", "socket"])
+async def test_every_tree_operation_over_http_ws_and_the_unix_socket(kind: str) -> None:
+    sock = short_dir() / "sf.sock"
+    async with open_daemon(mock_config(socket=sock)) as d:
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1, ASKED])
+            async with surface(kind, d, sock) as s:
+                # meta, with a stale version refused
+                ok, info = await s.call("meta", cid, title="weather", expected_version=0)
+                assert ok and info["title"] == "weather" and info["version"] == 1, info
+                ok, error = await s.call("meta", cid, title="x", expected_version=0)
+                assert not ok and error["code"] == "version_conflict"
+                ok, error = await s.call("meta", "c-nope", title="x")
+                assert not ok and error["code"] == "session_not_found"
+                # the tool ledger
+                ok, calls = await s.call("tool_calls", cid)
+                assert ok and [(x["id"], x["name"], x["status"]) for x in calls["data"]] == [
+                    ("call_1", "weather", "open"), ("call_2", "time", "open")]
+                assert calls["data"][0]["arguments"] == '{"city": "Oslo"}'
+                ok, done = await s.call("tool_result", cid, tool_call_id="call_1", content="sunny")
+                assert ok and done["events"] == [4], done  # (event 3: the meta)
+                ok, error = await s.call("tool_result", cid, tool_call_id="call_1", content="again")
+                assert not ok and error["code"] == "tool_call_not_found"
+                ok, error = await s.call("tool_result", cid, tool_call_id="call_2", outcome="exploded")
+                assert not ok and error["param"] == "outcome"
+                ok, done = await s.call("tool_result", cid, tool_call_id="call_2", outcome="failed", note="timeout")
+                assert ok and done["events"] == [5]
+                ok, calls = await s.call("tool_calls", cid)
+                assert ok and calls["data"] == []
+                tail = (await events(c, cid))[4:]
+                assert [e["message"] for e in tail] == [
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                    {"role": "tool", "tool_call_id": "call_2", "content": "The tool call failed: timeout"}]
+                # rebase and trim make branches; the tree shows them
+                ok, info = await s.call("rebase", cid, edits=[
+                    {"replace": {"from": 1, "to": 2, "message": {"role": "user", "content": "and lakes?"}}}])
+                assert ok and info["parent"] == cid and info["fork_at"] == 0, info
+                rebased = info["id"]
+                assert (await events(c, rebased))[1]["message"] == {"role": "user", "content": "and lakes?"}
+                ok, error = await s.call("rebase", cid, edits=[{"drop": {"from": 0, "to": 1}}])
+                assert not ok and error["param"] == "edits"
+                ok, info = await s.call("trim", cid, to=2)
+                assert ok and info["parent"] == cid and info["fork_at"] == 1
+                trimmed = info["id"]
+                ok, tree_ = await s.call("tree")
+                assert ok
+                nodes = {n["id"]: n for n in tree_["data"]}
+                assert {k: n["parent"] for k, n in nodes.items()} == {cid: None, rebased: cid, trimmed: cid}
+                assert nodes[cid]["title"] == "weather" and nodes[cid]["version"] == 1
+                # purge, cascade
+                ok, error = await s.call("purge", cid, mode="cascade", expected_version=5)
+                assert not ok and error["code"] == "version_conflict"
+                ok, done = await s.call("purge", cid, mode="cascade", expected_version=1)
+                assert ok and sorted(done["purged"]) == sorted([cid, rebased, trimmed]), done
+                ok, tree_ = await s.call("tree")
+                assert ok and tree_["data"] == []
+                ok, error = await s.call("tool_calls", cid)
+                assert not ok and error["code"] == "session_not_found"
+    assert not sock.exists()
+
+
+# -- subscribe ---------------------------------------------------------------------------------------------------------
+
+Frames = Callable[[], Awaitable[tuple[str, dict[str, Any]]]]
+
+
+@asynccontextmanager
+async def subscription(kind: str, d: Daemon, sock: Path, cid: str, after: int = -1) -> AsyncIterator[Frames]:
+    """Frames ``(committed|provisional|ended, data)`` of one subscription over ``kind``."""
+    if kind == "http":
+        async with d.client.stream("GET", f"/v1/sessions/{cid}/subscribe", params={"after": after}) as r:
+            assert r.status_code == 200, await r.aread()
+            decoder, pending, chunks = SseDecoder(), [], r.aiter_bytes()
+
+            async def next_sse() -> tuple[str, dict[str, Any]]:
+                while not pending:
+                    pending.extend(decoder.feed(await chunks.__anext__()))
+                event = pending.pop(0)
+                data = event.json()
+                if event.event == "committed":
+                    assert event.id == str(data["id"])
+                return str(event.event), data
+
+            yield next_sse
+        return
+    async with surface(kind, d, sock) as s:
+        assert isinstance(s, FrameSurface)
+        await s.put({"op": "subscribe", "session": cid, "after": after})
+        assert (await s.frame())["op"] == "subscribed"
+
+        async def next_frame() -> tuple[str, dict[str, Any]]:
+            msg = await s.frame()
+            assert msg["session"] == cid, msg
+            if msg["op"] == "event":
+                return "committed", msg["event"]
+            return str(msg["op"]), {k: v for k, v in msg.items() if k not in ("op", "session")}
+
+        yield next_frame
+
+
+async def read_until(frames: Frames, kind: str, type_: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    while True:
+        frame = await frames()
+        out.append(frame)
+        if frame[0] == kind and (type_ is None or frame[1].get("type") == type_):
+            return out
+
+
+@pytest.mark.parametrize("kind", ["http", "ws", "socket"])
+async def test_subscribers_see_committed_events_and_the_turns_text_live_then_purge_ends_them(kind: str) -> None:
+    sock = short_dir() / "sf.sock"
+    async with open_daemon(mock_config("mock?step_ms=5&prefill_us=5", socket=sock)) as d:
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1], sampling={**SAMPLING, "max_tokens": 30})
+            async with subscription(kind, d, sock, cid) as one, subscription("http", d, sock, cid, after=0) as two:
+                backlog = [await one(), await one()]
+                assert [(k, e["id"], e["type"]) for k, e in backlog] == [
+                    ("committed", 0, "conversation"), ("committed", 1, "message")]
+                assert await two() == backlog[1]  # after=0: from event 1
+                reply = (await c.post(f"/v1/sessions/{cid}/generate", json={})).json()
+                text = reply["choices"][0]["message"]["content"]
+                for frames in (one, two):
+                    seen = await read_until(frames, "committed", "message")
+                    kinds = [k for k, _d in seen]
+                    assert seen[0][0] == "committed" and seen[0][1]["type"] == "turn" and seen[0][1]["id"] == 2
+                    assert set(kinds[1:-1]) <= {"provisional"} and seen[-1][1]["id"] == 3
+                    assert seen[-1][1]["message"] == {"role": "assistant", "content": text}
+                    said = "".join(d_["text"] for k, d_ in seen if k == "provisional")
+                    assert all(d_["turn"] == 2 for k, d_ in seen if k == "provisional")
+                    assert said == text, (said, text)
+                r = await c.patch(f"/v1/sessions/{cid}", json={"title": "t"})
+                assert r.status_code == 200
+                for frames in (one, two):
+                    kind_, event = await frames()
+                    assert kind_ == "committed" and event["type"] == "meta" and event["title"] == "t"
+                assert (await c.delete(f"/v1/sessions/{cid}", params={"mode": "cascade"})).status_code == 200
+                for frames in (one, two):
+                    assert (await frames())[1]["type"] == "purged"
+                    assert await frames() == ("ended", {"reason": "purged"})
+            # a purged conversation cannot be subscribed to
+            r = await c.get(f"/v1/sessions/{cid}/subscribe")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+async def test_a_provisional_reader_sees_the_running_turns_text() -> None:
+    """Subscribed mid-turn: the text so far, then the rest, as provisional deltas, then the reply lands."""
+    async with open_daemon(mock_config("mock?step_ms=20&prefill_us=5")) as d:
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1], sampling={**SAMPLING, "max_tokens": 25})
+            async with c.stream("POST", f"/v1/sessions/{cid}/generate", json={"stream": True}) as r:
+                async for _chunk in r.aiter_bytes():
+                    break  # the turn runs
+                async with subscription("http", d, Path("/nonexistent"), cid, after=1) as frames:
+                    seen = await read_until(frames, "committed", "message")
+            said = "".join(x["text"] for k, x in seen if k == "provisional")
+            assert seen[0][1]["type"] == "turn" and said and said == seen[-1][1]["message"]["content"]
+
+
+async def test_a_lagging_subscriber_is_ended_lagged_and_resubscribes_from_its_cursor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import superfluid.sessions._conversations as conversations
+
+    monkeypatch.setattr(conversations, "WATCH_QUEUE", 3)
+    async with open_daemon(mock_config()) as d:
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1])
+            async with subscription("http", d, Path("/none"), cid, after=1) as frames:
+                r = await c.post(f"/v1/sessions/{cid}/messages", json={"messages": [U2] * 6})  # one write, 6 events
+                assert r.status_code == 200
+                seen = await read_until(frames, "ended")
+            assert seen[-1] == ("ended", {"reason": "lagged"})
+            cursor = max(e["id"] for k, e in seen if k == "committed")
+            assert cursor == 4  # the three queued before it filled
+            async with subscription("http", d, Path("/none"), cid, after=cursor) as frames:
+                rest = [await frames() for _ in range(3)]
+            assert [e["id"] for _k, e in rest] == [5, 6, 7]
+
+
+async def test_shutdown_ends_subscribers_with_ended_shutdown() -> None:
+    import gc
+
+    from superfluid.api import App
+
+    async with open_daemon(mock_config()) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            async with subscription("http", d, Path("/none"), cid, after=1) as frames:
+                apps = [a for a in gc.get_objects() if isinstance(a, App) and a.conversations.get(cid) is not None]
+                apps[0].stopping.begin()
+                assert await frames() == ("ended", {"reason": "shutdown"})
+
+
+def test_a_watcher_is_bounded() -> None:
+    w = Watcher("c", 2)
+    w.push("committed", 1)
+    w.push("committed", 2)
+    assert w.ended is None and not w.roomy
+    w.push("committed", 3)
+    assert w.ended == "lagged" and list(w.queue) == [("committed", 1), ("committed", 2)]
+    w.push("committed", 4)  # ignored once ended
+    assert len(w.queue) == 2

@@ -260,8 +260,8 @@ async def _start(app: App, store: ConversationStore, sched: Scheduler, model: Se
             await store.begin(turn, params)
             gone: ApiError | None = None
             try:
-                turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
-                                                  resumable=True)
+                turn.open(await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
+                                             resumable=True))
                 hand.send_nowait(turn)
             except trio.BrokenResourceError:  # the owner ended: the model went away (an unload raced us)
                 closed = sched.closed

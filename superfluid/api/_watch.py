@@ -26,7 +26,7 @@ import trio
 from ..proto._wal import TURN
 from ._chat import openai_delta
 from ._http import ApiError
-from ._turns import load_turn, turn_reader
+from ._turns import LAND_WAIT_S, load_turn, turn_reader
 
 if TYPE_CHECKING:
     from ..proto._wal import WalRecord
@@ -97,7 +97,11 @@ async def _provisional(app: App, watcher: Watcher, cid: str, turn_id: int) -> No
         turn = await load_turn(app, cid, turn_id)
     except ApiError:
         return
-    if turn is None or turn.session is None or turn.landed:
+    if turn is None:
+        return
+    with trio.move_on_after(LAND_WAIT_S):
+        await turn.wait_opened()  # (a turn just logged gets its generation's session a moment later)
+    if turn.session is None or turn.landed:
         return
     reply = turn_reader(turn, 0)
     n_calls = 0

@@ -71,6 +71,22 @@ class Turn:
     finish: str | None = None
     error: Any = None
     _landed: trio.Event = attrs.field(factory=trio.Event)
+    _opened: trio.Event = attrs.field(factory=trio.Event)  # set once ``session`` is, or the turn landed
+
+    def __attrs_post_init__(self) -> None:
+        if self.session is not None:
+            self._opened.set()
+
+    def open(self, session: LiveSession) -> None:
+        """The turn's generation is in the log: readers may follow :attr:`session`."""
+        self.session = session
+        self._opened.set()
+
+    async def wait_opened(self) -> None:
+        """Wait until :attr:`session` is set (or the turn landed without one).
+
+        Cancellation: a plain wait."""
+        await self._opened.wait()
 
     @property
     def landed(self) -> bool:
@@ -90,6 +106,7 @@ class Turn:
     def mark_landed(self, event_id: int, message: dict[str, Any] | None, finish: str, error: Any) -> None:
         self.end_event, self.message, self.finish, self.error = event_id, message, finish, error
         self._landed.set()
+        self._opened.set()
 
 
 @attrs.frozen(kw_only=True)
