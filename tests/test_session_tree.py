@@ -523,3 +523,92 @@ def test_a_watcher_is_bounded() -> None:
     assert w.ended == "lagged" and list(w.queue) == [("committed", 1), ("committed", 2)]
     w.push("committed", 4)  # ignored once ended
     assert len(w.queue) == 2
+
+
+# -- tenancy, running turns, the conversation's class, the socket file ---------------------------------------------------
+
+async def test_another_tenant_gets_the_unknown_id_answer_on_every_tree_route() -> None:
+    import attrs
+
+    from superfluid.daemon._keypolicy import ApiKey
+
+    keys = (ApiKey.from_secret("a", "ka"), ApiKey.from_secret("b", "kb"))
+    async with open_daemon(attrs.evolve(mock_config(), api_keys=keys)) as d:
+        a = httpx.AsyncClient(base_url=d.url, timeout=60, headers={"authorization": "Bearer ka"})
+        b = httpx.AsyncClient(base_url=d.url, timeout=60, headers={"authorization": "Bearer kb"})
+        with trio.fail_after(30):
+            cid = await create(a, messages=[U1, ASKED], id="mine")
+            assert cid == "mine"
+            r = await a.post(f"/v1/sessions/{cid}/trim", json={"to": 2, "id": "branch"})
+            assert r.status_code == 201 and r.json()["id"] == "branch" and r.json()["parent"] == "mine", r.text
+            for method, tail, kw in (("PATCH", "", {"json": {"title": "x"}}), ("DELETE", "", {}),
+                                     ("POST", "/rebase", {"json": {"edits": [{"drop": {"from": 1, "to": 2}}]}}),
+                                     ("POST", "/trim", {"json": {"to": 1}}), ("GET", "/subscribe", {}),
+                                     ("GET", "/tool_calls", {}),
+                                     ("POST", "/tool_results", {"json": {"tool_call_id": "call_1", "content": "x"}})):
+                r = await b.request(method, f"/v1/sessions/{cid}{tail}", **kw)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", (method, tail, r.text)
+            assert (await tree(b)) == {}
+            assert set(await tree(a)) == {"mine", "branch"}
+            async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws",
+                                          extra_headers=[("authorization", "Bearer kb")]) as ws:
+                s = WsSurface(ws)
+                for op, body in (("meta", {"title": "x"}), ("purge", {}), ("trim", {"to": 1}), ("tool_calls", {}),
+                                 ("rebase", {"edits": [{"drop": {"from": 1, "to": 2}}]})):
+                    ok, error = await s.call(op, cid, **body)
+                    assert not ok and error["code"] == "session_not_found", (op, error)
+                await s.put({"op": "subscribe", "session": cid, "id": 99})
+                assert (await s.frame())["error"]["code"] == "session_not_found"
+                ok, tree_ = await s.call("tree")
+                assert ok and tree_["data"] == []
+            # the owner's purge (reroot) leaves the branch a root
+            r = await a.delete(f"/v1/sessions/{cid}")
+            assert r.status_code == 200 and r.json()["purged"] == ["mine"] and r.json()["rerooted"] == ["branch"]
+            assert (await tree(a))["branch"]["parent"] is None
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_purge_stops_a_running_turn_first_and_a_conversations_qos_runs_its_turns() -> None:
+    async with open_daemon(mock_config("mock?step_ms=5&prefill_us=5")) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1], sampling={**SAMPLING, "max_tokens": 100000})
+            r = await c.patch(f"/v1/sessions/{cid}", json={"qos": "background"})
+            assert r.status_code == 200
+            async with c.stream("POST", f"/v1/sessions/{cid}/generate", json={"stream": True}) as r:
+                gen = r.headers["x-superfluid-session"]
+                async for _chunk in r.aiter_bytes():
+                    break
+            turn = [e for e in await events(c, cid) if e["type"] == "turn"][0]
+            assert turn["params"]["qos"] == "background"  # the conversation's class
+            assert (await c.get(f"/v1/sessions/{cid}")).json()["generating"]
+            r = await c.delete(f"/v1/sessions/{cid}", params={"mode": "cascade"})
+            assert r.status_code == 200 and r.json()["purged"] == [cid], r.text
+            info = (await c.get(f"/v1/sessions/{gen}")).json()
+            assert not info["generating"] and info["finish_reason"] == "cancelled", info
+            assert (await c.get(f"/v1/sessions/{cid}/events")).status_code == 404
+
+
+async def test_the_socket_file_is_private_replaces_a_stale_one_and_refuses_a_live_one() -> None:
+    from superfluid.daemon._socket import open_socket_listener
+
+    path = short_dir() / "s.sock"
+    listener = await open_socket_listener(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(OSError, match="another server"):
+        await open_socket_listener(path)
+    await listener.aclose()  # the file stays: stale
+    again = await open_socket_listener(path)
+    await again.aclose()
+    path.unlink()
+    path.write_text("not a socket")
+    with pytest.raises(OSError, match="not a socket"):
+        await open_socket_listener(path)
+
+
+def test_serve_takes_a_socket_path() -> None:
+    from superfluid.cli._main import build_parser
+
+    args = build_parser().parse_args(["serve", "--runtime", "mock", "--socket", "/tmp/x.sock"])
+    assert str(args.socket) == "/tmp/x.sock"

@@ -19,6 +19,21 @@
   holding the events up to ``at`` (default: all; a turn still running then
   is left out); ``id`` as for create.
 
+The session tree (SPEC.md §7, "The session tree"):
+
+* ``PATCH /v1/sessions/{id}`` ``{title?, archived?, qos?, expected_version?}``:
+  the new info; a stale ``expected_version`` is 409 ``version_conflict``.
+* ``GET /v1/sessions?view=tree[&include_archived=1]``: every conversation of
+  the caller's tenant with ``parent`` and ``fork_at``.
+* ``POST …/rebase`` ``{edits, id?}`` and ``POST …/trim`` ``{to, id?}``: 201, a
+  branch (the source is never rewritten).
+* ``DELETE /v1/sessions/{id}?mode=cascade|reroot&expected_version=V`` (default
+  ``reroot``): purged, with its descendants (cascade) or making its children
+  roots (reroot); running turns are stopped first.
+* ``GET …/subscribe?after=N``: SSE of committed events and the running turn's
+  text (``api/_watch.py``).
+* ``GET …/tool_calls`` and ``POST …/tool_results``: the tool ledger.
+
 Every conversation belongs to the tenant that created it; for any other
 tenant its id answers as an unknown one (:func:`own_conversation`).
 * For a conversation, ``GET /v1/sessions/{id}`` describes it, ``GET
@@ -268,8 +283,11 @@ async def trim_conversation(app: App, scope: dict[str, Any], cid: str, body: dic
 def descendants(app: App, cid: str) -> list[str]:
     """The conversations branched off ``cid``, at any depth (children before theirs)."""
     store = app.conversations
+    slog = store.get(cid)
+    if slog is None:
+        return []
     children: dict[str, list[str]] = {}
-    for other in store.conversations(store.get(cid).tenant if store.get(cid) else ""):  # type: ignore[union-attr]
+    for other in store.conversations(slog.tenant):
         parent, _at = store.parent(other)
         if parent is not None:
             children.setdefault(parent, []).append(other)
@@ -312,9 +330,9 @@ async def purge_conversation(app: App, scope: dict[str, Any], cid: str, *, mode:
         conversation_log(app, cid)
         _expected_version(app, cid, expected_version)
         gone = [v for v in gone if store.get(v) is not None]
+        tenant = conversation_log(app, cid).tenant
         rerooted = {} if mode == "cascade" else {
-            child: store.meta(child) for child in store.conversations(store.get(cid).tenant)  # type: ignore[union-attr]
-            if store.parent(child)[0] == cid}
+            child: store.meta(child) for child in store.conversations(tenant) if store.parent(child)[0] == cid}
         await store.purge(gone, mode, rerooted)
     return {"id": public_id(cid), "object": "session.deleted", "deleted": True,
             "purged": [public_id(v) for v in gone], "rerooted": [public_id(c) for c in rerooted]}

@@ -33,6 +33,25 @@ Conversations (``api/_conversations.py``); ``body`` is the HTTP route's body:
 * ``{"op":"fork","session":C,"body":{"at":N?,"id":new?}}``:
   ``{"op":"forked","session":new,"source":C,"info":{…}}``.
 
+The session tree (``body`` as the HTTP route's; replies carry ``info``, the
+conversation as ``GET /v1/sessions/{id}`` describes it):
+
+* ``{"op":"rebase","session":C,"body":{edits, id?}}``: ``{"op":"rebased","session":new,"source":C,"info"}``.
+* ``{"op":"trim","session":C,"body":{to, id?}}``: ``{"op":"trimmed","session":new,"source":C,"info"}``.
+* ``{"op":"purge","session":C,"body":{mode?, expected_version?}}`` (or those fields beside ``op``):
+  ``{"op":"purged","session":C,"purged":[ids],"rerooted":[ids]}``.
+* ``{"op":"tree","body":{include_archived?}}``: ``{"op":"tree","data":[nodes]}``.
+* ``{"op":"meta","session":C,"body":{title?, archived?, qos?, expected_version?}}``: ``{"op":"meta","session":C,"info"}``.
+* ``{"op":"tool_calls","session":C}``: ``{"op":"tool_calls","session":C,"data":[calls]}``;
+  ``{"op":"tool_result","session":C,"body":{tool_call_id, content | outcome, note?}}``:
+  ``{"op":"tool_result","session":C,"events":[ids]}``.
+* ``{"op":"subscribe","session":C,"after":N?}`` where ``C`` is a conversation (``after`` an
+  event id, default -1: from its start): ``subscribed``, then ``event {session, event}``,
+  ``provisional {session, turn, text}`` and, last, ``ended {session, reason}`` (``lagged``,
+  ``purged``, ``shutdown``; ``api/_watch.py``); ``unsubscribe`` ends it.
+
+The unix socket (``--socket``, ``daemon/_socket.py``) speaks these same messages as JSON lines.
+
 Server to client: ``delta {session, cursor, text}``, ``done {session, cursor,
 finish_reason, usage}``, ``error {id?, session?, error:{message, type, param,
 code}}``, and the replies above. ``cursor`` is the token cursor of the SSE

@@ -54,14 +54,14 @@ async def open_socket_listener(path: Path) -> trio.SocketListener:
         pass
     else:
         if not stat.S_ISSOCK(st.st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+            raise OSError(errno.EEXIST, f"--socket {path}: the path exists and is not a socket")
         probe = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
         try:
             probe.connect(str(path))
         except OSError:
             path.unlink()  # stale: nobody listens on it
         else:
-            raise OSError(errno.EADDRINUSE, f"{path}: another server listens on it")
+            raise OSError(errno.EADDRINUSE, f"--socket {path}: another server listens on it")
         finally:
             probe.close()
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
