@@ -175,6 +175,7 @@ async def test_journal_meta_and_purged_events_replay_and_compaction_drops_purged
             body_meta(version=1, archived="yes")  # type: ignore[arg-type]
     async with open_journal(tmp_path) as journal:
         assert journal.sessions["c"].finish == "purged" and journal.sessions["c"].meta["title"] == "t"
+        assert journal.sessions["c"].open_turn == -1  # (no turn of it is restored)
         with pytest.raises(SessionStateError):
             await journal.append("c", body_meta(version=2))
         await journal.compact()
@@ -482,6 +483,10 @@ async def test_a_lagging_subscriber_is_ended_lagged_and_resubscribes_from_its_cu
         monkeypatch: pytest.MonkeyPatch) -> None:
     import superfluid.sessions._conversations as conversations
 
+    import gc
+
+    from superfluid.api import App
+
     monkeypatch.setattr(conversations, "WATCH_QUEUE", 3)
     async with open_daemon(mock_config()) as d:
         c = d.client
@@ -497,6 +502,9 @@ async def test_a_lagging_subscriber_is_ended_lagged_and_resubscribes_from_its_cu
             async with subscription("http", d, Path("/none"), cid, after=cursor) as frames:
                 rest = [await frames() for _ in range(3)]
             assert [e["id"] for _k, e in rest] == [5, 6, 7]
+            [app] = [a for a in gc.get_objects() if isinstance(a, App) and a.conversations.get(cid) is not None]
+            while app.conversations.watchers(cid):  # the client left: its watcher goes with its request
+                await trio.sleep(0.01)
 
 
 async def test_shutdown_ends_subscribers_with_ended_shutdown() -> None:
@@ -612,3 +620,25 @@ def test_serve_takes_a_socket_path() -> None:
 
     args = build_parser().parse_args(["serve", "--runtime", "mock", "--socket", "/tmp/x.sock"])
     assert str(args.socket) == "/tmp/x.sock"
+
+
+@pytest.mark.parametrize("kind", ["ws", "socket"])
+async def test_unsubscribe_ends_a_conversation_subscription(kind: str) -> None:
+    sock = short_dir() / "sf.sock"
+    async with open_daemon(mock_config(socket=sock)) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            async with surface(kind, d, sock) as s:
+                assert isinstance(s, FrameSurface)
+                await s.put({"op": "subscribe", "session": cid, "after": 1})
+                assert (await s.frame())["op"] == "subscribed"
+                await s.put({"op": "subscribe", "session": cid, "id": 7})
+                assert (await s.frame())["error"]["code"] == "already_subscribed"
+                await c.post(f"/v1/sessions/{cid}/messages", json={"messages": [U2]})
+                assert (await s.frame())["event"]["id"] == 2
+                await s.put({"op": "unsubscribe", "session": cid, "id": 8})
+                assert (await s.frame()) == {"op": "unsubscribed", "session": cid, "id": 8}
+                await c.post(f"/v1/sessions/{cid}/messages", json={"messages": [U2]})
+                await s.put({"op": "tree", "id": 9})
+                assert (await s.frame())["op"] == "tree"  # the next frame is the reply: no event after unsubscribe

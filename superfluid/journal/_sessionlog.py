@@ -376,6 +376,7 @@ class SessionLog:
                 self.meta = extra
             elif kind == PURGED:
                 self.finish = "purged"
+                self.open_turn = -1  # nobody lands a purged conversation's turn
         ids.append(record.event_id)
         epochs.append(record.epoch)
         tss.append(record.ts)
