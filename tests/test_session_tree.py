@@ -642,3 +642,18 @@ async def test_unsubscribe_ends_a_conversation_subscription(kind: str) -> None:
                 await c.post(f"/v1/sessions/{cid}/messages", json={"messages": [U2]})
                 await s.put({"op": "tree", "id": 9})
                 assert (await s.frame())["op"] == "tree"  # the next frame is the reply: no event after unsubscribe
+
+
+async def test_a_page_patches_only_with_json_after_a_preflight_that_grants_patch() -> None:
+    async with open_daemon(mock_config()) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            page = {"origin": "http://localhost:5173"}
+            r = await c.options(f"/v1/sessions/{cid}", headers={**page, "access-control-request-method": "PATCH"})
+            assert r.status_code == 204 and "PATCH" in r.headers["access-control-allow-methods"]
+            r = await c.patch(f"/v1/sessions/{cid}", content=b'{"title": "x"}',
+                              headers={**page, "content-type": "text/plain"})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+            r = await c.patch(f"/v1/sessions/{cid}", json={"title": "x"}, headers=page)
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page["origin"]
