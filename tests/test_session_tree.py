@@ -557,6 +557,9 @@ async def test_another_tenant_gets_the_unknown_id_answer_on_every_tree_route() -
                 r = await b.request(method, f"/v1/sessions/{cid}{tail}", **kw)
                 assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", (method, tail, r.text)
             assert (await tree(b)) == {}
+            r = await a.patch(f"/v1/sessions/{cid}", json={"qos": "interactive"})  # above the key's max_class
+            assert r.status_code == 403 and r.json()["error"]["code"] == "qos_class_not_allowed", r.text
+            assert (await a.patch(f"/v1/sessions/{cid}", json={"qos": "background"})).json()["qos"] == "background"
             assert set(await tree(a)) == {"mine", "branch"}
             async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws",
                                           extra_headers=[("authorization", "Bearer kb")]) as ws:

@@ -174,11 +174,11 @@ def _expected_version(app: App, cid: str, value: Any) -> None:
                        code="version_conflict", param="expected_version")
 
 
-async def patch_meta(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+async def patch_meta(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> dict[str, Any]:
     """``PATCH /v1/sessions/{id}`` ``{title?, archived?, qos?, expected_version?}``: the new info.
 
     Raises:
-        ApiError: 404; 400 a bad field; 409 ``version_conflict``.
+        ApiError: 404; 400 a bad field; 403 ``qos_class_not_allowed``; 409 ``version_conflict``.
     """
     conversation_log(app, cid)
     _only(body, frozenset({"title", "archived", "qos", "expected_version"}))
@@ -203,6 +203,7 @@ async def patch_meta(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]
             if qos is None:
                 raise ApiError(400, "invalid request: qos must be one of interactive, completion, agent, background "
                                "or null", param="qos")
+            principal_of(scope).qos(parse_qos(qos), app.config.default_qos)  # 403 above the key's max_class
         updates["qos"] = qos
     store = app.conversations
     async with store.ordered(cid):
@@ -566,7 +567,7 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     elif tail is None and method == "PATCH":
         body = await read_json(scope, receive)
         with _whole():
-            info = await patch_meta(app, cid, body)
+            info = await patch_meta(app, scope, cid, body)
         await send_json(send, 200, info)
     elif tail is None and method == "DELETE":
         query = parse_qs(scope.get("query_string", b"").decode())

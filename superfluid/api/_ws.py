@@ -448,7 +448,7 @@ class _Socket:
 
     async def _op_meta(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
-        info = await patch_meta(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        info = await patch_meta(self.app, self.scope, own_conversation(self.app, self.scope, sid), _body_of(msg))
         await self._emit(_with_ref({"op": "meta", "session": sid, "info": info}, ref))
 
     async def _op_tool_calls(self, msg: dict[str, Any], ref: Any) -> None:
