@@ -105,6 +105,7 @@ async def test_meta_tree_rebase_trim_purge_over_http_survive_a_restart(tmp_path:
                                ([{"drop": {"from": 3, "to": 2}}], "edits"),
                                ([{"drop": {"from": 1, "to": 3}}, {"drop": {"from": 2, "to": 4}}], "edits"),
                                ([{"drop": {"from": 1, "to": 99}}], "edits[0]"),
+                               ([{"replace": {"from": 3, "to": 3, "message": U2}}], "edits"),  # inside turn 2
                                ([{"move": {"from": 1, "to": 2}}], "edits[0]"),
                                ([{"replace": {"from": 1, "to": 2, "message": {"role": "robot"}}}],
                                 "messages[0].role")):
@@ -156,6 +157,8 @@ async def test_meta_tree_rebase_trim_purge_over_http_survive_a_restart(tmp_path:
                 err(await c.get(f"/v1/sessions/{cid}"), 404)
             assert set(await tree(c, include_archived=1)) == {grandchild}
             assert (await tree(c, include_archived=1))[grandchild]["parent"] is None
+            async with subscription("http", d, Path("/none"), grandchild, after=0) as frames:  # a cursor resolves
+                assert [(await frames())[1]["type"] for _ in range(3)] == ["message", "fork", "fork"]
 
 
 async def test_journal_meta_and_purged_events_replay_and_compaction_drops_purged(tmp_path: Path) -> None:
@@ -503,8 +506,11 @@ async def test_a_lagging_subscriber_is_ended_lagged_and_resubscribes_from_its_cu
                 rest = [await frames() for _ in range(3)]
             assert [e["id"] for _k, e in rest] == [5, 6, 7]
             [app] = [a for a in gc.get_objects() if isinstance(a, App) and a.conversations.get(cid) is not None]
-            while app.conversations.watchers(cid):  # the client left: its watcher goes with its request
+            for _ in range(500):  # the client left: its watcher goes with its request
+                if not app.conversations.watchers(cid):
+                    break
                 await trio.sleep(0.01)
+            assert not app.conversations.watchers(cid)
 
 
 async def test_shutdown_ends_subscribers_with_ended_shutdown() -> None:

@@ -28,6 +28,7 @@ import attrs
 import msgpack
 import trio
 
+from ..proto._wal_conversation import open_turn_after
 from ..proto._wal import (
     CONVERSATION, MESSAGE, META, PURGED, TURN, TURN_END, body_fork, body_message, body_meta, body_purged,
     body_turn, body_turn_end,
@@ -233,6 +234,12 @@ def rebased(records: list[WalRecord], edits: list[dict[str, Any]]) -> list[dict[
         new_id[r.event_id] = len(out)
         out.append(body)
     assert out and out[0]["type"] == CONVERSATION
+    open_turn = -1
+    for event_id, body in enumerate(out[1:], start=1):  # e.g. a message inserted between a turn and its reply
+        try:
+            open_turn = open_turn_after(open_turn, event_id, body)
+        except ValueError as exc:
+            raise ValueError(f"the edits break a turn: {exc}") from None
     return out
 
 
@@ -491,7 +498,7 @@ class ConversationStore:
 
         Raises:
             KeyError: ``cid`` is not a conversation.
-            ValueError: bad edits.
+            ValueError: bad edits (one that puts a message between a turn and its end).
             SessionStateError: a session named ``new`` exists.
         """
         records = self.copyable(cid)
