@@ -55,6 +55,7 @@ class Mutation:
 D = "tests/test_daemon.py::"
 P = "tests/test_proto.py::"
 G = "tests/test_security_guard.py::"
+T = "tests/test_session_tree.py::"
 A = "tests/test_actor.py::"
 B = "tests/test_boundaries.py::"
 C = "tests/test_sched_core.py::"
@@ -572,6 +573,58 @@ MUTATIONS = (
              "            elif error is None and cid in seen:\n",
              "            elif False:\n",
              (BT + "test_the_openai_sdk_runs_a_batch_and_bad_lines_are_error_lines",)),
+    # the session tree (SPEC.md §7, "The session tree")
+    Mutation("a purged conversation answers as an unknown id", "superfluid/api/_tenancy.py",
+             "    if slog is None or (slog.conversation is not None and slog.done):  # (a purged conversation is no one's)\n",
+             "    if slog is None:\n",
+             (T + "test_meta_tree_rebase_trim_purge_over_http_survive_a_restart",)),
+    Mutation("compaction drops purged conversations", "superfluid/journal/_journal.py",
+             "                if s.done:  # purged\n                    drop.append(s.session)\n                elif s.open_turn",
+             "                if s.open_turn",
+             (T + "test_journal_meta_and_purged_events_replay_and_compaction_drops_purged",)),
+    Mutation("a stale expected_version is 409 version_conflict", "superfluid/api/_conversations.py",
+             "    if value != version:\n",
+             "    if False:\n",
+             (T + "test_meta_tree_rebase_trim_purge_over_http_survive_a_restart",
+              T + "test_every_tree_operation_over_http_ws_and_the_unix_socket")),
+    Mutation("the tree is the caller's tenant's", "superfluid/sessions/_conversations.py",
+             "                if slog.conversation is not None and not slog.done and slog.tenant == tenant]\n\n",
+             "                if slog.conversation is not None and not slog.done]\n\n",
+             (T + "test_another_tenant_gets_the_unknown_id_answer_on_every_tree_route",)),
+    Mutation("a full subscriber queue ends it lagged", "superfluid/sessions/_conversations.py",
+             "        if len(self.queue) >= self.capacity:\n            self.end(\"lagged\")\n            return\n",
+             "",
+             (T + "test_a_watcher_is_bounded",
+              T + "test_a_lagging_subscriber_is_ended_lagged_and_resubscribes_from_its_cursor")),
+    Mutation("a purge ends its subscribers", "superfluid/sessions/_conversations.py",
+             "                    watcher.end(\"purged\")\n",
+             "                    pass\n",
+             (T + "test_subscribers_see_committed_events_and_the_turns_text_live_then_purge_ends_them",)),
+    Mutation("shutdown ends subscribers", "superfluid/api/_watch.py",
+             "    watcher.end(\"shutdown\")\n",
+             "    pass\n",
+             (T + "test_shutdown_ends_subscribers_with_ended_shutdown",)),
+    Mutation("a subscriber waits for a new turn's generation", "superfluid/api/_watch.py",
+             "        await turn.wait_opened()",
+             "        await trio.lowlevel.checkpoint()",
+             (T + "test_subscribers_see_committed_events_and_the_turns_text_live_then_purge_ends_them",)),
+    Mutation("a purge stops a running turn first", "superfluid/api/_conversations.py",
+             "                    await cancel_generation(app, scope, turn.generation)\n",
+             "                    pass\n",
+             (T + "test_purge_stops_a_running_turn_first_and_a_conversations_qos_runs_its_turns",)),
+    Mutation("the unix socket is 0600", "superfluid/daemon/_socket.py",
+             "        os.chmod(path, 0o600)\n",
+             "",
+             (T + "test_the_socket_file_is_private_replaces_a_stale_one_and_refuses_a_live_one",
+              T + "test_every_tree_operation_over_http_ws_and_the_unix_socket")),
+    Mutation("a PATCH body is JSON", "superfluid/api/_guard.py",
+             "        if method in (\"POST\", \"PATCH\"):\n",
+             "        if method == \"POST\":\n",
+             (T + "test_a_page_patches_only_with_json_after_a_preflight_that_grants_patch",)),
+    Mutation("a rebase never breaks a turn", "superfluid/sessions/_conversations.py",
+             "            open_turn = open_turn_after(open_turn, event_id, body)\n",
+             "            pass\n",
+             (T + "test_meta_tree_rebase_trim_purge_over_http_survive_a_restart",)),
 )
 
 

@@ -66,11 +66,9 @@ async def open_socket_listener(path: Path) -> trio.SocketListener:
             probe.close()
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     try:
-        old = os.umask(0o177)  # the file is born 0600 (bind creates it)
-        try:
-            await sock.bind(str(path))
-        finally:
-            os.umask(old)
+        await sock.bind(str(path))
+        # 0600 before it listens: until then a connect is refused whatever the mode (no umask
+        # change: it is the process's, and other threads create files)
         os.chmod(path, 0o600)
         sock.listen(128)
     except BaseException:
