@@ -666,3 +666,20 @@ async def test_a_page_patches_only_with_json_after_a_preflight_that_grants_patch
             assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
             r = await c.patch(f"/v1/sessions/{cid}", json={"title": "x"}, headers=page)
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page["origin"]
+
+
+async def test_a_socket_client_that_ends_its_side_still_gets_its_replies() -> None:
+    sock = short_dir() / "sf.sock"
+    async with open_daemon(mock_config(socket=sock)) as d:
+        with trio.fail_after(30):
+            cid = await create(d.client, messages=[U1])
+            stream = await trio.open_unix_socket(str(sock))
+            await stream.send_all(b'{"op":"tree","id":1}\n\n{"op":"events","session":"%s"}' % cid.encode())
+            await stream.send_eof()  # (the last line has no newline)
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+            replies = [json.loads(line) for line in data.splitlines()]
+            assert [r["op"] for r in replies] == ["tree", "events"]
+            assert replies[0]["data"][0]["id"] == cid and replies[1]["last_event_id"] == 1
+            await stream.aclose()

@@ -7,7 +7,8 @@ made 0600 before it listens: file permissions are the credential, and whoever
 may open it is the admin principal, tenant ``""`` (with keys configured, the
 conversations the socket creates are that tenant's, not a key's). A line
 longer than the WebSocket's message limit ends the connection, as 1009 closes
-a WebSocket.
+a WebSocket. A client that ends its side (EOF) still gets the replies to the
+lines it sent; its subscriptions end with it, as a WebSocket's do when it goes.
 
 Lifetimes: :func:`serve_socket` runs in the daemon's root nursery; it owns a
 nursery with its accept loop and one task per connection (each runs a
@@ -100,10 +101,11 @@ async def _connection(app: App, stream: trio.SocketStream) -> None:
                              PRINCIPAL: ANONYMOUS}
     buffer = bytearray()
     limit = LIMITS.max_message
-    closed = False
+    eof = False      # the client wrote its last line (what it sent is still answered)
+    closed = False   # we closed, or the client cannot take more: nothing more is written
 
     async def receive() -> dict[str, Any]:
-        nonlocal closed
+        nonlocal eof
         while True:
             line_end = buffer.find(b"\n")
             if line_end >= 0:
@@ -116,14 +118,14 @@ async def _connection(app: App, stream: trio.SocketStream) -> None:
                 line = bytes(buffer)
                 buffer.clear()
                 return {"type": "websocket.receive", "bytes": line}
-            if closed:
+            if eof or closed:
                 return {"type": "websocket.disconnect", "code": 1000}
             try:
                 data = await stream.receive_some(READ_CHUNK)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 data = b""
             if not data:
-                closed = True
+                eof = True
                 if buffer.strip():
                     line = bytes(buffer)
                     buffer.clear()
