@@ -320,9 +320,11 @@ async def surface(kind: str, d: Daemon, sock: Path) -> AsyncIterator[Surface]:
 
 
 @pytest.mark.parametrize("kind", ["http", "ws", "socket"])
-async def test_every_tree_operation_over_http_ws_and_the_unix_socket(kind: str) -> None:
-    sock = short_dir() / "sf.sock"
-    async with open_daemon(mock_config(socket=sock)) as d:
+async def test_every_tree_operation_over_http_ws_and_the_unix_socket_survives_a_restart(kind: str) -> None:
+    home = short_dir()
+    sock = home / "sf.sock"
+    config = mock_config(socket=sock, sessions=home / "sessions")
+    async with open_daemon(config) as d:
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         c = d.client
         with trio.fail_after(60):
@@ -370,6 +372,16 @@ async def test_every_tree_operation_over_http_ws_and_the_unix_socket(kind: str) 
                 nodes = {n["id"]: n for n in tree_["data"]}
                 assert {k: n["parent"] for k, n in nodes.items()} == {cid: None, rebased: cid, trimmed: cid}
                 assert nodes[cid]["title"] == "weather" and nodes[cid]["version"] == 1
+                before = (tree_, await events(c, cid), await events(c, rebased))
+    assert not sock.exists()
+    async with open_daemon(config) as d:  # a restart reads back the same tree, metadata, ledger and branches
+        c = d.client
+        with trio.fail_after(60):
+            async with surface(kind, d, sock) as s:
+                ok, tree_ = await s.call("tree")
+                assert ok and (tree_, await events(c, cid), await events(c, rebased)) == before
+                ok, calls = await s.call("tool_calls", cid)
+                assert ok and calls["data"] == []
                 # purge, cascade
                 ok, error = await s.call("purge", cid, mode="cascade", expected_version=5)
                 assert not ok and error["code"] == "version_conflict"
