@@ -80,6 +80,8 @@ async def test_meta_tree_rebase_trim_purge_over_http_survive_a_restart(tmp_path:
             err(await c.patch(f"/v1/sessions/{root}", json={"qos": "urgent"}), 400, param="qos")
             err(await c.patch(f"/v1/sessions/{root}", json={"archived": "yes"}), 400, param="archived")
             err(await c.patch(f"/v1/sessions/{root}", json={"colour": "red"}), 400, param="colour")
+            err(await c.patch(f"/v1/sessions/{root}", content=b'{"title": "\\ud800"}',
+                              headers={"content-type": "application/json"}), 400, param="title")
             err(await c.patch("/v1/sessions/c-nope", json={"title": "x"}), 404, "session_not_found")
             # rebase: replace the user message (event 4), drop the first turn's reply and its turn
             r = await c.post(f"/v1/sessions/{root}/rebase", json={"edits": [

@@ -209,7 +209,10 @@ async def patch_meta(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
     async with store.ordered(cid):
         conversation_log(app, cid)
         _expected_version(app, cid, body.get("expected_version"))
-        await store.set_meta({cid: {**store.meta(cid), **updates}})
+        try:
+            await store.set_meta({cid: {**store.meta(cid), **updates}})
+        except ValueError as exc:  # what the log cannot hold (a lone surrogate in a title)
+            raise ApiError(400, f"invalid request: {exc}", param="title" if "title" in updates else None) from None
     return conversation_info(app, cid)
 
 
