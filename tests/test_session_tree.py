@@ -697,3 +697,34 @@ async def test_a_socket_client_that_ends_its_side_still_gets_its_replies() -> No
             assert [r["op"] for r in replies] == ["tree", "events"]
             assert replies[0]["data"][0]["id"] == cid and replies[1]["last_event_id"] == 1
             await stream.aclose()
+
+
+async def test_an_export_without_content_leaves_out_titles_and_edited_messages(tmp_path: Path) -> None:
+    import os
+    import sys
+
+    async def cli(*args: str) -> tuple[int, str]:
+        proc = await trio.run_process([sys.executable, "-m", "superfluid", *args], check=False, capture_stdout=True,
+                                      capture_stderr=True, env=dict(os.environ))
+        return proc.returncode, proc.stdout.decode()
+
+    async with open_daemon(mock_config(sessions=tmp_path)) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            await c.patch(f"/v1/sessions/{cid}", json={"title": "my secret plans"})
+            r = await c.post(f"/v1/sessions/{cid}/rebase", json={"edits": [
+                {"replace": {"from": 1, "to": 2, "message": {"role": "user", "content": "hidden words"}}}]})
+            branch = r.json()["id"]
+            await c.delete(f"/v1/sessions/{cid}")
+    with trio.fail_after(60):
+        rc, out = await cli("session", "export", branch, "--sessions", str(tmp_path))
+        assert rc == 0 and "hidden words" not in out and "fork" in out
+        [marker] = [e for e in map(json.loads, out.splitlines()) if e["type"] == "fork"]
+        assert marker["edits"] == [{"replace": {"from": 1, "to": 2}}]
+        rc, out = await cli("session", "export", cid, "--sessions", str(tmp_path))
+        assert rc == 0 and "secret" not in out and '"type":"purged"' in out
+        rc, out = await cli("session", "inspect", cid, "--sessions", str(tmp_path))
+        assert rc == 0 and out.startswith(f"session {cid} (conversation): purged"), out
+        rc, out = await cli("session", "export", branch, "--include-content", "--sessions", str(tmp_path))
+        assert "hidden words" in out
