@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from urllib.parse import parse_qs
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
@@ -19,7 +20,7 @@ from ._principal import (PRINCIPAL, QOS, Principal, authenticate, current_princi
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._session_list import list_sessions
-from ._conversations import route_conversations
+from ._conversations import conversation_tree, route_conversations
 from ._files import route_files
 from ._batches import BatchService, route_batches
 from ._anthropic import count_tokens, messages
@@ -327,7 +328,12 @@ class App:
             await handler(self, scope, receive, send, {})
             return
         if path == "/v1/sessions" and method == "GET":
-            await send_json(send, 200, list_sessions(self, scope))
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if (query.get("view") or [None])[0] == "tree":
+                archived = (query.get("include_archived") or ["0"])[0] in ("1", "true")
+                await send_json(send, 200, conversation_tree(self, scope, include_archived=archived))
+            else:
+                await send_json(send, 200, list_sessions(self, scope))
             return
         if await route_responses(self, scope, receive, send):
             return

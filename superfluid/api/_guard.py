@@ -70,7 +70,7 @@ _EXPOSED = b"x-superfluid-session, x-superfluid-conversation, x-superfluid-warm,
 _ALLOWED_HEADERS = frozenset({"authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta",
                               "openai-organization", "openai-project", "openai-beta"})
 _ALLOWED_PREFIXES = ("x-superfluid-", "x-stainless-")  # ours; the openai and anthropic SDKs'
-_METHODS = b"GET, POST, DELETE, OPTIONS"
+_METHODS = b"GET, POST, PATCH, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE = b"600"
 
 _RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics"})
@@ -250,7 +250,7 @@ class Guard:
         scope[PRINCIPAL] = principal
         if not http:
             return None
-        if method == "POST":
+        if method in ("POST", "PATCH"):
             refusal = self._content_type(scope)
             if refusal is not None:
                 return refusal
