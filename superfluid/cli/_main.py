@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=D.THREADS, help="engine threads (default: all cores)")
     s.add_argument("--host-cache-mb", type=int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
+    s.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep a finished generation's KV (256+ tokens) on disk in <sessions>/park; a later prompt "
+                        "that extends it (same tenant and cache_salt) restores it instead of prefilling, also "
+                        "after a restart (default off)")
+    s.add_argument("--park-budget-gb", type=float, default=D.PARK_BUDGET_GB,
+                   help=f"GiB the park directory may hold, least recently used evicted first "
+                        f"(default {D.PARK_BUDGET_GB:g})")
     s.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
@@ -478,6 +485,8 @@ def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) ->
     for directory in args.model_dirs:
         if not directory.is_dir():
             return f"--model-dir {directory}: not a directory"
+    if args.park and not args.park_budget_gb > 0:
+        return f"--park-budget-gb {args.park_budget_gb:g}: must be more than 0 with --park"
     if args.max_models < max(1, len(sources)):
         return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
     from ..daemon._registry import model_dir_names
@@ -559,7 +568,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections_per_client=args.max_connections_per_client, header_timeout_s=args.header_timeout,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
-        stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
+        park=args.park, park_budget_gb=args.park_budget_gb, stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
         cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout, shutdown_grace_s=args.shutdown_grace,
         default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,

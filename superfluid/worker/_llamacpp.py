@@ -291,6 +291,7 @@ class LlamaEngine:
         shared = _needs_shared_pool(model, deterministic=self._deterministic)
         cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads,
                              deterministic=self._deterministic)
+        self._kv_type = f"{int(cp.type_k)}/{int(cp.type_v)}"   # ggml types of K and V (a parked state's shape)
         self._ctx = L.llama_init_from_model(model, cp)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context: {_LOG.take() or 'no reason given'}")
@@ -321,7 +322,7 @@ class LlamaEngine:
     def _extra(self, threads: int, shared: bool) -> dict[str, Any]:
         return {"general_name": _meta(self._model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
                 "n_swa": L.llama_model_n_swa(self._model), "n_batch": self._cap, "threads": threads,
-                "kv_unified": shared, "deterministic": self._deterministic}
+                "kv_unified": shared, "deterministic": self._deterministic, "kv_type": self._kv_type}
 
     def capabilities(self) -> dict[str, Any]:
         per_seq = self.info.kv_layout == "per_seq"

@@ -1,0 +1,241 @@
+"""--park: a finished sequence's KV on disk, restored by a later prompt that extends it.
+
+Over the mock engine, whose next token is a pure function of the KV it holds: a
+restored artifact that held anything but the prompt's tokens would change the
+text, so "the same text as a cold run" checks the restore itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from superfluid.proto import Admit, Sampling
+from superfluid.worker._executor import Executor
+from superfluid.worker._mock import WORD0, MockEngine
+from superfluid.worker._park import MAGIC, PARK_MIN_TOKENS, SUFFIX, ParkStore, park_digest, salt_key
+
+SPEC = "mock?step_ms=0&prefill_us=0&n_ctx=2000&eos_every=0"
+IDENTITY = "mock-test-identity"
+PROMPT = [WORD0 + (i * 7) % 50 for i in range(400)]
+NEXT = PROMPT + [WORD0 + 3] * 40     # the next turn: the parked prefix and more
+
+
+def store(path: Path, budget: int = 1 << 20, **kw: Any) -> ParkStore:
+    return ParkStore(path / "park", budget, kw.pop("identity", IDENTITY), **kw)
+
+
+def executor(park: ParkStore | None, n_seq: int = 2) -> Executor:
+    return Executor(MockEngine(SPEC, n_seq=n_seq), max_lanes=1, park=park)
+
+
+def run(ex: Executor, prompt: list[int], *, lane: int = 0, salt: str = "", max_new: int = 8) -> tuple[list[int], int]:
+    """(generated tokens, cached prompt tokens) of one lane run to its end."""
+    got = ex.admit(Admit(lane=lane, tokens=prompt, n_prompt=len(prompt), max_new=max_new,
+                         sampling=Sampling(temperature=0.0), cache_salt=salt))
+    out: list[int] = []
+    while ex.lanes:
+        res = ex.step(prefill_budget=512)
+        assert not res.faults
+        out += [row[1] for row in res.emits]
+    return out, got.cached
+
+
+def cold(prompt: list[int]) -> list[int]:
+    return run(executor(None), prompt)[0]
+
+
+def parked(tmp_path: Path, salt: str = "", **kw: Any) -> tuple[ParkStore, Path]:
+    """A store holding PROMPT's finished sequence; and its file."""
+    st = store(tmp_path, **kw)
+    run(executor(st), PROMPT, salt=salt)
+    st.flush()
+    files = list((tmp_path / "park").glob("*" + SUFFIX))
+    assert len(files) == 1 and st.snapshot()["parks"] == 1
+    return st, files[0]
+
+
+def test_a_finished_sequence_is_parked_private_and_restored_after_a_restart(tmp_path: Path) -> None:
+    st, path = parked(tmp_path)
+    assert stat.S_IMODE(os.stat(tmp_path / "park").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    raw = path.read_bytes()
+    assert raw.startswith(MAGIC)
+    header = json.loads(raw[len(MAGIC) + 4: len(MAGIC) + 4 + int.from_bytes(raw[8:12], "little")])
+    held = header["tokens"]
+    assert held[: len(PROMPT)] == PROMPT and path.name == park_digest("", IDENTITY, held) + SUFFIX
+    assert header["salt"] == salt_key("") and header["identity"] == IDENTITY   # the salt's hash, not the salt
+    st.close()
+    # a new worker (a restart): the index comes back from the headers; the next turn restores
+    st2 = store(tmp_path)
+    assert len(st2) == 1
+    out, cached = run(executor(st2), NEXT)
+    assert cached == len(PROMPT) and out == cold(NEXT)
+    snap = st2.snapshot()
+    assert snap["resumes"] == 1 and snap["resume_tokens"] == len(PROMPT) and not snap["fallbacks"]
+    st2.close()
+
+
+def test_a_short_sequence_is_not_parked_and_a_covered_one_not_twice(tmp_path: Path) -> None:
+    st = store(tmp_path)
+    ex = executor(st)
+    run(ex, PROMPT[: PARK_MIN_TOKENS - 20])
+    st.flush()
+    assert st.snapshot()["parks"] == 0
+    run(ex, PROMPT)
+    st.flush()
+    run(ex, PROMPT)   # the same sequence again: held by the artifact already
+    st.flush()
+    assert st.snapshot()["parks"] == 1
+    st.close()
+
+
+def test_a_longer_turn_replaces_the_artifact_it_extends(tmp_path: Path) -> None:
+    st, first = parked(tmp_path)
+    (held,) = [e.tokens for e in st._entries.values()]
+    ex = executor(st)
+    run(ex, held + [WORD0 + 3] * 40)   # the next turn: the prompt, the reply and a new message
+    st.flush()
+    files = list((tmp_path / "park").glob("*" + SUFFIX))
+    assert len(files) == 1 and files[0] != first and st.snapshot()["parks"] == 2
+    st.close()
+
+
+def _damage(path: Path, how: str) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "torn":
+        path.write_bytes(raw[: len(raw) - 10])
+    elif how == "checksum":
+        raw[-5] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    elif how == "garbage":
+        path.write_bytes(b"not a park file at all")
+    elif how == "missing":
+        path.unlink()
+
+
+@pytest.mark.parametrize("how,reason", [("checksum", "checksum"), ("missing", "missing"), ("torn", "torn")])
+def test_a_damaged_artifact_falls_back_to_prefill_counted_and_deleted(tmp_path: Path, how: str, reason: str) -> None:
+    st, path = parked(tmp_path)
+    _damage(path, how)   # after the index was built: found at restore
+    out, cached = run(executor(st), NEXT)
+    assert cached == 0 and out == cold(NEXT)
+    snap = st.snapshot()
+    assert snap["resumes"] == 0 and snap["fallbacks"] == {reason: 1} and snap["artifacts"] == 0
+    assert not path.exists()
+    st.close()
+
+
+@pytest.mark.parametrize("how", ["torn", "garbage"])
+def test_a_damaged_artifact_is_refused_when_the_index_is_built(tmp_path: Path, how: str) -> None:
+    st, path = parked(tmp_path)
+    st.close()
+    _damage(path, how)
+    st2 = store(tmp_path)
+    assert len(st2) == 0 and st2.snapshot()["fallbacks"] == {"torn": 1} and not path.exists()
+    out, cached = run(executor(st2), NEXT)
+    assert cached == 0 and out == cold(NEXT)
+    st2.close()
+
+
+def test_another_models_or_builds_artifact_is_never_used(tmp_path: Path) -> None:
+    st, path = parked(tmp_path)
+    st.close()
+    other = store(tmp_path, identity="another-model")
+    assert len(other) == 1 and other.best(NEXT, len(NEXT) - 1, "", whole=False) is None
+    out, cached = run(executor(other), NEXT)
+    assert cached == 0 and out == cold(NEXT) and path.exists()   # kept: it is the other model's
+    other.close()
+
+
+def test_a_header_claiming_another_salt_is_refused_as_foreign(tmp_path: Path) -> None:
+    """An artifact of salt a whose header is edited to claim salt b is indexed under b, but the
+    digest recomputed from b's salt differs from the file's: refused, deleted, never imported."""
+    st, path = parked(tmp_path, salt="a")
+    st.close()
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[8:12], "little")
+    header = json.loads(raw[12: 12 + n])
+    body = json.dumps(dict(header, salt=salt_key("b")), separators=(",", ":")).encode()
+    path.write_bytes(MAGIC + len(body).to_bytes(4, "little") + body + raw[12 + n:])
+    st2 = store(tmp_path)
+    assert st2.best(NEXT, len(NEXT) - 1, "b", whole=False) is not None   # the index trusts headers
+    out, cached = run(executor(st2), NEXT, salt="b")                    # the load does not
+    assert cached == 0 and out == cold(NEXT)
+    assert st2.snapshot()["fallbacks"] == {"foreign": 1} and not path.exists()
+    st2.close()
+
+
+def test_an_import_the_engine_refuses_falls_back(tmp_path: Path) -> None:
+    st, _path = parked(tmp_path)
+    ex = executor(st)
+    ex.engine.seq_import = lambda seq, data: False   # type: ignore[method-assign]
+    out, cached = run(ex, NEXT)
+    assert cached == 0 and out == cold(NEXT)
+    assert st.snapshot()["fallbacks"] == {"import": 1}
+    st.close()
+
+
+def test_a_writer_behind_drops_the_park_and_never_blocks_the_engine(tmp_path: Path) -> None:
+    st = store(tmp_path, queue_items=1)
+    gate = threading.Event()
+    real = st._write
+
+    def slow(*a: Any) -> int:
+        gate.wait(10)
+        return real(*a)
+
+    st._write = slow  # type: ignore[method-assign]
+    ex = executor(st, n_seq=4)
+    for i in range(4):   # four different conversations; the writer holds the first, the queue one more
+        run(ex, [WORD0 + i] + PROMPT, lane=i)
+        while i == 0 and not st._queue.empty():
+            time.sleep(0.001)
+    gate.set()
+    st.flush()
+    snap = st.snapshot()
+    assert snap["parks"] == 2 and snap["fallbacks"] == {"queue_full": 2}
+    st.close()
+
+
+def test_tenant_bs_identical_prompt_does_not_restore_tenant_as_park(tmp_path: Path) -> None:
+    st, _path = parked(tmp_path, salt="tenant-a")
+    st.close()
+    st2 = store(tmp_path)
+    out, cached = run(executor(st2), NEXT, salt="tenant-b")
+    assert cached == 0 and out == cold(NEXT) and st2.snapshot()["resumes"] == 0
+    out, cached = run(executor(st2), NEXT, salt="tenant-a")   # the positive control
+    assert cached == len(PROMPT) and st2.snapshot()["resumes"] == 1
+    st2.close()
+
+
+def test_a_thousand_parked_sessions_stay_within_the_budget(tmp_path: Path) -> None:
+    """1,000 conversations of 256 tokens (about 1.6 KB each on the mock) in a 64 KiB budget:
+    the directory never holds more, the newest are the ones kept, and each still restores."""
+    budget = 64 << 10
+    st = store(tmp_path, budget=budget, queue_items=1 << 12)
+    ex = executor(st, n_seq=2)
+    prompts = [[WORD0 + i % 50, WORD0 + i // 50, *PROMPT[:PARK_MIN_TOKENS]] for i in range(1000)]
+    for i, prompt in enumerate(prompts):
+        run(ex, prompt, lane=i, max_new=1)
+    st.flush()
+    files = list((tmp_path / "park").glob("*" + SUFFIX))
+    on_disk = sum(f.stat().st_size for f in files)
+    snap = st.snapshot()
+    assert snap["parks"] == 1000 and on_disk <= budget and snap["bytes"] == on_disk
+    assert snap["evicted"] == 1000 - len(files) and len(files) > 10
+    st.close()
+    st2 = store(tmp_path, budget=budget)
+    assert len(st2) == len(files)
+    _out, cached = run(executor(st2), prompts[-1] + [WORD0 + 9] * 10)
+    assert cached > PARK_MIN_TOKENS   # the newest is kept
+    _out, cached = run(executor(st2), prompts[0] + [WORD0 + 9] * 10)
+    assert cached == 0                # the oldest went first
+    st2.close()
