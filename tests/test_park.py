@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import trio
 
 from superfluid.proto import Admit, Sampling
 from superfluid.worker._executor import Executor
 from superfluid.worker._mock import WORD0, MockEngine
+from .conftest import mock_config, start_daemon, worker_pids
+from .test_daemon import metric
 from superfluid.worker._park import MAGIC, PARK_MIN_TOKENS, SUFFIX, ParkStore, park_digest, salt_key
 
 SPEC = "mock?step_ms=0&prefill_us=0&n_ctx=2000&eos_every=0"
@@ -239,3 +244,68 @@ def test_a_thousand_parked_sessions_stay_within_the_budget(tmp_path: Path) -> No
     _out, cached = run(executor(st2), prompts[0] + [WORD0 + 9] * 10)
     assert cached == 0                # the oldest went first
     st2.close()
+
+
+# -- through the daemon ------------------------------------------------------------------------------------------
+
+LONG_TEXT = " ".join(["the quick brown fox jumps over the lazy dog and keeps on running"] * 30)
+
+
+async def chat(c: httpx.AsyncClient, messages: list[dict[str, str]], **extra: Any) -> tuple[str, int]:
+    r = await c.post("/v1/chat/completions", json={"model": "mock", "max_tokens": 12, "temperature": 0,
+                                                   "messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def parked_files(sessions: Path, at_least: int = 1) -> list[Path]:
+    with trio.fail_after(10):
+        while len(files := list((sessions / "park").glob("*" + SUFFIX))) < at_least:
+            await trio.sleep(0.02)
+    return files
+
+
+async def test_a_conversation_resumes_from_its_park_after_a_worker_and_a_daemon_restart(tmp_path: Path) -> None:
+    first = [{"role": "user", "content": LONG_TEXT}]
+    async with trio.open_nursery() as nursery:   # the reference: no --park
+        d = await start_daemon(nursery, mock_config(sessions=tmp_path / "cold"))
+        reply, _ = await chat(d.client, first)
+        second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+        d.scope.cancel()
+    async with trio.open_nursery() as nursery:
+        d = await start_daemon(nursery, mock_config(sessions=tmp_path / "cold2"))
+        reference, _ = await chat(d.client, second)
+        d.scope.cancel()
+    config = mock_config(sessions=tmp_path / "s", park=True, park_budget_gb=0.01)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            d = await start_daemon(nursery, config)
+            assert (await chat(d.client, first))[0] == reply
+            await parked_files(tmp_path / "s")
+            [pid] = worker_pids()
+            os.kill(pid, signal.SIGKILL)   # a new worker: its KV is empty, its park index read from disk
+            text, cached = await chat(d.client, second)
+            assert text == reference and cached > PARK_MIN_TOKENS
+            assert await metric(d, "superfluid_resumes_total") == 1
+            assert await metric(d, "superfluid_park_bytes") > 0
+            d.scope.cancel()
+        async with trio.open_nursery() as nursery:   # a daemon restart
+            d = await start_daemon(nursery, config)
+            text, cached = await chat(d.client, second)
+            assert text == reference and cached > PARK_MIN_TOKENS
+            assert await metric(d, "superfluid_resumes_total") == 1
+            assert await metric(d, "superfluid_park_restore_seconds_total") > 0
+            assert await metric(d, "superfluid_park_fallbacks_total") == 0
+            d.scope.cancel()
+
+
+def test_park_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from superfluid.cli._main import main
+    from superfluid.nursery._worker import WorkerSpec, worker_argv
+
+    assert main(["serve", "mock", "--park", "--park-budget-gb", "0"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["superfluid: --park-budget-gb 0: must be more than 0 with --park"]
+    argv = worker_argv(WorkerSpec(runtime="mock", model="mock", park_dir="/s/park", park_budget_mb=4096))
+    assert argv[argv.index("--park-dir"):][:4] == ["--park-dir", "/s/park", "--park-budget-mb", "4096"]
+    assert "--park-dir" not in worker_argv(WorkerSpec(runtime="mock", model="mock"))
