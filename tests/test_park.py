@@ -309,3 +309,38 @@ def test_park_flags(capsys: pytest.CaptureFixture[str]) -> None:
     argv = worker_argv(WorkerSpec(runtime="mock", model="mock", park_dir="/s/park", park_budget_mb=4096))
     assert argv[argv.index("--park-dir"):][:4] == ["--park-dir", "/s/park", "--park-budget-mb", "4096"]
     assert "--park-dir" not in worker_argv(WorkerSpec(runtime="mock", model="mock"))
+
+
+@pytest.mark.real
+def test_real_model_a_parked_prompt_restores_with_the_cold_text(tmp_path: Path) -> None:
+    """SmolLM2 on llama.cpp (exact mode, llama.cpp's default): a turn restored from the park (llama.cpp's
+    per-sequence state, read back from disk into an empty KV) gives the tokens a cold prefill gives."""
+    from . import test_llamacpp_engine as real
+
+    engine_it = real._engine(real.SMOL, max_context=1024)
+    engine = next(engine_it)
+    try:
+        assert "kv_type" in engine.info.extra
+        text = "Here is a long story about a lighthouse keeper and the sea. " * 40
+        first = real.prompt(engine, text)[:400]
+        nxt = first + real.prompt(engine, " Then what happened to the keeper?")[1:]
+
+        def run_on(park: ParkStore | None, tokens: list[int]) -> tuple[list[int], int]:
+            for seq in range(engine.info.n_seq):
+                engine.seq_rm(seq, 0, -1)
+            ex = Executor(engine, max_lanes=2, park=park)   # exact mode: the cold shape, warm or not
+            cached = real.admit(ex, 0, tokens, max_new=8).cached
+            return real.tokens_of(real.drain(ex)[0]), cached
+
+        st = store(tmp_path, budget=1 << 30, identity="smol-test")
+        run_on(st, first)
+        st.flush()
+        assert st.snapshot()["parks"] == 1
+        reference, cached = run_on(None, nxt)
+        assert cached == 0
+        got, cached = run_on(st, nxt)
+        assert cached >= 256 and got == reference
+        assert st.snapshot()["resumes"] == 1 and not st.snapshot()["fallbacks"]
+        st.close()
+    finally:
+        engine_it.close()

@@ -461,6 +461,9 @@ class LlamaEngine:
         return buf if written == size else b""
 
     def seq_import(self, seq: int, data: Any) -> bool:
+        if not isinstance(data, ctypes.Array):   # a park read from disk (a bytearray): no copy
+            data = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
+                (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return L.llama_state_seq_set_data(self._ctx, data, len(data), seq) > 0
 
     # -- embeddings ----------------------------------------------------------------

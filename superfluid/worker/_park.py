@@ -209,7 +209,7 @@ class ParkStore:
                     found = (entry, n)
         return found
 
-    def load(self, entry: ParkEntry, salt: str) -> bytes:
+    def load(self, entry: ParkEntry, salt: str) -> bytearray:
         """Read and check ``entry``'s file for a lane of ``salt``: its state's bytes.
 
         Raises:
@@ -225,7 +225,10 @@ class ParkStore:
                     header, offset = _parse_header(f, path)
                     want = int(header.get("payload_bytes", -1))
                     f.seek(offset)
-                    payload = f.read(want + 1) if want >= 0 else b""
+                    payload = bytearray(max(0, want))
+                    got = f.readinto(payload) if want > 0 else 0
+                    if got == want and f.read(1):
+                        got += 1   # longer than its header says
             except FileNotFoundError:
                 raise ParkRefused("missing") from None
             except OSError as exc:
@@ -234,8 +237,8 @@ class ParkStore:
             if (not isinstance(tokens, list) or header.get("digest") != entry.digest
                     or park_digest(salt, self.identity, tokens) != entry.digest or tokens != entry.tokens):
                 raise ParkRefused("foreign")
-            if want < 0 or len(payload) != want:
-                raise ParkRefused("torn", f"payload of {len(payload)} bytes, header says {want}")
+            if want < 0 or got != want:
+                raise ParkRefused("torn", f"payload of {got} bytes, header says {want}")
             if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
                 raise ParkRefused("checksum")
         except ParkRefused as exc:
