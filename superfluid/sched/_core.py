@@ -668,7 +668,8 @@ class SchedulerCore:
         counter increments; the directory's bytes a gauge."""
         counters = {"parks": "superfluid_parks_total", "resumes": "superfluid_resumes_total",
                     "resume_tokens": "superfluid_resume_tokens_total",
-                    "restore_s": "superfluid_park_restore_seconds_total", "evicted": "superfluid_park_evictions_total"}
+                    "restore_s": "superfluid_park_restore_seconds_total", "evicted": "superfluid_park_evictions_total",
+                    "export_s": "superfluid_park_export_seconds_total"}
         seen = self._park_seen
         for key, name in counters.items():
             now = float(park.get(key, 0))

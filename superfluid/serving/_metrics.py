@@ -59,6 +59,8 @@ _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
     "superfluid_resumes_total": (Counter, "Admissions whose KV was restored from a parked artifact.", ()),
     "superfluid_resume_tokens_total": (Counter, "Prompt tokens restored from parked artifacts.", ()),
     "superfluid_park_restore_seconds_total": (Counter, "Seconds spent reading, checking and importing parks.", ()),
+    "superfluid_park_export_seconds_total": (
+        Counter, "Engine-thread seconds spent exporting sequences to park (the write is off that thread).", ()),
     "superfluid_park_evictions_total": (Counter, "Parked artifacts deleted to stay within --park-budget-gb.", ()),
     "superfluid_park_bytes": (Gauge, "Bytes in the park directory as the model's worker last counted them.", ()),
     "superfluid_park_fallbacks_total": (

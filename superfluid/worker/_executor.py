@@ -678,7 +678,9 @@ class Executor:
             slot.held = lane.tokens[:keep]
             slot.exact = len(slot.held) if self.exact else _Slot.exact
             if self.park is not None and self.park.wants(slot.held, slot.salt):
+                t0 = self._timer()
                 data = self.engine.seq_export(lane.seq)
+                self.park.exported(self._timer() - t0)
                 if data:
                     self.park.put(slot.held, slot.salt, data)
         else:

@@ -109,7 +109,7 @@ class ParkStore:
         self._lock = threading.Lock()
         self._entries: dict[str, ParkEntry] = {}
         self._pending: dict[str, tuple[str, list[int]]] = {}    # digest -> (salt key, tokens), queued
-        self.stats: dict[str, Any] = {"parks": 0, "resumes": 0, "resume_tokens": 0, "restore_s": 0.0,
+        self.stats: dict[str, Any] = {"parks": 0, "resumes": 0, "resume_tokens": 0, "restore_s": 0.0, "export_s": 0.0,
                                       "evicted": 0, "bytes": 0, "fallbacks": {}}
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_items))
         make_private_dir(self.dir)
@@ -259,6 +259,11 @@ class ParkStore:
             self._forget_locked(entry.digest)
         if reason != "missing":
             _unlink(self.dir / (entry.digest + SUFFIX))
+
+    def exported(self, seconds: float) -> None:
+        """An export for a park took ``seconds`` of the engine thread."""
+        with self._lock:
+            self.stats["export_s"] += seconds
 
     def resumed(self, tokens: int, seconds: float) -> None:
         with self._lock:
