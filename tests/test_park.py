@@ -210,6 +210,29 @@ def test_a_writer_behind_drops_the_park_and_never_blocks_the_engine(tmp_path: Pa
     st.close()
 
 
+def test_a_failed_write_or_a_state_that_is_no_buffer_drops_that_park_only(tmp_path: Path) -> None:
+    st = store(tmp_path)
+    assert not st.put(PROMPT, "", object())   # (MLX's state is arrays: its worker turns --park off)
+    real, calls = st._write, []
+
+    def failing(*a: Any) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*a)
+
+    st._write = failing  # type: ignore[method-assign]
+    ex = executor(st, n_seq=4)
+    run(ex, [WORD0 + 1] + PROMPT, lane=0)
+    st.flush()
+    run(ex, [WORD0 + 2] + PROMPT, lane=1)   # the writer lives on
+    st.flush()
+    snap = st.snapshot()
+    assert snap["parks"] == 1 and snap["fallbacks"] == {"unsupported": 1, "write_error": 1}
+    assert not list((tmp_path / "park").glob("*.tmp"))
+    st.close()
+
+
 def test_tenant_bs_identical_prompt_does_not_restore_tenant_as_park(tmp_path: Path) -> None:
     st, _path = parked(tmp_path, salt="tenant-a")
     st.close()

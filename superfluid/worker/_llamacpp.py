@@ -302,6 +302,7 @@ class LlamaEngine:
         self._eog = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
         self.aborts = not shared   # only one stream per sequence can drop a pass's tail
+        self.parks = True          # seq_export is llama_state_seq_get_data's bytes: --park can write it
         # a row's result depends on the pass's shape (a short last cell computed alone or inside a
         # bigger micro-batch rounds differently): the executor prefills on the fixed grid (exact
         # mode, the last step at least one whole cell plus the partial one) wherever it can reuse

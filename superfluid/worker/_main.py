@@ -592,7 +592,10 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
         return 3
     park = None
-    if args.park_dir and args.park_budget_mb > 0:
+    if args.park_dir and args.park_budget_mb > 0 and getattr(engine, "parks", False) is not True:
+        print(f"superfluid worker: --park: the {args.runtime} runtime's KV state is not bytes to write; "
+              "parking is off for this model", file=sys.stderr, flush=True)
+    elif args.park_dir and args.park_budget_mb > 0:
         park = await trio.to_thread.run_sync(lambda: ParkStore(
             Path(args.park_dir), args.park_budget_mb << 20, park_identity(args, engine),
             drop_covered=engine.info.kv_layout == "per_seq"))

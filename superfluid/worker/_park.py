@@ -61,7 +61,7 @@ TMP_STALE_S = 600.0            # a temporary file this old is a crashed writer's
 _LEN = struct.Struct("<I")
 
 # fallback reasons (superfluid_park_fallbacks_total{reason})
-REASONS = ("missing", "torn", "checksum", "foreign", "import", "queue_full", "write_error")
+REASONS = ("missing", "torn", "checksum", "foreign", "import", "queue_full", "write_error", "unsupported")
 
 
 class ParkRefused(Exception):
@@ -177,6 +177,11 @@ class ParkStore:
     def put(self, tokens: list[int], salt: str, data: Any) -> bool:
         """Queue ``data`` (the exported state of ``tokens``) for the writer; False (counted
         ``queue_full``) if the writer is behind. ``data`` is not copied: the caller hands it over."""
+        try:
+            memoryview(data)
+        except TypeError:   # a runtime whose state is no byte buffer (MLX's arrays): nothing to write
+            self._count("unsupported")
+            return False
         if len(data) + 4096 > self.budget_bytes:
             return False
         digest = park_digest(salt, self.identity, tokens)
@@ -299,7 +304,7 @@ class ParkStore:
             digest, key, tokens, data = item
             try:
                 size = self._write(digest, key, tokens, data)
-            except OSError:
+            except Exception:  # noqa: BLE001 - boundary: a failed write drops that park, never the writer
                 with self._lock:
                     self._pending.pop(digest, None)
                     self._count_locked("write_error")
