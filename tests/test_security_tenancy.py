@@ -281,8 +281,9 @@ async def test_another_key_never_restores_a_parked_prompt(tmp_path: Path) -> Non
             d = await start_daemon(nursery, config)
             async with client(d, A) as a:
                 assert (await a.post("/v1/chat/completions", json={**LONG, "max_tokens": 2, **long})).status_code == 200
-            while not list((tmp_path / "sessions" / "park").glob("*.park")):
-                await trio.sleep(0.02)
+            from .test_park import parked_files
+
+            await parked_files(tmp_path / "sessions")
             d.scope.cancel()
         async with trio.open_nursery() as nursery:
             d = await start_daemon(nursery, config)
