@@ -308,6 +308,12 @@ async def test_a_conversation_resumes_from_its_park_after_a_worker_and_a_daemon_
             d = await start_daemon(nursery, config)
             assert (await chat(d.client, first))[0] == reply
             await parked_files(tmp_path / "s")
+            with trio.fail_after(10):   # reported when written (Telemetry), though no tick runs after it
+                while True:
+                    if await metric(d, "superfluid_parks_total") == 1:
+                        break
+                    await trio.sleep(0.02)
+            assert await metric(d, "superfluid_park_export_seconds_total") > 0
             [pid] = worker_pids()
             os.kill(pid, signal.SIGKILL)   # a new worker: its KV is empty, its park index read from disk
             text, cached = await chat(d.client, second)

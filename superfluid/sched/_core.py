@@ -37,6 +37,7 @@ from ..proto import (
     Embedded,
     Emit,
     Fault,
+    Telemetry,
     Tick,
     TickDone,
     Tokenize,
@@ -712,7 +713,11 @@ class SchedulerCore:
         Raises:
             InjectedBug: the worker reported the injected fault.
         """
-        if isinstance(event, Admitted):
+        if isinstance(event, Telemetry):
+            park = _park_counts(event.values)
+            if park:
+                self._park_report(park)
+        elif isinstance(event, Admitted):
             job = self.running.get(event.lane)
             if job is not None:
                 if not job.started:
@@ -898,3 +903,18 @@ def _shared_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _park_counts(values: dict[str, float]) -> dict[str, Any]:
+    """A ``Telemetry`` event's park counts (``park.<count>``, ``park.fallback.<reason>``; sent by
+    worker/_park.py) in ``TickDone.park``'s form; {} if it has none."""
+    out: dict[str, Any] = {}
+    fallbacks: dict[str, float] = {}
+    for key, value in values.items():
+        if key.startswith("park.fallback."):
+            fallbacks[key[len("park.fallback."):]] = value
+        elif key.startswith("park."):
+            out[key[len("park."):]] = value
+    if out:
+        out["fallbacks"] = fallbacks
+    return out

@@ -57,6 +57,7 @@ from ..proto import (
     LoadFailed,
     ProtocolError,
     Shutdown,
+    Telemetry,
     Tick,
     TickDone,
     Tokenize,
@@ -366,6 +367,17 @@ class _Worker:
             self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]), lanes=(op.lane,))
         return False
 
+    def park_written(self) -> None:
+        """The park writer thread stored an artifact: its counts go out now as droppable
+        ``Telemetry`` (no held token rows with it), not with a tick the model may never run."""
+        park = self.executor.park
+        if park is None:
+            return
+        try:
+            self.send(Telemetry(values=park.telemetry()), lanes=())
+        except Exception:  # noqa: BLE001 - droppable by definition: a link that ended takes none
+            pass
+
     def _ended(self, lane: int) -> None:
         with self.write_lock:
             self.fresh.discard(lane)
@@ -610,6 +622,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
     worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16,
                      hold_s=max(0, args.stream_interval_ms) / 1000,
                      agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
+    if park is not None:
+        park.on_change = worker.park_written
     engine_done = trio.Event()
 
     async def serve_engine() -> None:

@@ -41,6 +41,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,9 @@ class ParkStore:
         self.stats: dict[str, Any] = {"parks": 0, "resumes": 0, "resume_tokens": 0, "restore_s": 0.0, "export_s": 0.0,
                                       "evicted": 0, "bytes": 0, "fallbacks": {}}
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_items))
+        # called by the writer thread after each write (the worker reports its counts at once:
+        # a park lands after the lane's last tick, and an idle model runs no tick to report it)
+        self.on_change: Callable[[], None] | None = None
         make_private_dir(self.dir)
         os.chmod(self.dir, DIR_MODE)
         self._scan()
@@ -281,6 +285,14 @@ class ParkStore:
         with self._lock:
             return {**self.stats, "fallbacks": dict(self.stats["fallbacks"]), "artifacts": len(self._entries)}
 
+    def telemetry(self) -> dict[str, float]:
+        """:meth:`snapshot` flattened for a ``Telemetry`` event (``park.<count>``,
+        ``park.fallback.<reason>``; sched/_core.py reads it back)."""
+        snap = self.snapshot()
+        out = {f"park.{k}": float(v) for k, v in snap.items() if k != "fallbacks"}
+        out.update({f"park.fallback.{r}": float(n) for r, n in snap["fallbacks"].items()})
+        return out
+
     def _count(self, reason: str) -> None:
         with self._lock:
             self._count_locked(reason)
@@ -327,6 +339,8 @@ class ParkStore:
             for d in covered:
                 _unlink(self.dir / (d + SUFFIX))
             self._evict()
+            if self.on_change is not None:
+                self.on_change()
 
     def _write(self, digest: str, key: str, tokens: list[int], data: Any) -> int:
         view = memoryview(data).cast("B")
