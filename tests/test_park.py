@@ -375,3 +375,16 @@ def test_real_model_a_parked_prompt_restores_with_the_cold_text(tmp_path: Path) 
         st.close()
     finally:
         engine_it.close()
+
+
+def test_a_preempted_lane_is_not_parked(tmp_path: Path) -> None:
+    """A preemption publishes the lane's KV for its resume; only a finished generation is parked."""
+    st = store(tmp_path)
+    ex = executor(st)
+    ex.admit(Admit(lane=0, tokens=PROMPT, n_prompt=len(PROMPT), max_new=8, sampling=Sampling(temperature=0.0)))
+    while ex.lanes[0].n_past < len(PROMPT):
+        ex.step(prefill_budget=512)
+    ex.cancel(0, publish=True)
+    st.flush()
+    assert st.snapshot()["parks"] == 0
+    st.close()

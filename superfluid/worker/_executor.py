@@ -662,7 +662,9 @@ class Executor:
         self._release(lane, publish=publish)
         return True
 
-    def _release(self, lane: Lane, *, publish: bool) -> None:
+    def _release(self, lane: Lane, *, publish: bool, finished: bool = False) -> None:
+        """Close ``lane``; with ``publish`` its sequence stays as a prefix-cache entry and, when
+        the lane ``finished`` (not preempted or cancelled), may be parked (``--park``)."""
         lane.sampler.close()
         slot = self.slots[lane.seq]
         self._disown(lane.seq)
@@ -677,7 +679,7 @@ class Executor:
         if publish:
             slot.held = lane.tokens[:keep]
             slot.exact = len(slot.held) if self.exact else _Slot.exact
-            if self.park is not None and self.park.wants(slot.held, slot.salt):
+            if finished and self.park is not None and self.park.wants(slot.held, slot.salt):
                 t0 = self._timer()
                 data = self.engine.seq_export(lane.seq)
                 self.park.exported(self._timer() - t0)
@@ -887,7 +889,7 @@ class Executor:
         self.stats["decode_tokens"] += res.decode_tokens
         for row in res.emits:
             if row[3] is not None:
-                self._release(self.lanes.pop(row[0]), publish=True)
+                self._release(self.lanes.pop(row[0]), publish=True, finished=True)
         return res
 
     # -- speculation ------------------------------------------------------------
