@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from superfluid.proto import Admit, Sampling
 from superfluid.worker._executor import Executor
@@ -53,8 +55,8 @@ def run(ex: Executor, prompt: list[int], *, lane: int = 0, salt: str = "", max_n
     return out, got.cached
 
 
-def cold(prompt: list[int]) -> list[int]:
-    return run(executor(None), prompt)[0]
+def cold(prompt: list[int], max_new: int = 8) -> list[int]:
+    return run(executor(None), prompt, max_new=max_new)[0]
 
 
 def parked(tmp_path: Path, salt: str = "", **kw: Any) -> tuple[ParkStore, Path]:
@@ -388,3 +390,54 @@ def test_a_preempted_lane_is_not_parked(tmp_path: Path) -> None:
     st.flush()
     assert st.snapshot()["parks"] == 0
     st.close()
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("turn"), st.integers(0, 2), st.integers(1, 80), st.booleans()),
+    st.tuples(st.just("restart")),
+    st.tuples(st.just("damage"), st.sampled_from(["torn", "checksum", "garbage", "missing"]), st.integers(0, 9)),
+), min_size=1, max_size=12)
+SALTS = ("", "a", "b")
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_turns_restarts_and_damage_never_change_a_reply(tmp_path_factory: pytest.TempPathFactory,
+                                                        ops: list[tuple[Any, ...]]) -> None:
+    """Three conversations, each under its own salt, take turns; the worker restarts (a new store
+    and executor on the same directory) and park files are damaged, at random, in a budget that
+    evicts: every reply is the cold run's, a turn sent under another conversation's salt reuses
+    nothing, and the directory stays within the budget."""
+    root = tmp_path_factory.mktemp("park")
+    budget = 12 << 10
+    st_ = store(root, budget=budget)
+    ex = executor(st_, n_seq=2)
+    convs: list[list[int]] = [[WORD0 + 40 + i] + PROMPT[:260] for i in range(3)]
+    tag = 0
+    crossed: set[int] = set()
+    try:
+        for op in ops:
+            if op[0] == "turn":
+                _, i, more, cross = op
+                prompt = convs[i] + [WORD0 + (i * 11 + k) % 50 for k in range(more)]
+                tag += 1
+                out, cached = run(ex, prompt, salt=SALTS[(i + cross) % 3], lane=tag, max_new=6)
+                assert out == cold(prompt, 6)
+                if cross:
+                    assert i in crossed or cached == 0   # (a later one may reuse the first's own KV)
+                    crossed.add(i)
+                else:
+                    convs[i] = prompt + out
+            elif op[0] == "restart":
+                st_.close()
+                st_ = store(root, budget=budget)
+                ex = executor(st_, n_seq=2)
+            else:
+                st_.flush()
+                files = sorted((root / "park").glob("*" + SUFFIX))
+                if files:
+                    _damage(files[op[2] % len(files)], op[1])
+        st_.flush()
+        assert sum(f.stat().st_size for f in (root / "park").glob("*" + SUFFIX)) <= budget
+    finally:
+        st_.close()
