@@ -81,7 +81,7 @@ def wait_parked(sessions: Path, timeout: float = 600) -> list[Path]:
 
 def run(name: str, args: argparse.Namespace, extra: list[str], first: list[dict[str, str]]) -> dict[str, Any]:
     sessions = Path(tempfile.mkdtemp(prefix=f"bench-park-{name}-"))
-    ctx = 8192
+    ctx = max(8192, -(-(args.length + 512) // 1024) * 1024)   # (llama.cpp caps it at the model's training window)
     flags = ["--max-batch", "1", "--max-context", str(ctx), "--threads", str(args.threads), "--sessions", str(sessions),
              *(["--deterministic"] if args.deterministic else []), *extra]
     port = free_port()
@@ -113,7 +113,8 @@ def run(name: str, args: argparse.Namespace, extra: list[str], first: list[dict[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    p.add_argument("--length", type=int, default=7000, help="turn 1's prompt in tokens (SmolLM2's window is 8,192)")
+    p.add_argument("--length", type=int, default=7000,
+                   help="turn 1's prompt in tokens (SmolLM2's window is 8,192; Gemma 3 270M's 32,768)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True)
