@@ -20,6 +20,7 @@ HEADER_TIMEOUT_S = 10.0          # a connection's request head must be complete 
 MAX_BATCH = 8                    # lanes per model
 MAX_CONTEXT = 4096               # tokens per lane
 THREADS = 0                      # engine threads; 0: all cores
+PARK_BUDGET_GB = 4.0             # --park: the park directory's budget (GiB, all models together)
 HOST_CACHE_MB = 2048             # the daemon's default host cache per model (a bare worker's is 0: off)
 STREAM_INTERVAL_MS = 40          # interactive/completion tokens wait at most this long to share a chunk
 AGENT_STREAM_INTERVAL_MS = 100   # the same for agent and background lanes

@@ -269,6 +269,34 @@ async def test_another_key_sees_no_cached_tokens_of_a_prompt(nursery: trio.Nurse
     d.scope.cancel()
 
 
+async def test_another_key_never_restores_a_parked_prompt(tmp_path: Path) -> None:
+    """--park: key a's finished conversation is on disk; after a daemon restart (no KV, no host
+    cache) key b's identical prompt restores nothing of it, and a's own does (the control)."""
+    from .test_fuzz_regressions import metric
+
+    config = attrs.evolve(keyed(), sessions=tmp_path / "sessions", park=True, park_budget_gb=0.01)
+    long = {"messages": [{"role": "system", "content": SECRET * 3}, {"role": "user", "content": "hi"}]}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            d = await start_daemon(nursery, config)
+            async with client(d, A) as a:
+                assert (await a.post("/v1/chat/completions", json={**LONG, "max_tokens": 2, **long})).status_code == 200
+            from .test_park import parked_files
+
+            await parked_files(tmp_path / "sessions")
+            d.scope.cancel()
+        async with trio.open_nursery() as nursery:
+            d = await start_daemon(nursery, config)
+            async with client(d, A) as a, client(d, B) as b:
+                r = await b.post("/v1/chat/completions", json={**LONG, "max_tokens": 2, **long})
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                assert await metric(a, "superfluid_resumes_total") == 0
+                r = await a.post("/v1/chat/completions", json={**LONG, "max_tokens": 2, **long})
+                assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
+                assert await metric(a, "superfluid_resumes_total") == 1
+            d.scope.cancel()
+
+
 async def test_cache_salt_partitions_within_a_tenant(daemon: Daemon) -> None:
     c = daemon.client
     with trio.fail_after(30):

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=nonneg_int, default=D.THREADS, help="engine threads (default: all cores)")
     s.add_argument("--host-cache-mb", type=nonneg_int, default=D.HOST_CACHE_MB,
                    help="MiB of host memory per model for prefixes evicted from the KV pool (0: off)")
+    s.add_argument("--park", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep a finished generation's KV (256+ tokens) on disk in <sessions>/park; a later prompt "
+                        "that extends it (same tenant and cache_salt) restores it instead of prefilling, also "
+                        "after a restart (default off)")
+    s.add_argument("--park-budget-gb", type=positive_float, default=D.PARK_BUDGET_GB,
+                   help=f"GiB the park directory may hold, least recently used evicted first "
+                        f"(default {D.PARK_BUDGET_GB:g})")
     s.add_argument("--stream-interval-ms", type=nonneg_int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
@@ -549,7 +556,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections_per_client=args.max_connections_per_client, header_timeout_s=args.header_timeout,
         sessions_cache=args.sessions_cache, resume_ttl_s=args.resume_ttl, max_batch=args.max_batch,
         max_context=args.max_context, threads=args.threads, host_cache_mb=args.host_cache_mb,
-        stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
+        park=args.park, park_budget_gb=args.park_budget_gb, stream_interval_ms=args.stream_interval_ms, agent_stream_interval_ms=args.agent_stream_interval_ms,
         cpu_yield=not args.no_cpu_yield, drain_timeout_s=args.drain_timeout, shutdown_grace_s=args.shutdown_grace,
         default_qos=args.http_default_qos, http_qos_header=not args.no_http_qos_header,
         planner=PlannerConfig(max_batch=args.max_batch, class_lanes=args.class_lanes,

@@ -58,7 +58,8 @@ from ..models._hub import hub_name_in
 from ..nursery import ModelActor, RestartPolicy, WorkerSpec, supervise
 from ..sched import Scheduler, SchedulerConfig
 from ..fleet._head import NodeSource
-from ..serving import FOREVER, InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels
+from ..serving import (FOREVER, InsufficientMemory, Metrics, ModelSource, ServedModel, ServeConfig, TooManyModels,
+                       default_sessions_dir)
 from ..serving._placement import FleetGroup
 
 if TYPE_CHECKING:
@@ -332,6 +333,8 @@ class ModelRegistry:
         cfg = self.config
         spec = WorkerSpec(runtime=source.runtime, model=source.spec, max_batch=cfg.max_batch,
                           max_context=cfg.max_context, threads=cfg.threads, host_cache_mb=cfg.host_cache_mb,
+                          park_dir=str((cfg.sessions or default_sessions_dir()) / "park") if cfg.park else "",
+                          park_budget_mb=int(cfg.park_budget_gb * 1024),
                           stream_interval_ms=cfg.stream_interval_ms,
                           agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
                           pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,

@@ -68,6 +68,8 @@ def summary_lines(config: ServeConfig, models: Iterable[ServedModel], binds: lis
         lines += _fleet_lines(config, models)
     lines.append("  dialects: " + "; ".join(f"{name} {routes}" for name, routes in DIALECTS))
     lines.append(f"  sessions: {sessions_dir}")
+    if config.park:
+        lines.append(f"  park: {sessions_dir / 'park'} (up to {config.park_budget_gb:g} GiB, least recently used evicted)")
     lines.append(f"  auth: {_auth(config)}")
     return lines
 

@@ -76,6 +76,8 @@ class WorkerSpec:
     max_context: int = D.MAX_CONTEXT
     threads: int = D.THREADS
     host_cache_mb: int = 0  # off unless the daemon asks (--host-cache-mb)
+    park_dir: str = ""      # --park: finished sequences' KV on disk here (<sessions>/park); "": off
+    park_budget_mb: int = 0
     stream_interval_ms: int = D.STREAM_INTERVAL_MS
     agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS
     deterministic: bool = False
@@ -99,6 +101,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         argv += ["--threads", str(spec.threads)]
     if spec.host_cache_mb:
         argv += ["--host-cache-mb", str(spec.host_cache_mb)]
+    if spec.park_dir and spec.park_budget_mb > 0:
+        argv += ["--park-dir", spec.park_dir, "--park-budget-mb", str(spec.park_budget_mb)]
     argv += ["--stream-interval-ms", str(spec.stream_interval_ms),
              "--agent-stream-interval-ms", str(spec.agent_stream_interval_ms)]
     if spec.deterministic:

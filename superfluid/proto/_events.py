@@ -381,6 +381,9 @@ class TickDone(Event):
     # speculation, when it runs: cumulative ``proposed``/``accepted``/``rounds``/``plain_rounds``,
     # ``abandoned``, and ``counts`` {lanes: [verdict, speedup]} (worker/_spec.py ``Gates.snapshot``)
     spec: dict[str, Any] = attrs.field(factory=dict, metadata={"since": 1})
+    # --park, when on: cumulative ``parks``/``resumes``/``resume_tokens``/``restore_s``/``evicted``,
+    # ``fallbacks`` {reason: n}, and the directory's ``bytes`` and ``artifacts`` now (worker/_park.py)
+    park: dict[str, Any] = attrs.field(factory=dict, metadata={"since": 1})
 
 
 @attrs.frozen(kw_only=True)

@@ -37,6 +37,7 @@ from ..proto import (
     Embedded,
     Emit,
     Fault,
+    Telemetry,
     Tick,
     TickDone,
     Tokenize,
@@ -227,6 +228,8 @@ class SchedulerCore:
         self._prefill_rate = 0.0
         self.last_tick: dict[str, float] = {}
         self._spec_seen: dict[str, int] = {}   # the worker's cumulative speculation counts, as last reported
+        self._park_seen: dict[str, float] = {}   # and its park counts (--park)
+        self.park: dict[str, Any] = {}           # its last park report
         self.spec: dict[str, Any] = {}         # its last speculation report (gates, totals)
         self.unavailable: str | None = None
         self.unavailable_code = "worker_unavailable"
@@ -661,6 +664,29 @@ class SchedulerCore:
                           "rounds": done.rounds, "kv_used": done.kv_used, "kv_total": done.kv_total}
         if done.spec:
             self._spec_report(done.spec)
+        if done.park:
+            self._park_report(done.park)
+
+    def _park_report(self, park: dict[str, Any]) -> None:
+        """The worker's cumulative park counts (from zero in each worker generation) become
+        counter increments; the directory's bytes a gauge."""
+        counters = {"parks": "superfluid_parks_total", "resumes": "superfluid_resumes_total",
+                    "resume_tokens": "superfluid_resume_tokens_total",
+                    "restore_s": "superfluid_park_restore_seconds_total", "evicted": "superfluid_park_evictions_total",
+                    "export_s": "superfluid_park_export_seconds_total"}
+        seen = self._park_seen
+        for key, name in counters.items():
+            now = float(park.get(key, 0))
+            before = seen.get(key, 0.0)
+            self.metrics.inc(name, now - before if now >= before else now)
+            seen[key] = now
+        for reason, n in dict(park.get("fallbacks", {})).items():
+            key = f"fallback:{reason}"
+            now, before = float(n), seen.get(key, 0.0)
+            self.metrics.inc("superfluid_park_fallbacks_total", now - before if now >= before else now, reason=str(reason))
+            seen[key] = now
+        self.metrics.set("superfluid_park_bytes", float(park.get("bytes", 0)))
+        self.park = park
 
     def _spec_report(self, spec: dict[str, Any]) -> None:
         """Speculation's cumulative counts (per worker generation: a new worker starts again
@@ -681,6 +707,7 @@ class SchedulerCore:
     def new_worker(self) -> None:
         """A new worker generation: its speculation counts start from zero."""
         self._spec_seen = {}
+        self._park_seen = {}
 
     @_writes
     def handle(self, event: Any) -> None:
@@ -689,7 +716,11 @@ class SchedulerCore:
         Raises:
             InjectedBug: the worker reported the injected fault.
         """
-        if isinstance(event, Admitted):
+        if isinstance(event, Telemetry):
+            park = _park_counts(event.values)
+            if park:
+                self._park_report(park)
+        elif isinstance(event, Admitted):
             job = self.running.get(event.lane)
             if job is not None:
                 if not job.started:
@@ -888,3 +919,18 @@ def _shared_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _park_counts(values: dict[str, float]) -> dict[str, Any]:
+    """A ``Telemetry`` event's park counts (``park.<count>``, ``park.fallback.<reason>``; sent by
+    worker/_park.py) in ``TickDone.park``'s form; {} if it has none."""
+    out: dict[str, Any] = {}
+    fallbacks: dict[str, float] = {}
+    for key, value in values.items():
+        if key.startswith("park.fallback."):
+            fallbacks[key[len("park.fallback."):]] = value
+        elif key.startswith("park."):
+            out[key[len("park."):]] = value
+    if out:
+        out["fallbacks"] = fallbacks
+    return out

@@ -67,6 +67,8 @@ class ServeConfig:
     max_context: int = D.MAX_CONTEXT
     threads: int = D.THREADS
     host_cache_mb: int = D.HOST_CACHE_MB  # evicted prefixes kept in host memory, per model (0: off)
+    park: bool = False                    # --park: a finished sequence's KV is kept in <sessions>/park
+    park_budget_gb: float = D.PARK_BUDGET_GB  # --park-budget-gb: that directory's bytes, oldest evicted
     stream_interval_ms: int = D.STREAM_INTERVAL_MS  # tokens wait in the worker at most this long to share a chunk
     agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS  # the same for agent and background lanes
     cpu_yield: bool = True                # SCHED_BATCH while no request waits for a first token (_cpu.py)

@@ -55,6 +55,16 @@ _FAMILIES: dict[str, tuple[type[MetricWrapperBase], str, tuple[str, ...]]] = {
         ("lanes",)),
     "superfluid_spec_gate_speedup": (
         Gauge, "The gate's last measured drafting/plain tokens-per-second ratio per lane count.", ("lanes",)),
+    "superfluid_parks_total": (Counter, "Finished sequences' KV written to the park directory (--park).", ()),
+    "superfluid_resumes_total": (Counter, "Admissions whose KV was restored from a parked artifact.", ()),
+    "superfluid_resume_tokens_total": (Counter, "Prompt tokens restored from parked artifacts.", ()),
+    "superfluid_park_restore_seconds_total": (Counter, "Seconds spent reading, checking and importing parks.", ()),
+    "superfluid_park_export_seconds_total": (
+        Counter, "Engine-thread seconds spent exporting sequences to park (the write is off that thread).", ()),
+    "superfluid_park_evictions_total": (Counter, "Parked artifacts deleted to stay within --park-budget-gb.", ()),
+    "superfluid_park_bytes": (Gauge, "Bytes in the park directory as the model's worker last counted them.", ()),
+    "superfluid_park_fallbacks_total": (
+        Counter, "Parks dropped or artifacts refused (the lane prefilled instead), by reason.", ("reason",)),
     "superfluid_queue_full_total": (Counter, "Requests refused with 429 because their class's queue was full.",
                                     ("class",)),
     # a fleet model's nodes (SPEC.md §14), refreshed at each scrape; the model's own gauges are their sums

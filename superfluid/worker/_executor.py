@@ -64,6 +64,7 @@ import collections
 import hashlib
 import heapq
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -73,6 +74,7 @@ from ..chat import StopScan
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
+from ._park import ParkRefused, ParkStore
 from ._prefix import BLOCK, BlockIndex, chain
 from ..proto import SpecConfig
 from ._spec import PLAIN, Gates, LaneSpec
@@ -85,6 +87,7 @@ DEMOTE_MIN = 256  # a cached prefix this long moves to a spare sequence rather t
 # a sequence this short is copied by state export/import (cost grows with its length: 143 tokens
 # 3.1 ms on SmolLM2) rather than seq_cp, which copies the whole per-sequence stream (~9 ms at 4,096 cells)
 STATE_COPY_MAX = 384
+PARK_GAIN = 64  # a parked artifact is read only when it covers this many more prompt tokens than the cache
 GRID = 64       # exact mode: prompt prefill chunk boundaries are the multiples of this position
 
 
@@ -201,7 +204,7 @@ def counter_seed(seed: int, k: int) -> int:
 class Executor:
     def __init__(self, engine: Engine, *, max_lanes: int, host_cache_bytes: int = 0,
                  deterministic: bool = False, speculate: SpecConfig | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, park: ParkStore | None = None) -> None:
         self.engine = engine
         self.deterministic = deterministic
         self.info = engine.info
@@ -221,6 +224,8 @@ class Executor:
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "cached_tokens": 0, "steps": 0, "aborted": 0, "demoted": 0,
                       "state_copies": 0}
         self.host = HostCache(host_cache_bytes)
+        self.park = park   # --park: finished sequences on disk (_park.py)
+        self._timer = time.perf_counter
         self._recent_live = _WindowMax(2 * self.max_lanes)
         # per-sequence KV: free sequences in order, and the prefix index admissions search
         # (deterministic mode's whole-cell matches keep the plain scan)
@@ -265,6 +270,8 @@ class Executor:
         sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
         self._preserve(seq, keep=0 if src is not None else matched, src=src)
         imported = self._import(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
+        if imported is None and self.park is not None:
+            imported = self._restore(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
         if imported is not None:
             matched = imported
         elif src is not None and src != seq:
@@ -619,6 +626,39 @@ class Executor:
         self.host.stats["hit_tokens"] += n
         return n
 
+    def _restore(self, seq: int, tokens: list[int], salt: str, *, better_than: int, limit: int) -> int | None:
+        """Seed ``seq`` from a parked artifact of ``salt`` (``_park.py``) if one covers at least
+        ``PARK_GAIN`` more of ``tokens`` (at most ``limit``) than ``better_than``; the artifact is
+        checked before the engine sees it. Returns the tokens now in ``seq`` (0 if the artifact
+        or its import was refused, ``seq`` left empty: the lane prefills), or None if nothing
+        was tried (``seq`` untouched)."""
+        park = self.park
+        assert park is not None
+        found = park.best(tokens, len(tokens) - 1, salt, whole=self.shared)
+        if found is None:
+            return None
+        entry, n = found
+        if self.exact:
+            n = min(self._cells(n), limit)   # as a host import: whole prompt cells, not the last step
+        if n < better_than + PARK_GAIN:
+            return None
+        t0 = self._timer()
+        try:
+            data = park.load(entry, salt)
+        except ParkRefused:
+            return None
+        self.engine.seq_rm(seq, 0, -1)
+        self._set_held(seq, [])
+        self._make_room(len(entry.tokens))
+        if not self.engine.seq_import(seq, data):
+            self.engine.seq_rm(seq, 0, -1)
+            park.refuse(entry, "import")
+            return 0
+        if n < len(entry.tokens):
+            self.engine.seq_rm(seq, n, -1)
+        park.resumed(n, self._timer() - t0)
+        return n
+
     def cancel(self, lane_tag: int, *, publish: bool) -> bool:
         lane = self.lanes.pop(lane_tag, None)
         if lane is None:
@@ -626,7 +666,9 @@ class Executor:
         self._release(lane, publish=publish)
         return True
 
-    def _release(self, lane: Lane, *, publish: bool) -> None:
+    def _release(self, lane: Lane, *, publish: bool, finished: bool = False) -> None:
+        """Close ``lane``; with ``publish`` its sequence stays as a prefix-cache entry and, when
+        the lane ``finished`` (not preempted or cancelled), may be parked (``--park``)."""
         lane.sampler.close()
         slot = self.slots[lane.seq]
         self._disown(lane.seq)
@@ -641,6 +683,12 @@ class Executor:
         if publish:
             slot.held = lane.tokens[:keep]
             slot.exact = len(slot.held) if self.exact else _Slot.exact
+            if finished and self.park is not None and self.park.wants(slot.held, slot.salt):
+                t0 = self._timer()
+                data = self.engine.seq_export(lane.seq)
+                self.park.exported(self._timer() - t0)
+                if data:
+                    self.park.put(slot.held, slot.salt, data)
         else:
             self.engine.seq_rm(lane.seq, 0, -1)
             slot.held = []
@@ -845,7 +893,7 @@ class Executor:
         self.stats["decode_tokens"] += res.decode_tokens
         for row in res.emits:
             if row[3] is not None:
-                self._release(self.lanes.pop(row[0]), publish=True)
+                self._release(self.lanes.pop(row[0]), publish=True, finished=True)
         return res
 
     # -- speculation ------------------------------------------------------------

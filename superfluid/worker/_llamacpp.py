@@ -304,6 +304,7 @@ class LlamaEngine:
         shared = _needs_shared_pool(model, deterministic=self._deterministic)
         cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads,
                              deterministic=self._deterministic)
+        self._kv_type = f"{int(cp.type_k)}/{int(cp.type_v)}"   # ggml types of K and V (a parked state's shape)
         self._ctx = L.llama_init_from_model(model, cp)
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context: {_LOG.take() or 'no reason given'}")
@@ -314,6 +315,7 @@ class LlamaEngine:
         self._eog = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
         self.aborts = not shared   # only one stream per sequence can drop a pass's tail
+        self.parks = True          # seq_export is llama_state_seq_get_data's bytes: --park can write it
         # a row's result depends on the pass's shape (a short last cell computed alone or inside a
         # bigger micro-batch rounds differently): the executor prefills on the fixed grid (exact
         # mode, the last step at least one whole cell plus the partial one) wherever it can reuse
@@ -334,7 +336,7 @@ class LlamaEngine:
     def _extra(self, threads: int, shared: bool) -> dict[str, Any]:
         return {"general_name": _meta(self._model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
                 "n_swa": L.llama_model_n_swa(self._model), "n_batch": self._cap, "threads": threads,
-                "kv_unified": shared, "deterministic": self._deterministic,
+                "kv_unified": shared, "deterministic": self._deterministic, "kv_type": self._kv_type,
                 "fim": _fim_tokens(self._vocab)}
 
     def capabilities(self) -> dict[str, Any]:
@@ -475,6 +477,9 @@ class LlamaEngine:
         return buf if written == size else b""
 
     def seq_import(self, seq: int, data: Any) -> bool:
+        if not isinstance(data, ctypes.Array):   # a park read from disk (a bytearray): no copy
+            data = (ctypes.c_uint8 * len(data)).from_buffer(data) if isinstance(data, bytearray) else \
+                (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return L.llama_state_seq_set_data(self._ctx, data, len(data), seq) > 0
 
     # -- embeddings ----------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import json
 import math
 import os
 import queue
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -55,6 +57,7 @@ from ..proto import (
     LoadFailed,
     ProtocolError,
     Shutdown,
+    Telemetry,
     Tick,
     TickDone,
     Tokenize,
@@ -68,11 +71,14 @@ from ..runtime import _registry as registry
 from ._engine import Engine
 from ._executor import PREFILL_CHUNK, Executor
 from ._mock import InjectedBug
+from ._park import ParkStore
 from ..proto import SPEC_DIRECTIVES, SPEC_FLAGS, SpecConfig
 
 INJECTED_BUG = InjectedBug.__name__ + ":"  # how the executor words a lane fault of that type
 
 __all__ = ["load_engine", "main"]
+
+PARK_CLOSE_S = 3.0      # at exit, queued parks may take this long to reach the disk
 
 _STOP = object()  # queued by the reader when the link ends: the engine thread returns
 
@@ -336,6 +342,8 @@ class _Worker:
                         return
         finally:
             self.executor.close()
+            if self.executor.park is not None:
+                self.executor.park.close(timeout=PARK_CLOSE_S)   # what is queued is written, within reason
 
     def _apply(self, op: Any) -> bool:
         """Apply one queued op; True when it is ``_STOP``."""
@@ -358,6 +366,17 @@ class _Worker:
             self._ended(op.lane)
             self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]), lanes=(op.lane,))
         return False
+
+    def park_written(self) -> None:
+        """The park writer thread stored an artifact: its counts go out now as droppable
+        ``Telemetry`` (no held token rows with it), not with a tick the model may never run."""
+        park = self.executor.park
+        if park is None:
+            return
+        try:
+            self.send(Telemetry(values=park.telemetry()), lanes=())
+        except Exception:  # noqa: BLE001 - droppable by definition: a link that ended takes none
+            pass
 
     def _ended(self, lane: int) -> None:
         with self.write_lock:
@@ -440,6 +459,7 @@ class _Worker:
             prefill_left=self.executor.prefill_left(), kv_used=self.executor.kv_used(),
             kv_total=self.executor.pool_cells, aborted=aborted,
             spec=self.executor.gates.snapshot() if self.executor.gates is not None else {},
+            park=self.executor.park.snapshot() if self.executor.park is not None else {},
         ), lanes=DUE)
         return False
 
@@ -585,8 +605,16 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         failed = LoadFailed(message=f"--speculate prompt-lookup: {said}")
         await trio.to_thread.run_sync(_write_all, link_fd, link.send(failed))
         return 3
+    park = None
+    if args.park_dir and args.park_budget_mb > 0 and getattr(engine, "parks", False) is not True:
+        print(f"superfluid worker: --park: the {args.runtime} runtime's KV state is not bytes to write; "
+              "parking is off for this model", file=sys.stderr, flush=True)
+    elif args.park_dir and args.park_budget_mb > 0:
+        park = await trio.to_thread.run_sync(lambda: ParkStore(
+            Path(args.park_dir), args.park_budget_mb << 20, park_identity(args, engine),
+            drop_covered=engine.info.kv_layout == "per_seq"))
     executor = Executor(engine, max_lanes=args.max_batch, host_cache_bytes=args.host_cache_mb << 20,
-                        deterministic=args.deterministic, speculate=speculate)
+                        deterministic=args.deterministic, speculate=speculate, park=park)
     await trio.to_thread.run_sync(_write_all, link_fd, link.send(HelloAck(
         version=PROTOCOL_VERSION, runtime=args.runtime, runtime_version=_runtime_version(args.runtime),
         model=engine.info.to_dict(), capabilities={**engine.capabilities(), "speculation": said},
@@ -596,6 +624,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
     worker = _Worker(engine, executor, link_fd, link, args.runtime, max_ops=4 * executor.max_lanes + 16,
                      hold_s=max(0, args.stream_interval_ms) / 1000,
                      agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
+    if park is not None:
+        park.on_change = worker.park_written
     engine_done = trio.Event()
 
     async def serve_engine() -> None:
@@ -638,6 +668,24 @@ def resolve_speculation(args: argparse.Namespace, engine: Engine) -> tuple[SpecC
     return config, "prompt-lookup"
 
 
+def park_identity(args: argparse.Namespace, engine: Engine) -> str:
+    """What a parked state depends on besides its tokens and salt: the model file (its real path,
+    size and mtime; a spec that is no file, as the mock's, as given), the runtime and its build,
+    and the KV's shape (layout, type, sliding window, deterministic mode's kernels)."""
+    model = args.model
+    try:
+        st = os.stat(model)
+        model = f"{os.path.realpath(model)}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        pass
+    extra = engine.info.extra
+    kv = {k: extra[k] for k in ("kv_type", "kv_unified", "n_swa", "deterministic") if k in extra}
+    return json.dumps({"model": model, "runtime": args.runtime, "build": _runtime_version(args.runtime),
+                       "arch": engine.info.architecture, "n_vocab": engine.info.n_vocab,
+                       "layout": engine.info.kv_layout, "kv": kv, "deterministic": bool(args.deterministic)},
+                      sort_keys=True, separators=(",", ":"))
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -671,6 +719,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=D.MAX_CONTEXT)
     parser.add_argument("--threads", type=int, default=D.THREADS)
     parser.add_argument("--host-cache-mb", type=int, default=0)  # off unless the daemon asks
+    parser.add_argument("--park-dir", default="")          # --park: finished sequences' KV on disk here
+    parser.add_argument("--park-budget-mb", type=int, default=0)
     parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)
     parser.add_argument("--agent-stream-interval-ms", type=int, default=D.AGENT_STREAM_INTERVAL_MS)
     parser.add_argument("--deterministic", action="store_true")

@@ -256,6 +256,7 @@ class MockEngine:
         return token in self.info.eog
 
     aborts = True
+    parks = True   # seq_export is bytes: --park can write it
 
     def decode(self, rows: list[BatchRow], abort: Callable[[], bool] | None = None) -> list[Any]:
         outs: list[Any] = []
