@@ -28,6 +28,7 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
                       api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses, route_responses
+from ._ui import route_ui
 
 from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
@@ -264,6 +265,8 @@ class App:
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if await route_ui(self.config.ui, scope, send):  # the built-in page, /ui (api/_ui.py)
+            return
         if self.stopping.started and method in ("POST", "PUT") and path != "/v1/tokenize":
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):

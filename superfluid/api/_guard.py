@@ -53,6 +53,7 @@ import trio
 from ._admission import Slots
 from ._http import ApiError, Send
 from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key
+from ._ui import ui_public
 
 if TYPE_CHECKING:
     from ..serving import ServeConfig
@@ -223,6 +224,7 @@ class Guard:
         self.machine = _machine_names(socket.gethostname() if hostname is None else hostname)
         self.allowed_hosts = frozenset(h.lower() for h in config.allowed_hosts)
         self.origins = frozenset(config.web_origins)
+        self.ui = config.ui  # the page (api/_ui.py) loads without a key, then asks for one
         self.rate_limit_rpm = config.rate_limit_rpm
         self.buckets = _Buckets(clock, max_buckets)
         self.slots = Slots()  # each key's max_concurrent generations (api/_admission.py)
@@ -237,7 +239,7 @@ class Guard:
         method, path = scope.get("method", "GET"), scope["path"]
         if http and method == "OPTIONS":
             return None
-        exempt = path == "/health" and method in ("GET", "HEAD")
+        exempt = (path == "/health" and method in ("GET", "HEAD")) or (http and self.ui and ui_public(scope))
         principal: Principal | None = ANONYMOUS
         if self.keys and not exempt:
             principal = authenticate(self.keys, presented_key(scope))

@@ -1,0 +1,387 @@
+"""The built-in page (issue #48), in a real browser.
+
+Debian's headless Chromium (``/usr/bin/chromium``), driven over the DevTools
+protocol by ``tests/_cdp.py`` as ``tests/test_security_browser.py`` does, loads
+``/ui/`` from an in-process daemon on the mock runtime and uses it as a person
+would: it types, clicks, reloads, and reads what the page shows. Each test
+checks both sides: what the page shows, and what the daemon holds (its
+conversations, events, metrics).
+
+``SUPERFLUID_BROWSER_SCREENSHOT=1`` rewrites ``docs/ui-chat.png`` (a chat with
+a branch) and ``docs/ui-live.png`` (the live view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+import pytest
+import trio
+
+from superfluid.api._ui import ASSETS
+from superfluid.serving import ApiKey
+
+from ._cdp import CHROMIUM, Chromium, Page, launch_chromium, open_cdp, open_page
+from .conftest import Daemon, mock_config, start_daemon, worker_pids
+
+pytestmark = pytest.mark.browser
+
+REQUIRE_REAL = os.environ.get("SUPERFLUID_REQUIRE_REAL") == "1"  # CI: a missing Chromium fails, never skips
+if not os.access(CHROMIUM, os.X_OK) and not REQUIRE_REAL:
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+DOCS = Path(__file__).parent.parent / "docs"
+SHOTS = os.environ.get("SUPERFLUID_BROWSER_SCREENSHOT") == "1"
+HOST_RULES = "MAP evil.example 127.0.0.1, MAP good.example 127.0.0.1"
+FLAGS = ("--disable-features=LocalNetworkAccessChecks", "--window-size=1280,800")
+# slow enough to watch a reply stream (about 48 tokens, 25 ms each), fast enough for a test
+SLOW_MOCK = "mock?step_ms=25&prefill_us=5"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Chromium]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"no Chromium at {CHROMIUM}; SUPERFLUID_REQUIRE_REAL=1 needs it (apt-get install chromium)")
+    with launch_chromium(host_rules=HOST_RULES, args=FLAGS) as browser:
+        yield browser
+
+
+@contextlib.asynccontextmanager
+async def serving(spec: str = SLOW_MOCK, **config_kw: Any) -> AsyncIterator[Daemon]:
+    sessions = Path(tempfile.mkdtemp(prefix="superfluid-ui-sessions-"))
+    async with trio.open_nursery() as nursery:
+        d = await start_daemon(nursery, mock_config(spec, sessions=sessions, **config_kw))
+        try:
+            yield d
+        finally:
+            await d.client.aclose()
+            d.scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def tab(chromium: Chromium) -> AsyncIterator[Page]:
+    async with open_cdp(chromium.ws_url) as cdp, open_page(cdp) as page:
+        await page.send("Emulation.setDeviceMetricsOverride",
+                        {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False})
+        yield page
+
+
+async def until(page: Page, expression: str, within: float = 20.0) -> Any:
+    """The first truthy value of ``expression`` in the page, polled every 50 ms."""
+    with trio.move_on_after(within):
+        while True:
+            value = await page.evaluate(expression)
+            if value:
+                return value
+            await trio.sleep(0.05)
+    status = await page.evaluate("document.getElementById('status').textContent")
+    raise AssertionError(f"not true within {within}s: {expression} (the page's status line: {status!r})")
+
+
+async def open_ui(page: Page, url: str) -> None:
+    await page.navigate(url)
+    await until(page, "document.body.dataset.ready === '1'")
+
+
+async def click(page: Page, selector: str) -> None:
+    found = await page.evaluate(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); "
+                                "if (!e) return false; e.click(); return true; })()")
+    assert found, f"nothing matches {selector}"
+
+
+async def type_and_send(page: Page, text: str) -> None:
+    await page.evaluate(f"document.getElementById('input').value = {json.dumps(text)}")
+    await click(page, "#send")
+
+
+WATCH_STREAM = """(() => {
+  window.seen = [];
+  new MutationObserver(() => {
+    const t = document.querySelector('.msg.streaming .text');
+    if (t && window.seen[window.seen.length - 1] !== t.textContent) window.seen.push(t.textContent);
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+  return true;
+})()"""
+SHOWN = "[...document.querySelectorAll('#messages .msg')].map(m => [m.classList[1], m.dataset.event || null, " \
+        "m.querySelector('.text') ? m.querySelector('.text').textContent : ''])"
+IDLE = "!window.superfluid.state.streaming && !document.getElementById('send').disabled"
+
+
+async def events(d: Daemon, cid: str) -> list[dict[str, Any]]:
+    r = await d.client.get(f"/v1/sessions/{cid}/events")
+    assert r.status_code == 200, r.text
+    return r.json()["events"]
+
+
+async def conversations(d: Daemon) -> list[str]:
+    r = await d.client.get("/v1/sessions", params={"limit": 1000})
+    return sorted(s["id"] for s in r.json()["data"] if s["kind"] == "conversation")
+
+
+async def send_and_watch(page: Page, text: str) -> list[str]:
+    """Send ``text`` and wait for the reply to end; the texts the streaming reply showed on its way."""
+    await page.evaluate(WATCH_STREAM)
+    await type_and_send(page, text)
+    await until(page, "document.querySelector('.msg.streaming') !== null")
+    await until(page, IDLE + " && document.querySelectorAll('#messages .msg.assistant').length > 0")
+    return await page.evaluate("window.seen")
+
+
+async def test_a_message_streams_and_lands_in_the_conversation(chromium: Chromium) -> None:
+    """Send a message: the reply grows in place as its SSE chunks arrive, then is shown as
+    the conversation's event, the same text the daemon logged."""
+    async with serving() as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        assert await page.evaluate("[...document.querySelectorAll('#model option')].map(o => o.value)") == ["mock"]
+        seen = await send_and_watch(page, "hello there")
+        assert len([s for s in seen if s]) >= 3, seen  # several partial texts: it streamed, not one answer
+        cid = await page.evaluate("window.superfluid.state.current")
+        logged = await events(d, cid)
+        reply = [e for e in logged if e["type"] == "message" and e["message"]["role"] == "assistant"]
+        assert len(reply) == 1 and reply[0]["message"]["content"], logged
+        assert seen[-1] == reply[0]["message"]["content"]
+        shown = await page.evaluate(SHOWN)
+        assert shown == [["user", "1", "hello there"], ["assistant", str(reply[0]["id"]), reply[0]["message"]["content"]]]
+        # the turn ran in the class the QoS picker named
+        turn = next(e for e in logged if e["type"] == "turn")
+        assert turn["params"].get("qos", "interactive") == "interactive", turn
+        # a second message continues the same conversation
+        await send_and_watch(page, "and more")
+        assert await conversations(d) == [cid]
+        assert [e["message"]["role"] for e in await events(d, cid) if e["type"] == "message"] == [
+            "user", "assistant", "user", "assistant"]
+
+
+async def test_stop_ends_the_reply(chromium: Chromium) -> None:
+    """The stop button stops the running turn (DELETE …/generation): it lands cancelled."""
+    async with serving("mock?step_ms=40&prefill_us=5") as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await page.evaluate("document.getElementById('qos').value = 'agent'")
+        await page.evaluate(WATCH_STREAM)
+        await type_and_send(page, "a long story please")
+        await until(page, "window.seen.length >= 2")
+        await click(page, "#stop")
+        await until(page, IDLE)
+        cid = await page.evaluate("window.superfluid.state.current")
+        logged = await events(d, cid)
+        turn = next(e for e in logged if e["type"] == "turn")
+        assert turn["params"]["qos"] == "agent", turn
+        ends = [e for e in logged if e.get("finish") == "cancelled"]
+        assert ends, logged
+
+
+async def test_fork_then_reload_shows_the_conversations_again(chromium: Chromium) -> None:
+    """Fork at the first message: a new conversation, selected, beside the first in the
+    list; a reload shows both again and the one that was open."""
+    async with serving() as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "first question")
+        first = await page.evaluate("window.superfluid.state.current")
+        await click(page, ".msg.user .act-fork")
+        await until(page, f"window.superfluid.state.current && window.superfluid.state.current !== {json.dumps(first)}")
+        branch = await page.evaluate("window.superfluid.state.current")
+        assert sorted([first, branch]) == await conversations(d)
+        held = await events(d, branch)
+        assert [e["type"] for e in held] == ["conversation", "message", "fork"], held
+        await until(page, "document.querySelectorAll('#messages .msg.user').length === 1 && "
+                          "document.querySelectorAll('#messages .msg.assistant').length === 0")
+        tree = await page.evaluate("[...document.querySelectorAll('#tree .node')].map(n => n.dataset.id)")
+        assert sorted(tree) == sorted([first, branch])
+        # the branch answers on its own
+        await send_and_watch(page, "second question")
+        assert [e["message"]["content"] for e in await events(d, branch) if e["type"] == "message"][:2] == [
+            "first question", "second question"]
+        await page.navigate(await page.evaluate("location.href"))
+        await until(page, "document.body.dataset.ready === '1'")
+        assert await page.evaluate("window.superfluid.state.current") == branch
+        tree = await page.evaluate("[...document.querySelectorAll('#tree .node')].map(n => n.dataset.id)")
+        assert sorted(tree) == sorted([first, branch])
+        shown = await page.evaluate(SHOWN)
+        assert [role for role, _, _ in shown] == ["user", "user", "assistant"], shown
+        await click(page, f"#tree .node[data-id={json.dumps(first)}]")
+        await until(page, f"window.superfluid.state.current === {json.dumps(first)} && "
+                          "document.querySelectorAll('#messages .msg').length === 2")
+
+
+async def test_the_worker_dies_mid_reply_and_the_stream_finishes(chromium: Chromium) -> None:
+    """The worker is SIGKILLed while the page streams a reply: the daemon respawns it and
+    the page's stream goes on to the end, the text only ever growing, nothing shown twice."""
+    async with serving() as d, tab(chromium) as page:
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "sampling": {"max_tokens": 100,
+                                                                                    "ignore_eos": True}})
+        cid = r.json()["id"]
+        await open_ui(page, d.url + "/ui/?" + urlencode({"c": cid}))
+        assert await page.evaluate("window.superfluid.state.current") == cid
+        [pid] = worker_pids()
+        await page.evaluate(WATCH_STREAM)
+        await type_and_send(page, "go on")
+        await until(page, "window.seen.length >= 3")
+        os.kill(pid, signal.SIGKILL)
+        await until(page, IDLE, within=30)
+        reply = [e for e in await events(d, cid) if e["type"] == "message" and e["message"]["role"] == "assistant"]
+        assert len(reply) == 1 and reply[0]["finish"] == "length", reply
+        seen = await page.evaluate("window.seen")
+        assert seen[-1] == reply[0]["message"]["content"]
+        assert all(reply[0]["message"]["content"].startswith(s) for s in seen), seen  # it only ever grew
+        assert 'superfluid_worker_respawns_total{model="mock"} 1.0' in (await d.client.get("/metrics")).text
+        assert worker_pids() != [pid]
+        assert not await page.evaluate("document.getElementById('status').classList.contains('err')")
+        assert await page.evaluate("document.querySelector('.msg.assistant .finish').textContent") == "finish: length"
+
+
+async def test_with_keys_the_page_asks_for_one_and_keeps_it_in_the_tab(chromium: Chromium) -> None:
+    """With keys set, the page (served without one) asks for a key, keeps it in
+    sessionStorage only, and works with it; a wrong key is asked again."""
+    keys = (ApiKey.from_secret("me", "sk-ui-test"),)
+    async with serving(api_keys=keys) as d, tab(chromium) as page:
+        assert (await d.client.get("/v1/models")).status_code == 401
+        await page.navigate(d.url + "/ui/")
+        await until(page, "!document.getElementById('key-dialog').hidden")
+        await page.evaluate("document.getElementById('key-input').value = 'sk-wrong'")
+        await click(page, "#key-ok")
+        await until(page, "!document.getElementById('key-dialog').hidden && "
+                          "document.getElementById('key-error').textContent.includes('refused')")
+        await page.evaluate("document.getElementById('key-input').value = 'sk-ui-test'")
+        await click(page, "#key-ok")
+        await until(page, "document.body.dataset.ready === '1'")
+        assert await page.evaluate("sessionStorage.getItem('superfluid.key')") == "sk-ui-test"
+        assert await page.evaluate("localStorage.length") == 0
+        assert await page.evaluate("document.cookie") == ""
+        await send_and_watch(page, "hello with a key")
+        cid = await page.evaluate("window.superfluid.state.current")
+        r = await d.client.get(f"/v1/sessions/{cid}/events", headers={"authorization": "Bearer sk-ui-test"})
+        assert [e["type"] for e in r.json()["events"]][:2] == ["conversation", "message"]
+        # a reload in the same tab keeps the key: no question this time
+        await page.navigate(await page.evaluate("location.href"))
+        await until(page, "document.body.dataset.ready === '1'")
+        assert await page.evaluate("document.getElementById('key-dialog').hidden")
+        assert await page.evaluate("window.superfluid.state.current") == cid
+
+
+class _Static(http.server.SimpleHTTPRequestHandler):
+    """The page's files, as a web app on another origin would serve a copy of them."""
+
+    timeout = 5
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def static_port() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(_Static, directory=str(ASSETS)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def daemon_requests(page: Page, port: int) -> list[tuple[str, str, str | None, int | None]]:
+    """(method, path, Origin, status) of each request the tab sent to the daemon's port."""
+    out = []
+    answers = {p["requestId"]: p["statusCode"] for p in page.events("Network.responseReceivedExtraInfo")}
+    for sent in page.events("Network.requestWillBeSentExtraInfo"):
+        request = next((p for p in page.events("Network.requestWillBeSent") if p["requestId"] == sent["requestId"]),
+                       None)
+        if request is None or urlsplit(request["request"]["url"]).port != port:
+            continue
+        headers = {k.lower(): v for k, v in sent["headers"].items()}
+        out.append((request["request"]["method"], urlsplit(request["request"]["url"]).path, headers.get("origin"),
+                    answers.get(sent["requestId"])))
+    return out
+
+
+async def test_a_copy_on_an_allowed_origin_works_and_on_a_foreign_one_is_refused(
+        chromium: Chromium, static_port: int) -> None:
+    """The page's files served from another origin, pointed at the daemon with ``?api=``:
+    from an origin named by --web-origin it chats (CORS); from any other the daemon
+    refuses every request (403 ``origin_refused``), and nothing is created."""
+    good = f"http://good.example:{static_port}"
+    async with serving(web_origins=(good,)) as d, tab(chromium) as page:
+        port = urlsplit(d.url).port
+        api = urlencode({"api": f"http://127.0.0.1:{port}"})
+        await open_ui(page, f"{good}/index.html?{api}")
+        await send_and_watch(page, "hello from elsewhere")
+        (cid,) = await conversations(d)
+        assert await page.evaluate("window.superfluid.state.current") == cid
+        sent = daemon_requests(page, port)
+        assert sent and all(origin == good for _, _, origin, _ in sent), sent
+        assert ("POST", f"/v1/sessions/{cid}/generate", good, 200) in sent
+
+        before = await d.client.get("/metrics")
+        evil = f"http://evil.example:{static_port}"
+        since = len(page.cdp.events)
+        await page.navigate(f"{evil}/index.html?{api}")
+        await until(page, "document.body.dataset.ready === 'error'")
+        assert "cannot reach" in await page.evaluate("document.getElementById('conn').textContent")
+        await page.evaluate("document.getElementById('input').value = 'hi'")
+        await click(page, "#send")
+        await until(page, "document.getElementById('status').classList.contains('err')")
+        refused = [r for r in daemon_requests(page, port) if r[2] == evil]
+        assert refused and {status for *_, status in refused} == {403}, refused
+        assert len(page.cdp.events) > since
+        assert await conversations(d) == [cid]
+        after = await d.client.get("/metrics")
+        work = [line for line in after.text.splitlines() if line.startswith("superfluid_requests_total")]
+        assert work == [line for line in before.text.splitlines() if line.startswith("superfluid_requests_total")]
+
+
+async def test_the_live_view_shows_each_model_from_metrics(chromium: Chromium) -> None:
+    """The live view reads /metrics: a card per model with its lanes, queues per class,
+    tokens/s, TTFT and KV use; a reply makes its counters move."""
+    async with serving(max_batch=4) as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "something to count")
+        await click(page, "#tab-live")
+        await until(page, "document.querySelector('.model-card[data-model=\"mock\"]') !== null")
+        rows = await page.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('.model-card tr')].map(r => "
+            "[r.dataset.metric, r.children[1].textContent]))")
+        assert rows["lanes"].endswith("/ 4 busy"), rows
+        assert "interactive 0" in rows["queued"] and "background 0" in rows["queued"], rows
+        assert "p50" in rows["TTFT"] and "–" not in rows["TTFT"], rows  # one request measured
+        assert "cells" in rows["KV use"] and "tokens/s" in rows["decode"], rows
+        assert "ok 1" in rows["requests"] or "completed 1" in rows["requests"] or "1" in rows["requests"], rows
+        assert await page.evaluate("document.querySelectorAll('.model-card .lane').length") == 4
+        assert await page.evaluate("new URL(location.href).searchParams.get('view')") == "live"
+
+
+async def test_screenshots(chromium: Chromium) -> None:
+    """A chat with a branch, and the live view while replies run (docs/ui.md)."""
+    async with serving(max_batch=4) as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "What does a scheduler tick do?")
+        await send_and_watch(page, "And when a worker dies?")
+        await click(page, ".msg.user .act-fork")
+        await until(page, "document.querySelectorAll('#tree .node').length === 2")
+        await send_and_watch(page, "Tell me about the prefix cache instead.")
+        if SHOTS:
+            await trio.Path(DOCS / "ui-chat.png").write_bytes(await page.screenshot())
+        # the live view while two replies run
+        async with trio.open_nursery() as nursery:
+            for text in ("[[mock:hang_after=1000]] one", "two [[mock:hang_after=1000]]"):
+                body = {"model": "mock", "messages": [{"role": "user", "content": text}], "max_tokens": 400,
+                        "ignore_eos": True}
+                nursery.start_soon(partial(d.client.post, "/v1/chat/completions", json=body,
+                                           headers={"x-superfluid-qos": "background"}))
+            await click(page, "#tab-live")
+            await until(page, "document.querySelectorAll('.model-card .lane.busy').length >= 2", within=30)
+            await trio.sleep(2.2)  # a few polls: rates and the sparkline
+            if SHOTS:
+                await trio.Path(DOCS / "ui-live.png").write_bytes(await page.screenshot())
+            nursery.cancel_scope.cancel()
