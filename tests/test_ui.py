@@ -88,3 +88,13 @@ def test_the_assets_ship_as_package_data() -> None:
     assert ASSETS == ROOT / "superfluid" / "ui"
     assert {name for name, _ in _FILES.values()} == {p.name for p in ASSETS.iterdir()}
 
+
+async def test_lanes_tell_a_key_only_its_models() -> None:
+    """/ui/lanes is an API route: it needs the key, and lists only the models the key may use."""
+    keys = (ApiKey.from_secret("all", "sk-all"), ApiKey.from_secret("none", "sk-none", models=("other",)))
+    async with open_daemon(mock_config(api_keys=keys)) as d:
+        assert (await d.client.get("/ui/lanes")).status_code == 401
+        r = await d.client.get("/ui/lanes", headers={"authorization": "Bearer sk-all"})
+        assert r.json() == {"object": "list", "data": [{"model": "mock", "lanes": []}]}
+        r = await d.client.get("/ui/lanes", headers={"authorization": "Bearer sk-none"})
+        assert r.json() == {"object": "list", "data": []}

@@ -265,7 +265,8 @@ class App:
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        if await route_ui(self.config.ui, scope, send):  # the built-in page, /ui (api/_ui.py)
+        if await route_ui(self.config.ui, scope, send, lambda: list(self.registry.loaded.values()),
+                          current_principal().may_use):  # the built-in page, /ui (api/_ui.py)
             return
         if self.stopping.started and method in ("POST", "PUT") and path != "/v1/tokenize":
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops

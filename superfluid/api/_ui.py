@@ -15,18 +15,25 @@ and keeps it in ``sessionStorage``.
 * Every answer carries a strict ``Content-Security-Policy`` (``default-src
   'self'``, no inline script or style, no framing), ``X-Content-Type-Options:
   nosniff`` and ``Referrer-Policy: no-referrer``.
+* ``GET /ui/lanes``: what ``/metrics`` cannot say, each busy lane's QoS class
+  (``lanes``); an API route like ``/metrics``, so it needs the key, and a key sees
+  only the models it may use.
 * ``--no-ui`` (``ServeConfig.ui``): none of this; ``/ui`` is 404.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._http import ApiError, Send
+from ._http import ApiError, Send, send_json
 
-__all__ = ["ASSETS", "CSP", "route_ui", "ui_public"]
+if TYPE_CHECKING:
+    from ..serving import ServedModel
+
+__all__ = ["ASSETS", "CSP", "lanes", "route_ui", "ui_public"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "ui"
 # path -> (file under ASSETS, content type)
@@ -62,10 +69,32 @@ def ui_public(scope: dict[str, Any]) -> bool:
     return path in _FILES or path == "/ui" or (path == "/" and _wants_html(scope))
 
 
-async def route_ui(enabled: bool, scope: dict[str, Any], send: Send) -> bool:
-    """Serve the page or one of its assets; False if the request is not for them
-    (or the page is off: ``/ui`` then falls through to the 404 of an unknown route)."""
+def lanes(models: list[ServedModel], may_use: Callable[[str], bool]) -> dict[str, Any]:
+    """Per model ``may_use`` accepts: each running job's class, phase and tokens so far (every node's, for a fleet model), as the
+    terminal monitor shows them (``daemon/_monitor.py``). Read only; no waiting."""
+    data = []
+    for model in models:
+        if not may_use(model.name):
+            continue
+        rows = []
+        for actor in model.actors:
+            for job in list(actor.scheduler.running.values()):
+                phase = ("preempted" if job.preempted
+                         else "prefill" if job.prefill_left > 0 or not job.n_generated else "decode")
+                rows.append({"class": job.klass.name.lower(), "phase": phase, "tokens": job.n_generated})
+        data.append({"model": model.name, "lanes": rows})
+    return {"object": "list", "data": data}
+
+
+async def route_ui(enabled: bool, scope: dict[str, Any], send: Send,
+                   models: Callable[[], list[ServedModel]], may_use: Callable[[str], bool]) -> bool:
+    """Serve the page, one of its assets or ``/ui/lanes`` (of ``models()``); False if the
+    request is not for them (or the page is off: ``/ui`` then falls through to the 404
+    of an unknown route)."""
     path, method = scope["path"], scope["method"]
+    if enabled and path == "/ui/lanes" and method == "GET":
+        await send_json(send, 200, lanes(models(), may_use))
+        return True
     if not enabled or not (path in ("/", "/ui") or path.startswith("/ui/")):
         return False
     if path in ("/", "/ui"):  # to /ui/, where the page's relative asset paths resolve

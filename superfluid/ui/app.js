@@ -466,10 +466,24 @@
     $("send").disabled = true;
     renderMessages();
     const started = performance.now();
-    let first = null;
+    let first = null, note = "";
     try {
-      let r = await request("POST", `/v1/sessions/${encodeURIComponent(cid)}/generate`,
-        { stream: true, qos: $("qos").value }, { raw: true, signal: controller.signal });
+      const turn = () => {
+        const body = { stream: true };
+        if ($("qos").value) body.qos = $("qos").value;  // "": the key's (or the server's) own class
+        return request("POST", `/v1/sessions/${encodeURIComponent(cid)}/generate`, body,
+          { raw: true, signal: controller.signal });
+      };
+      let r;
+      try {
+        r = await turn();
+      } catch (e) {
+        if (e.code !== "qos_class_not_allowed") throw e;
+        const asked = $("qos").value;
+        $("qos").value = "";  // this key may not ask that class: its own, from now on
+        r = await turn();
+        note = `this key may not ask ${asked}: its own class is used; `;
+      }
       s.generation = r.headers.get("x-superfluid-session");
       for (let attempt = 0; ; attempt++) {
         try {
@@ -495,7 +509,7 @@
         r = await request("GET", `/v1/sessions/${encodeURIComponent(cid)}/stream?after=${s.cursor}`, undefined,
           { raw: true, signal: controller.signal });
       }
-      if (first !== null) setStatus(`first token after ${Math.round(first - started)} ms`);
+      setStatus(note + (first !== null ? `first token after ${Math.round(first - started)} ms` : ""));
     } catch (e) {
       fail(e);
     } finally {
@@ -672,11 +686,10 @@
     for (const s of samples) {
       const model = s.labels.model;
       if (model === undefined) continue;
-      if (!models.has(model)) models.set(model, { queues: {}, outcomes: {}, buckets: [], laneClasses: {} });
+      if (!models.has(model)) models.set(model, { queues: {}, outcomes: {}, buckets: [] });
       const m = models.get(model);
       const short = s.name.replace(/^superfluid_/, "");
       if (short === "queue_depth") m.queues[s.labels.class] = s.value;
-      else if (short === "lanes_active" && s.labels.class) m.laneClasses[s.labels.class] = s.value;
       else if (short === "requests_total") m.outcomes[s.labels.outcome] = s.value;
       else if (short === "ttft_seconds_bucket") m.buckets.push([s.labels.le === "+Inf" ? Infinity : Number(s.labels.le), s.value]);
       else if (!Object.keys(s.labels).some((k) => k !== "model")) m[short] = s.value;
@@ -709,11 +722,14 @@
   function ms(seconds) { return seconds === null ? "–" : seconds < 1 ? `${Math.round(seconds * 1000)} ms` : `${seconds.toFixed(2)} s`; }
 
   async function pollLive() {
-    let text;
+    let text, running = new Map();
     try {
       const r = await request("GET", "/metrics", undefined, { raw: true });
       text = await r.text();
     } catch (e) { fail(e); return; }
+    try {  // each busy lane's class (not in /metrics); absent from a daemon run with --no-ui
+      for (const m of (await request("GET", "/ui/lanes")).data) running.set(m.model, m.lanes);
+    } catch (_) { /* busy/idle only */ }
     const now = performance.now() / 1000;
     const models = byModel(parseMetrics(text));
     const cards = [];
@@ -731,13 +747,16 @@
       card.append(el("h3", null, name));
       const active = m.lanes_active || 0, total = m.lanes_total || 0;
       const lanes = el("div", "lanes");
-      // lanes busy per class when the daemon tells them (lanes_active{class}), else busy/idle
-      const classes = [];
-      for (const c of CLASSES) for (let i = 0; i < (m.laneClasses[c] || 0); i++) classes.push(c);
-      for (let i = 0; i < Math.max(total, active); i++) {
-        const c = classes[i];
-        const busy = i < active;
-        lanes.append(el("div", "lane" + (busy ? " busy" : "") + (busy && c ? " c-" + c : ""), busy ? (c || "busy") : "idle"));
+      // each busy lane with its class and phase (/ui/lanes), else busy/idle from the gauges
+      const rows = (running.get(name) || []).slice().sort((a, b) => CLASSES.indexOf(a.class) - CLASSES.indexOf(b.class));
+      const busyN = rows.length || active;
+      for (let i = 0; i < Math.max(total, busyN); i++) {
+        const r = rows[i];
+        const busy = i < busyN;
+        const lane = el("div", "lane" + (busy ? " busy" : "") + (r ? " c-" + r.class : ""),
+          busy ? (r ? r.class : "busy") : "idle");
+        if (r) { lane.title = `${r.class} · ${r.phase} · ${r.tokens} tokens`; lane.dataset.class = r.class; }
+        lanes.append(lane);
       }
       card.append(lanes);
       const table = el("table");
@@ -749,7 +768,7 @@
         tr.dataset.metric = k;
         table.append(tr);
       };
-      row("lanes", `${active} / ${total} busy`);
+      row("lanes", `${busyN} / ${total} busy`);
       row("queued", CLASSES.map((c) => `${c} ${m.queues[c] || 0}`).join(" · "));
       row("decode", `${decode.toFixed(1)} tokens/s `, el("span", "spark", spark(hist)));
       row("prefill", `${prefill.toFixed(1)} tokens/s`);
