@@ -13,6 +13,7 @@ a branch) and ``docs/ui-live.png`` (the live view).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.server
 import json
@@ -115,7 +116,7 @@ WATCH_STREAM = """(() => {
 })()"""
 SHOWN = "[...document.querySelectorAll('#messages .msg')].map(m => [m.classList[1], m.dataset.event || null, " \
         "m.querySelector('.text') ? m.querySelector('.text').textContent : ''])"
-IDLE = "!window.superfluid.state.streaming && !document.getElementById('send').disabled"
+IDLE = "document.body.dataset.generating === '0'"  # a reply ended, and the page shows it as logged
 
 
 async def events(d: Daemon, cid: str) -> list[dict[str, Any]]:
@@ -389,3 +390,118 @@ async def test_screenshot_of_a_chat_with_a_branch(chromium: Chromium) -> None:
         assert await page.evaluate("document.querySelectorAll('#tree ul .node').length") == 1  # the branch, nested
         if SHOTS:
             await trio.Path(DOCS / "ui-chat.png").write_bytes(await page.screenshot())
+
+
+TOOL_SSE = [
+    {"role": "assistant", "content": ""},
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": "}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]},
+]
+WATCH_CALLS = """(() => {
+  window.calls = [];
+  new MutationObserver(() => {
+    const c = document.querySelector('.msg.streaming .calls');
+    if (c && c.textContent && window.calls[window.calls.length - 1] !== c.textContent) window.calls.push(c.textContent);
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+  return true;
+})()"""
+
+
+async def test_tool_calls_are_shown_as_they_arrive_and_in_the_history(chromium: Chromium) -> None:
+    """A streamed reply's tool call shows its name and its arguments, put together from
+    their pieces (the stream is answered here with the chunks a tool-calling model sends:
+    the mock sends none); a conversation's tool calls and results show in its history."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    async with serving() as d, tab(chromium) as page:
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "tools": tools, "messages": [
+            {"role": "user", "content": "weather in Bergen?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                "name": "weather", "arguments": "{\"city\": \"Bergen\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "rain, 9 C"}]})
+        assert r.status_code == 201, r.text
+        cid = r.json()["id"]
+        await open_ui(page, d.url + "/ui/?" + urlencode({"c": cid}))
+        shown = await page.evaluate("[...document.querySelectorAll('#messages .call')].map(c => c.textContent)")
+        assert shown == ['⚙ weather{"city": "Bergen"}'], shown
+        assert await page.evaluate("document.querySelector('.msg.tool .text').textContent") == "rain, 9 C"
+
+        body = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n" for delta in TOOL_SSE)
+        body += f"data: {json.dumps({'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'tool_calls'}]})}\n\n"
+        body += "data: [DONE]\n\n"
+        await page.send("Fetch.enable", {"patterns": [{"urlPattern": "*/generate", "requestStage": "Request"}]})
+        await page.evaluate(WATCH_CALLS)
+        since = len(page.cdp.events)
+        await page.evaluate("document.getElementById('input').value = 'and in Oslo?'")
+        await click(page, "#send")
+        paused = await page.wait_event("Fetch.requestPaused", since=since)
+        await page.send("Fetch.fulfillRequest", {
+            "requestId": paused["requestId"], "responseCode": 200, "body": base64.b64encode(body.encode()).decode(),
+            "responseHeaders": [{"name": "content-type", "value": "text/event-stream"}]})
+        await until(page, IDLE)
+        await page.send("Fetch.disable")
+        # the pieces of the arguments joined under the call's name (this body came in one read, so
+        # the page saw it at once; a model's stream comes a chunk at a time, each shown as it comes)
+        calls = await page.evaluate("window.calls")
+        assert calls and calls[-1] == '⚙ weather{"city": "Oslo"}', calls
+
+
+@contextlib.asynccontextmanager
+async def cuttable_proxy(target_port: int) -> AsyncIterator[tuple[int, Any]]:
+    """A TCP proxy on loopback to ``target_port``: (its port, ``cut()``), which drops every
+    connection open through it (a network that fails under a page)."""
+    open_scopes: set[trio.CancelScope] = set()
+
+    async def pump(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await src.receive_some(65536):
+                await dst.send_all(data)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await dst.send_eof()
+
+    async def handle(client: trio.SocketStream) -> None:
+        with trio.CancelScope() as scope:
+            open_scopes.add(scope)
+            try:
+                async with client, await trio.open_tcp_stream("127.0.0.1", target_port) as upstream:
+                    async with trio.open_nursery() as n:
+                        n.start_soon(pump, client, upstream)
+                        n.start_soon(pump, upstream, client)
+            finally:
+                open_scopes.discard(scope)
+
+    def cut() -> None:
+        for scope in list(open_scopes):
+            scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        [listener] = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+        try:
+            yield listener.socket.getsockname()[1], cut
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_dropped_connection_resumes_the_reply_from_its_cursor(chromium: Chromium) -> None:
+    """The network drops every connection mid-reply: the turn goes on in the daemon, and the
+    page follows it again from its last cursor (…/stream?after=N): the text only grows, to the end."""
+    async with serving() as d, tab(chromium) as page:
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "sampling": {"max_tokens": 100,
+                                                                                    "ignore_eos": True}})
+        cid = r.json()["id"]
+        async with cuttable_proxy(urlsplit(d.url).port) as (port, cut):
+            await open_ui(page, f"http://127.0.0.1:{port}/ui/?" + urlencode({"c": cid}))
+            await page.evaluate(WATCH_STREAM)
+            await type_and_send(page, "go on")
+            await until(page, "window.seen.length >= 3")
+            cut()
+            await until(page, IDLE, within=30)
+        reply = [e for e in await events(d, cid) if e["type"] == "message" and e["message"]["role"] == "assistant"]
+        assert len(reply) == 1 and reply[0]["finish"] == "length", reply
+        seen = await page.evaluate("window.seen")
+        assert seen[-1] == reply[0]["message"]["content"]
+        assert all(reply[0]["message"]["content"].startswith(s) for s in seen), seen
+        resumed = [p["request"]["url"] for p in page.events("Network.requestWillBeSent")
+                   if "/stream?after=" in p["request"]["url"]]
+        assert resumed, "the page did not follow the reply again"
+        assert "resumed" in await page.evaluate("document.getElementById('status').textContent")

@@ -462,6 +462,7 @@
     const view = streamView();
     const s = { cid, controller, view, cursor: 0, generation: null, done: false };
     state.streaming = s;
+    document.body.dataset.generating = "1";
     $("stop").disabled = false;
     $("send").disabled = true;
     renderMessages();
@@ -485,7 +486,7 @@
         note = `this key may not ask ${asked}: its own class is used; `;
       }
       s.generation = r.headers.get("x-superfluid-session");
-      for (let attempt = 0; ; attempt++) {
+      for (let attempt = 0; attempt < 20; attempt++) {
         try {
           await readSse(r, (event, data, id) => {
             if (id !== null) s.cursor = Number(id);
@@ -504,10 +505,21 @@
         } catch (e) {
           if (e.name === "AbortError") throw e;
         }
-        if (s.done || attempt >= 5) break;
+        if (s.done) break;
         // the connection dropped mid-reply: the turn goes on in the daemon; follow it from the cursor
-        r = await request("GET", `/v1/sessions/${encodeURIComponent(cid)}/stream?after=${s.cursor}`, undefined,
-          { raw: true, signal: controller.signal });
+        for (let wait = 250; ; wait = Math.min(4000, wait * 2)) {
+          await new Promise((res) => setTimeout(res, wait));
+          try {
+            r = await request("GET", `/v1/sessions/${encodeURIComponent(cid)}/stream?after=${s.cursor}`, undefined,
+              { raw: true, signal: controller.signal });
+            break;
+          } catch (e) {
+            if (e.status !== 0 || attempt >= 20) throw e;  // only "unreachable" is worth another try
+            attempt++;
+          }
+        }
+        note += "the connection dropped and was resumed; ";
+        setStatus("reconnected");
       }
       setStatus(note + (first !== null ? `first token after ${Math.round(first - started)} ms` : ""));
     } catch (e) {
@@ -520,7 +532,8 @@
         state.provisional = new Map();
         await refresh().catch(fail);
       }
-      if (state.tree) loadTree().catch(fail);
+      if (state.tree) await loadTree().catch(fail);
+      document.body.dataset.generating = "0";  // the reply is shown as the conversation's event
     }
   }
 
