@@ -505,3 +505,4 @@ async def test_a_dropped_connection_resumes_the_reply_from_its_cursor(chromium: 
                    if "/stream?after=" in p["request"]["url"]]
         assert resumed, "the page did not follow the reply again"
         assert "resumed" in await page.evaluate("document.getElementById('status').textContent")
+

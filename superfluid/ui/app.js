@@ -291,14 +291,15 @@
   async function select(cid) {
     if (state.streaming && state.streaming.cid !== cid) { /* its stream goes on in the background */ }
     state.current = cid;
+    state.info = null;  // until refresh() reads it: no action acts on the conversation shown before
     state.events = new Map();
     state.provisional = new Map();
     const url = new URL(location.href);
     if (cid) url.searchParams.set("c", cid); else url.searchParams.delete("c");
     history.replaceState(null, "", url);
     unsubscribe();
+    renderHead();
     if (!cid) {
-      state.info = null;
       renderHead();
       renderMessages();
       renderTree();
@@ -594,7 +595,8 @@
 
   async function patch(body) {
     const cid = state.current;
-    const version = state.info && state.info.version;
+    if (!state.info || state.info.id !== cid) return;
+    const version = state.info.version;
     const info = await request("PATCH", `/v1/sessions/${encodeURIComponent(cid)}`,
       version === undefined ? body : { ...body, expected_version: version });
     state.info = { ...state.info, ...info };
@@ -614,6 +616,7 @@
 
   async function remove() {
     const cid = state.current;
+    if (!state.info || state.info.id !== cid) return;
     const kids = state.convs.some((c) => c.parent === cid);
     const mode = kids ? "reroot" : "cascade";  // branches of it stay, as roots
     const v = state.info && state.info.version !== undefined ? `&expected_version=${state.info.version}` : "";
