@@ -506,3 +506,32 @@ async def test_a_dropped_connection_resumes_the_reply_from_its_cursor(chromium: 
         assert resumed, "the page did not follow the reply again"
         assert "resumed" in await page.evaluate("document.getElementById('status').textContent")
 
+
+
+async def test_an_open_tool_call_is_answered_from_the_page_and_the_model_goes_on(chromium: Chromium) -> None:
+    """The last reply called a tool and no result is in yet: the page shows the open call,
+    sends the result typed there, and the model answers on."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    async with serving() as d, tab(chromium) as page:
+        r = await d.client.post("/v1/sessions", json={"model": "mock", "tools": tools, "messages": [
+            {"role": "user", "content": "weather in Bergen?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                "name": "weather", "arguments": "{\"city\": \"Bergen\"}"}}]}]})
+        cid = r.json()["id"]
+        await open_ui(page, d.url + "/ui/?" + urlencode({"c": cid}))
+        assert await page.evaluate("[...document.querySelectorAll('.ledger-call')].map(c => c.dataset.call)") == [
+            "call_0"]
+        await page.evaluate("document.querySelector('.ledger-call textarea').value = 'rain, 9 C'")
+        await page.evaluate(WATCH_STREAM)
+        await click(page, ".ledger-call .act-result")
+        await until(page, "window.seen.length > 0")
+        await until(page, IDLE)
+        held = [e["message"] for e in await events(d, cid) if e["type"] == "message"]
+        assert held[2] == {"role": "tool", "tool_call_id": "call_0", "content": "rain, 9 C"}, held
+        assert held[3]["role"] == "assistant" and held[3]["content"], held
+        assert await page.evaluate("document.querySelector('.ledger')") is None
+        # through the tool ledger where the server has it (its check: an open call of that id), else appended
+        posted = {urlsplit(p["request"]["url"]).path.rpartition("/")[2] for p in page.events("Network.requestWillBeSent")
+                  if p["request"]["method"] == "POST"}
+        ledger = await page.evaluate("window.superfluid.state.ops === true")
+        assert ("tool_results" in posted) == ledger and ("messages" in posted) != ledger, posted

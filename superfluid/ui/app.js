@@ -402,9 +402,59 @@
       div.append(who, el("div", "text", text));
       out.push(div);
     }
+    const open = openCalls(events);
+    if (open.length && !(s && s.cid === state.current)) out.push(ledgerView(open));
     if (!out.length) out.push(el("div", "note", state.current ? "no messages yet" : "Start a conversation below."));
     box.replaceChildren(...out);
     if (atBottom || s) box.scrollTop = box.scrollHeight;
+  }
+
+  // ---------- the tool ledger: the last reply's calls that have no result yet ----------
+
+  function openCalls(events) {
+    const messages = events.filter((e) => e.type === "message").map((e) => e.message || {});
+    let last = -1;
+    messages.forEach((m, i) => { if (m.role === "assistant") last = i; });
+    if (last < 0) return [];
+    const answered = new Set(messages.slice(last + 1).filter((m) => m.role === "tool").map((m) => m.tool_call_id));
+    return (messages[last].tool_calls || []).filter((c) => c.id && !answered.has(c.id));
+  }
+
+  function ledgerView(calls) {
+    const box = el("div", "ledger");
+    box.append(el("div", "who", "open tool calls: answer each, and the model goes on"));
+    for (const call of calls) {
+      const fn = call.function || {};
+      const row = el("div", "ledger-call");
+      row.dataset.call = call.id;
+      row.append(el("div", "call", `⚙ ${fn.name || "?"}(${fn.arguments || ""})`));
+      const area = el("textarea", "ledger-result");
+      area.rows = 2;
+      area.placeholder = "the tool's result";
+      const buttons = el("div", "ledger-buttons");
+      buttons.append(button("send result", () => answer(call.id, { content: area.value }).catch(fail), "small primary act-result"));
+      if (state.ops === true) {
+        buttons.append(button("failed", () => answer(call.id, { outcome: "failed", note: area.value || undefined }).catch(fail), "small act-failed"));
+        buttons.append(button("cancelled", () => answer(call.id, { outcome: "cancelled" }).catch(fail), "small act-cancelled"));
+      }
+      row.append(area, buttons);
+      box.append(row);
+    }
+    return box;
+  }
+
+  async function answer(callId, result) {
+    const cid = state.current;
+    if (state.ops === true) {
+      await request("POST", `/v1/sessions/${encodeURIComponent(cid)}/tool_results`, { tool_call_id: callId, ...result });
+    } else {
+      await request("POST", `/v1/sessions/${encodeURIComponent(cid)}/messages`,
+        { messages: [{ role: "tool", tool_call_id: callId, content: result.content || "" }] });
+    }
+    await refresh();
+    if (state.current === cid && !openCalls([...state.events.values()].sort((a, b) => a.id - b.id)).length) {
+      await generate(cid);  // every call answered: the model reads the results and goes on
+    }
   }
 
   // ---------- sending and streaming ----------
