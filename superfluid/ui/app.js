@@ -321,6 +321,7 @@
     state.info = info;
     for (const ev of page.events) state.events.set(ev.id, ev);
     if (info.model && state.models.includes(info.model)) $("model").value = info.model;
+    if (info.qos) $("qos").value = info.qos;  // the conversation's own class (PATCH qos)
     renderHead();
     renderMessages();
   }
@@ -885,6 +886,9 @@
     });
     $("new-chat").addEventListener("click", () => { select(null).catch(fail); $("input").focus(); });
     $("show-archived").addEventListener("change", () => loadTree().catch(fail));
+    $("qos").addEventListener("change", () => {  // with the tree operations, the class is the conversation's
+      if (state.ops === true && state.current) patch({ qos: $("qos").value || null }).catch(fail);
+    });
     $("rename").addEventListener("click", () => rename().catch(fail));
     $("archive").addEventListener("click", () => archive().catch(fail));
     $("delete").addEventListener("click", () => remove().catch(fail));
