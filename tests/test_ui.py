@@ -98,3 +98,14 @@ async def test_lanes_tell_a_key_only_its_models() -> None:
         assert r.json() == {"object": "list", "data": [{"model": "mock", "lanes": []}]}
         r = await d.client.get("/ui/lanes", headers={"authorization": "Bearer sk-none"})
         assert r.json() == {"object": "list", "data": []}
+
+
+async def test_the_live_views_polls_do_not_pay_the_rate_limit() -> None:
+    """The live view polls /metrics and /ui/lanes every second: both are exempt, as /metrics was."""
+    async with open_daemon(mock_config(rate_limit_rpm=2)) as d:
+        for _ in range(5):
+            assert (await d.client.get("/ui/lanes")).status_code == 200
+            assert (await d.client.get("/metrics")).status_code == 200
+        assert (await d.client.get("/v1/models")).status_code == 200
+        assert (await d.client.get("/v1/models")).status_code == 200
+        assert (await d.client.get("/v1/models")).status_code == 429

@@ -74,7 +74,7 @@ _ALLOWED_PREFIXES = ("x-superfluid-", "x-stainless-")  # ours; the openai and an
 _METHODS = b"GET, POST, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE = b"600"
 
-_RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics"})
+_RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics", "/ui/lanes"})  # the page's live view polls the last two
 _ADMIN_ANY_METHOD = frozenset({"/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"})
 _MODEL_PATH = re.compile(r"/v1/models/.+")
 

@@ -896,6 +896,9 @@
     $("key-input").addEventListener("keydown", (ev) => { if (ev.key === "Enter") keyEntered(); });
     $("key-button").addEventListener("click", () => { sessionStorage.removeItem(KEY_ITEM); askKey("").then(start); });
     $("key-button").hidden = !sessionStorage.getItem(KEY_ITEM);
+    document.addEventListener("visibilitychange", () => {  // back to this tab: what other tabs made since
+      if (document.visibilityState === "visible" && document.body.dataset.ready === "1") loadTree().catch(fail);
+    });
     $("tab-chat").addEventListener("click", () => showTab("chat"));
     $("tab-live").addEventListener("click", () => showTab("live"));
   }
