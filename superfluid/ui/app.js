@@ -153,6 +153,11 @@
 
   function short(id) { return id.length > 14 ? id.slice(0, 12) + "…" : id; }
 
+  function nameOf(id) {  // a conversation's title, else its id, shortened
+    const c = state.convs.find((x) => x.id === id);
+    return c && c.title ? c.title : short(id);
+  }
+
   // ---------- the key ----------
 
   let keyWaiters = null;
@@ -334,7 +339,7 @@
     if (info) {
       meta.push(info.model);
       meta.push(`${info.messages} messages`);
-      if (conv.parent) meta.push(`branch of ${short(conv.parent)} at event ${conv.fork_at}`);
+      if (conv.parent) meta.push(`branch of ${nameOf(conv.parent)} at event ${conv.fork_at}`);
       if (info.archived || conv.archived) meta.push("archived");
       if (info.generating) meta.push("generating…");
     }
@@ -391,7 +396,10 @@
       else if (ev.type === "message") out.push(messageView(ev));
       else if (ev.type === "turn_end" && ev.finish === "error")
         out.push(el("div", "note err", "the turn failed" + (ev.error ? ": " + (ev.error.message || ev.error) : "")));
-      else if (ev.type === "fork") out.push(el("div", "note", `— branched from ${ev.source} at event ${ev.at} —`));
+      else if (ev.type === "fork") {
+        const edits = Array.isArray(ev.edits) && ev.edits.length ? `, ${ev.edits.length} edit${ev.edits.length > 1 ? "s" : ""}` : "";
+        out.push(el("div", "note", `— branched from ${nameOf(ev.source)} at event ${ev.at}${edits} —`));
+      }
     }
     const s = state.streaming;
     if (s && s.cid === state.current && s.view) out.push(s.view.div);
