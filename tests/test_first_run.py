@@ -186,3 +186,13 @@ def test_a_runtime_build_shows_phases_and_keeps_pip_output_in_a_log(
         lines = [line.strip() for line in out.splitlines()]
         at = [next(i for i, line in enumerate(lines) if line.startswith(p)) for p in phases]
         assert at == sorted(at), out
+
+
+def test_the_sessions_directory_follows_superfluid_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first run with ``SUPERFLUID_HOME`` set keeps everything there: the models went to
+    ``$SUPERFLUID_HOME/models`` but the sessions to ``~/.superfluid/sessions`` (found walking the README)."""
+    from superfluid.serving import default_sessions_dir
+    monkeypatch.setenv("SUPERFLUID_HOME", str(tmp_path))
+    assert default_sessions_dir() == tmp_path / "sessions"
+    monkeypatch.delenv("SUPERFLUID_HOME")
+    assert default_sessions_dir() == Path.home() / ".superfluid" / "sessions"

@@ -795,3 +795,28 @@ def test_a_gone_nodes_core_gives_up_its_waiting_jobs_and_tokenizes_to_another() 
     assert any(isinstance(f, Tokenize) for f in frames)
     with pytest.raises(AssertionError, match="between workers"):
         b.evacuate()
+
+
+def test_a_token_that_completes_a_stop_ends_its_job_there_and_cancels_a_lane_the_worker_left_open() -> None:
+    """The core's backstop for stop strings (SPEC.md §1): the token whose piece completes a stop
+    ends the job with finish ``stop`` (and counts in its tokens); a lane the worker did not end
+    itself is cancelled once, and what it emits meanwhile is dropped."""
+    core = _core(max_batch=2)
+    a, b = _job(max_new=9), _job(max_new=9)
+    a.stops = b.stops = ("xy",)
+    core.submit(a, 0.0)
+    core.submit(b, 0.0)
+    frames, _ = core.plan(0.0, send_tick=True)
+    la, lb = [f.lane for f in frames if isinstance(f, Admit)]
+    core.take_frames()
+    rnd = core.emit([Emit(items=[[la, 5, b"x", None, None], [lb, 7, b"x", None, None]])], 1.0)
+    assert rnd is not None and rnd.finishes == []
+    core.committed([rnd], None, 1.5)
+    # a's worker did not see the stop (finish None): the core ends it and cancels its lane;
+    # b's worker ended its lane itself (finish "stop"): nothing to cancel
+    rnd = core.emit([Emit(items=[[la, 6, b"y", None, None], [lb, 8, b"y", "stop", None]])], 2.0)
+    assert rnd is not None and sorted(f for _j, f in rnd.ended) == ["stop", "stop"]
+    assert core.take_frames() == [Cancel(lane=la, publish=True)]
+    core.committed([rnd], None, 2.5)
+    assert a.finish == b.finish == "stop" and a.tokens == [5, 6] and b.tokens == [7, 8]
+    assert core.emit([Emit(items=[[la, 9, b"z", None, None]])], 3.0) is None   # the cancelled lane's tail

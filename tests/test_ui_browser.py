@@ -377,21 +377,6 @@ async def test_the_live_view_shows_each_model_from_metrics(chromium: Chromium) -
         assert rows["requests"].startswith("ok "), rows
         assert await page.evaluate("new URL(location.href).searchParams.get('view')") == "live"
 
-
-async def test_screenshot_of_a_chat_with_a_branch(chromium: Chromium) -> None:
-    """A chat with a branch (docs/ui.md)."""
-    async with serving(max_batch=4) as d, tab(chromium) as page:
-        await open_ui(page, d.url + "/ui/")
-        await send_and_watch(page, "What does a scheduler tick do?")
-        await send_and_watch(page, "And when a worker dies?")
-        await click(page, ".msg.user .act-fork")
-        await until(page, "document.querySelectorAll('#tree .node').length === 2")
-        await send_and_watch(page, "Tell me about the prefix cache instead.")
-        assert await page.evaluate("document.querySelectorAll('#tree ul .node').length") == 1  # the branch, nested
-        if SHOTS:
-            await trio.Path(DOCS / "ui-chat.png").write_bytes(await page.screenshot())
-
-
 TOOL_SSE = [
     {"role": "assistant", "content": ""},
     {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "weather", "arguments": ""}}]},
@@ -535,3 +520,177 @@ async def test_an_open_tool_call_is_answered_from_the_page_and_the_model_goes_on
                   if p["request"]["method"] == "POST"}
         ledger = await page.evaluate("window.superfluid.state.ops === true")
         assert ("tool_results" in posted) == ledger and ("messages" in posted) != ledger, posted
+
+
+# ---- the session-tree operations (rebase, trim, meta, purge, tree, subscribe) ----
+
+TREE = """Object.fromEntries([...document.querySelectorAll('#tree .node')].map(n => {
+  const up = n.parentElement.parentElement.closest('li');
+  return [n.dataset.id, up ? up.querySelector(':scope > .node').dataset.id : null];
+}))"""
+
+
+async def tree(d: Daemon, archived: bool = False) -> dict[str, dict[str, Any]]:
+    r = await d.client.get("/v1/sessions", params={"view": "tree", **({"include_archived": 1} if archived else {})})
+    assert r.status_code == 200, r.text
+    return {c["id"]: c for c in r.json()["data"]}
+
+
+async def open_conversation(page: Page, cid: str) -> None:
+    """Click ``cid`` in the side list and wait until the page has read it."""
+    await click(page, f"#tree .node[data-id={json.dumps(cid)}]")
+    await until(page, f"window.superfluid.state.info && window.superfluid.state.info.id === {json.dumps(cid)}")
+
+
+async def edit_message(page: Page, event: int, text: str) -> str:
+    """Edit message ``event`` in the page; the id of the branch it opens."""
+    before = await page.evaluate("window.superfluid.state.current")
+    await click(page, f".msg[data-event='{event}'] .act-edit")
+    await page.evaluate(f"document.querySelector('.msg[data-event=\"{event}\"] textarea').value = {json.dumps(text)}")
+    await click(page, f".msg[data-event='{event}'] .act-save")
+    return await until(page, f"window.superfluid.state.current !== {json.dumps(before)} && "
+                             "window.superfluid.state.current")
+
+
+async def test_edit_is_a_rebase_and_the_branch_is_answered(chromium: Chromium) -> None:
+    """Editing a user message makes a branch (a rebase: the message replaced, what followed
+    dropped), opens it, and the model answers the edited message there; the parent is unchanged."""
+    async with serving() as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "what is a lane?")
+        root = await page.evaluate("window.superfluid.state.current")
+        before = await events(d, root)
+        await page.evaluate(WATCH_STREAM)
+        branch = await edit_message(page, 1, "what is a tick?")
+        await until(page, "window.seen.length > 0")  # the branch's reply streamed
+        await until(page, IDLE + " && document.querySelectorAll('#messages .msg.assistant').length === 1")
+        assert await events(d, root) == before  # the parent is never rewritten
+        held = [e for e in await events(d, branch) if e["type"] == "message"]
+        assert [(e["message"]["role"], e["message"]["content"]) for e in held][:1] == [("user", "what is a tick?")]
+        assert [e["message"]["role"] for e in held] == ["user", "assistant"], held
+        t = await tree(d)
+        assert t[branch]["parent"] == root and t[root]["parent"] is None
+        assert (await page.evaluate(TREE)) == {root: None, branch: root}
+        shown = await page.evaluate(SHOWN)
+        assert [(role, text) for role, _, text in shown][0] == ("user", "what is a tick?")
+
+
+async def test_the_tree_rename_archive_trim_and_delete_survive_a_reload(chromium: Chromium) -> None:
+    """Fork, trim, rename and archive from the page; after a reload (this tab's own memory
+    of its conversations cleared) the tree, titles and the archive read back from the server.
+    Deleting a conversation with branches makes them roots."""
+    async with serving() as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "first")
+        await send_and_watch(page, "second")
+        root = await page.evaluate("window.superfluid.state.current")
+        await click(page, ".msg.user .act-fork")  # at event 1
+        fork = await until(page, f"window.superfluid.state.current !== {json.dumps(root)} && "
+                                 "window.superfluid.state.current")
+        await click(page, f"#tree .node[data-id={json.dumps(root)}]")
+        await until(page, f"window.superfluid.state.current === {json.dumps(root)} && "
+                          "document.querySelectorAll('#messages .msg').length === 4")
+        third = await page.evaluate("document.querySelectorAll('#messages .msg.user')[1].dataset.event")
+        await click(page, f".msg[data-event='{third}'] .act-trim")
+        trimmed = await until(page, f"![{json.dumps(root)}, {json.dumps(fork)}].includes("
+                                    "window.superfluid.state.current) && window.superfluid.state.current")
+        assert [e["type"] for e in await events(d, trimmed)][-1] == "fork"
+        assert len([e for e in await events(d, trimmed) if e["type"] == "message"]) == 2  # before the 2nd question
+        # rename the root, archive the trimmed branch
+        await open_conversation(page, root)
+        await click(page, "#rename")
+        await until(page, "!document.getElementById('text-dialog').hidden")
+        await page.evaluate("document.getElementById('text-input').value = 'Lanes and ticks'")
+        await click(page, "#text-ok")
+        await until(page, "document.getElementById('conv-title').textContent === 'Lanes and ticks'")
+        await page.evaluate("(() => { const q = document.getElementById('qos'); q.value = 'background'; "
+                            "q.dispatchEvent(new Event('change')); return true; })()")
+        await until(page, "window.superfluid.state.info.qos === 'background'")
+        await open_conversation(page, trimmed)
+        await click(page, "#archive")
+        await until(page, f"!document.querySelector('#tree .node[data-id={json.dumps(trimmed)}]')")
+        t = await tree(d, archived=True)
+        assert t[root]["title"] == "Lanes and ticks" and t[trimmed]["archived"] is True
+        assert t[root]["qos"] == "background" and t[fork]["qos"] is None
+        assert t[fork]["parent"] == root and t[trimmed]["parent"] == root
+
+        await page.evaluate("sessionStorage.removeItem('superfluid.conversations')")
+        await page.navigate(d.url + "/ui/")
+        await until(page, "document.body.dataset.ready === '1'")
+        assert await page.evaluate(TREE) == {root: None, fork: root}
+        assert await page.evaluate(f"document.querySelector('#tree .node[data-id={json.dumps(root)}]').textContent"
+                                   ) == "Lanes and ticks"
+        await click(page, "#show-archived")
+        await until(page, "document.querySelectorAll('#tree .node').length === 3")
+        assert await page.evaluate(TREE) == {root: None, fork: root, trimmed: root}
+        assert await page.evaluate(f"document.querySelector('#tree .node[data-id={json.dumps(trimmed)}]')"
+                                   ".classList.contains('archived')")
+
+        # delete the root: it has branches, so they become roots
+        await open_conversation(page, root)
+        assert await page.evaluate("document.getElementById('qos').value") == "background"  # its own class
+        await click(page, "#delete")
+        await until(page, "window.superfluid.state.current === null && document.querySelectorAll('#tree .node')"
+                          ".length === 2")
+        assert await page.evaluate(TREE) == {fork: None, trimmed: None}
+        assert (await d.client.get(f"/v1/sessions/{root}")).status_code == 404
+        t = await tree(d, archived=True)
+        assert set(t) == {fork, trimmed} and t[fork]["parent"] is None
+
+
+async def test_a_second_tab_follows_the_conversation_live(chromium: Chromium) -> None:
+    """Two tabs on one conversation: what one sends and the reply it streams show in the
+    other as they happen (its subscription: the running turn's text, then the committed
+    events), with no reload."""
+    async with serving() as d, tab(chromium) as one, tab(chromium) as two:
+        await open_ui(one, d.url + "/ui/")
+        await send_and_watch(one, "hello from tab one")
+        cid = await one.evaluate("window.superfluid.state.current")
+        await open_ui(two, d.url + "/ui/?" + urlencode({"c": cid}))
+        await until(two, "document.querySelectorAll('#messages .msg').length === 2")
+        await two.evaluate("""(() => {
+          window.live = [];
+          new MutationObserver(() => {
+            const t = document.querySelector('.msg.provisional .text');
+            if (t && window.live[window.live.length - 1] !== t.textContent) window.live.push(t.textContent);
+          }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+          return true;
+        })()""")
+        await send_and_watch(one, "and a second question")
+        await until(two, "document.querySelectorAll('#messages .msg').length === 4 && "
+                         "!document.querySelector('.msg.provisional')")
+        shown_one, shown_two = await one.evaluate(SHOWN), await two.evaluate(SHOWN)
+        assert shown_two == shown_one, (shown_one, shown_two)
+        live = await two.evaluate("window.live")
+        assert len(live) >= 2 and shown_two[-1][2].startswith(live[-1]), live  # it grew as it ran
+        # and the other way round
+        await send_and_watch(two, "from tab two")
+        await until(one, "document.querySelectorAll('#messages .msg').length === 6")
+        assert await one.evaluate(SHOWN) == await two.evaluate(SHOWN)
+
+
+async def test_screenshot_of_a_chat_with_branches(chromium: Chromium) -> None:
+    """A chat with two branches, titled (docs/ui.md, docs/ui-chat.png)."""
+    async with serving(max_batch=4) as d, tab(chromium) as page:
+        await open_ui(page, d.url + "/ui/")
+        await send_and_watch(page, "What does a scheduler tick do?")
+        await send_and_watch(page, "And when a worker dies?")
+        root = await page.evaluate("window.superfluid.state.current")
+        await page.evaluate(WATCH_STREAM)
+        second = int(await page.evaluate("document.querySelectorAll('#messages .msg.user')[1].dataset.event"))
+        edited = await edit_message(page, second, "And when the daemon restarts?")
+        await until(page, IDLE + " && document.querySelectorAll('#messages .msg.assistant').length === 2")
+        await open_conversation(page, root)
+        await click(page, ".msg.user .act-fork")
+        fork = await until(page, f"![{json.dumps(root)}, {json.dumps(edited)}].includes("
+                                 "window.superfluid.state.current) && window.superfluid.state.current")
+        await send_and_watch(page, "Tell me about the prefix cache instead.")
+        for cid, title in ((root, "Scheduler questions"), (edited, "…after a restart"), (fork, "Prefix cache")):
+            r = await d.client.patch(f"/v1/sessions/{cid}", json={"title": title})
+            assert r.status_code == 200, r.text
+        await page.navigate(await page.evaluate("location.href"))
+        await until(page, "document.body.dataset.ready === '1'")
+        assert await page.evaluate(TREE) == {root: None, edited: root, fork: root}
+        assert await page.evaluate("document.getElementById('conv-title').textContent") == "Prefix cache"
+        if SHOTS:
+            await trio.Path(DOCS / "ui-chat.png").write_bytes(await page.screenshot())

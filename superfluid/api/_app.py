@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from urllib.parse import parse_qs
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable
 
@@ -19,7 +20,7 @@ from ._principal import (PRINCIPAL, QOS, Principal, authenticate, current_princi
 from ._openai import chat_completions, completions
 from ._sessions import delete_generation, get_session, stream_session
 from ._session_list import list_sessions
-from ._conversations import route_conversations
+from ._conversations import conversation_tree, route_conversations
 from ._files import route_files
 from ._batches import BatchService, route_batches
 from ._anthropic import count_tokens, messages
@@ -28,6 +29,8 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
                       api_version, managed, root)
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses, route_responses
+from ._infill import completion as llama_completion
+from ._infill import detokenize, infill, tokenize_route
 from ._ui import route_ui
 
 from ..sessions._batches import BatchStore
@@ -66,6 +69,10 @@ _POST_JSON: dict[str, Handler] = {
     "/api/push": managed,
     "/api/create": managed,
     "/api/copy": api_copy,
+    "/infill": infill,                    # llama-server's own (api/_infill.py)
+    "/completion": llama_completion,
+    "/tokenize": tokenize_route,
+    "/detokenize": detokenize,
 }
 # Routes served without a JSON body (Ollama discovery, and DELETE /api/delete); each handler checks its method.
 _GET_JSON: dict[str, Handler] = {
@@ -105,7 +112,12 @@ def _error_body(path: str, exc: ApiError) -> dict[str, Any]:
 
 
 _GENERATING = frozenset({"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
-                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate"})
+                         "/v1/responses", "/v1/messages", "/api/chat", "/api/generate", "/infill",
+                         "/completion"})
+
+
+# routes that start no generation: still answered while the daemon stops
+_NOT_GENERATING = frozenset({"/v1/tokenize", "/tokenize", "/detokenize"})
 
 
 def _logged_at_info(exchange: Exchange) -> bool:
@@ -268,7 +280,7 @@ class App:
         if await route_ui(self.config.ui, scope, send, lambda: list(self.registry.loaded.values()),
                           current_principal().may_use):  # the built-in page, /ui (api/_ui.py)
             return
-        if self.stopping.started and method in ("POST", "PUT") and path != "/v1/tokenize":
+        if self.stopping.started and method in ("POST", "PUT") and path not in _NOT_GENERATING:
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):
             models = {"models_loaded": len(self.registry.loaded), "models_known": len(self.registry.known)}
@@ -320,7 +332,12 @@ class App:
             await handler(self, scope, receive, send, {})
             return
         if path == "/v1/sessions" and method == "GET":
-            await send_json(send, 200, list_sessions(self, scope))
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if (query.get("view") or [None])[0] == "tree":
+                archived = (query.get("include_archived") or ["0"])[0] in ("1", "true")
+                await send_json(send, 200, conversation_tree(self, scope, include_archived=archived))
+            else:
+                await send_json(send, 200, list_sessions(self, scope))
             return
         if await route_responses(self, scope, receive, send):
             return

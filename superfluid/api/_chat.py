@@ -26,8 +26,8 @@ import attrs
 
 from ..chat import (
     Delta, ForcedCallParser, ReasoningSplitter, ReplyParser, TemplateRenderError, Tool, ToolCall, ToolCallParser,
-    ToolChoice, ToolWire, call_markers, call_schema, detect_wire, flatten_tool_messages, forced_prefill, reasoning_tags,
-    render_chatml, template_knows_tools,
+    ToolChoice, ToolWire, call_markers, call_schema, detect_wire, document_schema, flatten_tool_messages,
+    forced_prefill, reasoning_tags, render_chatml, template_knows_tools,
 )
 from ..proto import Sampling
 from ..sched import Job, QosClass, parse_qos
@@ -253,8 +253,10 @@ async def open_reply(app: App, model: ServedModel, req: ChatRequest, *,
     job = await prepare(model, rendered.segments, sampling=sampling, max_tokens=req.max_tokens, klass=klass,
                         partition=partition, ignore_eos=req.ignore_eos, add_special=add_special)
     stops = [*req.stops, *rendered.stops]
+    # a forced call's document is the call parser's to close (it marks the call recovered)
+    document = None if req.choice.forced else document_schema(rendered.grammar)
     async with open_lane(app, model, job, kind="chat", stops=stops):
-        yield Reply(model, job, Follower(job, stops), rendered.parser)
+        yield Reply(model, job, Follower(job, stops, document=document), rendered.parser)
 
 
 # --- n choices of one request (OpenAI ``n``) ---------------------------------------------------------------------
@@ -323,7 +325,9 @@ async def open_replies(app: App, model: ServedModel, req: ChatRequest, n: int, *
         stops = [*req.stops, *(rendered[0].stops if rendered else ())]
         async with open_siblings(app, model, first.job, n, kind="chat", stops=stops) as jobs:
             parsers = [r.parser for r in rendered][:len(jobs)]   # (no siblings when the first was refused)
-            yield [first, *(Reply(model, job, Follower(job, stops), p) for job, p in zip(jobs, parsers, strict=True))]
+            document = first.follower.document   # (a response_format document closes legally in every choice)
+            yield [first, *(Reply(model, job, Follower(job, stops, document=document), p)
+                            for job, p in zip(jobs, parsers, strict=True))]
 
 
 def usage_of_choices(jobs: list[Job]) -> dict[str, Any]:

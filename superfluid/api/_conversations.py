@@ -19,6 +19,21 @@
   holding the events up to ``at`` (default: all; a turn still running then
   is left out); ``id`` as for create.
 
+The session tree (SPEC.md §7, "The session tree"):
+
+* ``PATCH /v1/sessions/{id}`` ``{title?, archived?, qos?, expected_version?}``:
+  the new info; a stale ``expected_version`` is 409 ``version_conflict``.
+* ``GET /v1/sessions?view=tree[&include_archived=1]``: every conversation of
+  the caller's tenant with ``parent`` and ``fork_at``.
+* ``POST …/rebase`` ``{edits, id?}`` and ``POST …/trim`` ``{to, id?}``: 201, a
+  branch (the source is never rewritten).
+* ``DELETE /v1/sessions/{id}?mode=cascade|reroot&expected_version=V`` (default
+  ``reroot``): purged, with its descendants (cascade) or making its children
+  roots (reroot); running turns are stopped first.
+* ``GET …/subscribe?after=N``: SSE of committed events and the running turn's
+  text (``api/_watch.py``).
+* ``GET …/tool_calls`` and ``POST …/tool_results``: the tool ledger.
+
 Every conversation belongs to the tenant that created it; for any other
 tenant its id answers as an unknown one (:func:`own_conversation`).
 * For a conversation, ``GET /v1/sessions/{id}`` describes it, ``GET
@@ -31,6 +46,7 @@ The same operations serve the WebSocket ops ``create``, ``append``,
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -38,8 +54,14 @@ from urllib.parse import parse_qs
 import trio
 
 from ..journal import SessionStateError
-from ..proto._wal import body_conversation
+from ..proto._wal import body_conversation, body_fork
+from ..proto._wal_conversation import MAX_TITLE, PURGE_MODES
+from ..sched import parse_qos
+from ..sessions._conversations import size_of
+from ..proto import encode_sse_json
 from ._lane import check_log
+from ._sse import SseResponse
+from ._watch import watch
 from ._http import ApiError, Receive, Send, header, read_json, send_json
 from ._chat import parse_messages, parse_tools
 from ._params import check_loggable, template_kwargs_from
@@ -47,7 +69,8 @@ from ._sessions import cancel_generation
 from ._principal import principal_of
 from ._tenancy import chosen_id, public_id, resolve
 from ._turns import (
-    SAMPLING_FIELDS, busy_error, check_quota, check_room, check_sampling, conversation_log, load_turn, send_turn, start_turn, stream_turn,
+    LAND_WAIT_S, SAMPLING_FIELDS, busy_error, check_quota, check_room, check_sampling, conversation_log, load_turn,
+    send_turn, start_turn, stream_turn,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +80,7 @@ __all__ = ["append_messages", "conversation_info", "create_conversation", "event
            "own_conversation", "route_conversations"]
 CREATE_FIELDS = frozenset({"model", "system", "tools", "sampling", "messages", "chat_template_kwargs", "id"})
 MAX_EVENTS_PAGE = 10_000
-_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z]+)?)?")
+_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z_]+)?)?")
 
 
 def _only(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -97,6 +120,13 @@ def own_conversation(app: App, scope: dict[str, Any], cid: str) -> str:
     return own
 
 
+def _meta_info(app: App, cid: str) -> dict[str, Any]:
+    store = app.conversations
+    meta, (parent, fork_at) = store.meta(cid), store.parent(cid)
+    return {"title": meta["title"], "archived": meta["archived"], "qos": meta["qos"], "version": meta["version"],
+            "parent": None if parent is None else public_id(parent), "fork_at": fork_at}
+
+
 def conversation_info(app: App, cid: str) -> dict[str, Any]:
     """What ``GET /v1/sessions/{id}`` reports for a conversation.
 
@@ -110,7 +140,258 @@ def conversation_info(app: App, cid: str) -> dict[str, Any]:
     return {"id": public_id(cid), "object": "session", "kind": "conversation", "model": header_["model"],
             "system": header_["system"], "tools": header_["tools"], "sampling": header_["sampling"],
             "events": slog.event_count, "last_event_id": slog.last_event_id, "messages": len(state.messages),
-            "generating": app.conversations.busy(cid), "generation": last["generation"] if last else None}
+            "generating": app.conversations.busy(cid), "generation": last["generation"] if last else None,
+            "created": slog.first_ts // 1000, "updated": slog.last_ts // 1000, **_meta_info(app, cid)}
+
+
+def conversation_tree(app: App, scope: dict[str, Any], *, include_archived: bool = False) -> dict[str, Any]:
+    """``GET /v1/sessions?view=tree``: the caller's tenant's conversations with parent and fork point."""
+    store = app.conversations
+    data = []
+    for cid in store.conversations(principal_of(scope).tenant):
+        slog = store.get(cid)
+        assert slog is not None and slog.conversation is not None
+        meta = _meta_info(app, cid)
+        if meta["archived"] and not include_archived:
+            continue
+        data.append({"id": public_id(cid), "parent": meta["parent"], "fork_at": meta["fork_at"],
+                     "title": meta["title"], "archived": meta["archived"], "qos": meta["qos"],
+                     "model": slog.conversation["model"], "version": meta["version"],
+                     "last_event_id": slog.last_event_id, "created": slog.first_ts // 1000,
+                     "updated": slog.last_ts // 1000})
+    return {"object": "list", "data": data}
+
+
+def _expected_version(app: App, cid: str, value: Any) -> None:
+    """Raises ApiError 400 a bad ``expected_version``, 409 ``version_conflict`` a stale one."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ApiError(400, "invalid request: expected_version must be an integer >= 0", param="expected_version")
+    version = app.conversations.meta(cid)["version"]
+    if value != version:
+        raise ApiError(409, f"conversation '{public_id(cid)}' is at version {version}, not {value}; read it again",
+                       code="version_conflict", param="expected_version")
+
+
+async def patch_meta(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``PATCH /v1/sessions/{id}`` ``{title?, archived?, qos?, expected_version?}``: the new info.
+
+    Raises:
+        ApiError: 404; 400 a bad field; 403 ``qos_class_not_allowed``; 409 ``version_conflict``.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset({"title", "archived", "qos", "expected_version"}))
+    updates: dict[str, Any] = {}
+    if "title" in body:
+        title = body["title"]
+        if title is not None and (not isinstance(title, str) or len(title) > MAX_TITLE):
+            raise ApiError(400, f"invalid request: title must be a string of at most {MAX_TITLE} characters or null",
+                           param="title")
+        updates["title"] = title
+    if "archived" in body:
+        if not isinstance(body["archived"], bool):
+            raise ApiError(400, "invalid request: archived must be a boolean", param="archived")
+        updates["archived"] = body["archived"]
+    if "qos" in body:
+        qos = body["qos"]
+        if qos is not None:
+            try:
+                qos = parse_qos(qos).name.lower() if isinstance(qos, str) else None
+            except ValueError:
+                qos = None
+            if qos is None:
+                raise ApiError(400, "invalid request: qos must be one of interactive, completion, agent, background "
+                               "or null", param="qos")
+            principal_of(scope).qos(parse_qos(qos), app.config.default_qos)  # 403 above the key's max_class
+        updates["qos"] = qos
+    store = app.conversations
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        _expected_version(app, cid, body.get("expected_version"))
+        try:
+            await store.set_meta({cid: {**store.meta(cid), **updates}})
+        except ValueError as exc:  # what the log cannot hold (a lone surrogate in a title)
+            raise ApiError(400, f"invalid request: {exc}", param="title" if "title" in updates else None) from None
+    return conversation_info(app, cid)
+
+
+def _branch_info(app: App, new: str, cid: str, at: int) -> dict[str, Any]:
+    return {**conversation_info(app, new), "forked_from": {"id": public_id(cid), "at": at}}
+
+
+async def rebase_conversation(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/rebase`` ``{edits, id?}``: 201 a new conversation, ``cid``'s events
+    with the edits applied (a branch of it).
+
+    Raises:
+        ApiError: 404; 400 bad edits (naming ``edits[i]``) or ``id``; 409 ``session_exists``; 413.
+    """
+    slog = conversation_log(app, cid)
+    _only(body, frozenset({"edits", "id"}))
+    edits = body.get("edits")
+    if not isinstance(edits, list) or not edits:
+        raise ApiError(400, "invalid request: edits must be a non-empty array", param="edits")
+    canonical = []
+    end = slog.last_event_id + 1
+    for i, edit in enumerate(edits):
+        kind = next(iter(edit)) if isinstance(edit, dict) and len(edit) == 1 else None
+        span = edit.get(kind) if kind in ("drop", "replace") else None
+        if not isinstance(span, dict):
+            raise ApiError(400, f'invalid request: edits[{i}] must be {{"drop": {{from, to}}}} or '
+                           '{"replace": {from, to, message}}', param=f"edits[{i}]")
+        item = dict(span)
+        if kind == "replace":
+            item["message"] = parse_messages({"messages": [span.get("message")]})[0] if isinstance(
+                span.get("message"), dict) else None
+            if item["message"] is None:
+                raise ApiError(400, f"invalid request: edits[{i}].replace.message must be a message object",
+                               param=f"edits[{i}].replace.message")
+            if size_of(item["message"]) > app.config.max_message_bytes:
+                raise ApiError(413, f"edits[{i}].replace.message is over --max-message-bytes",
+                               code="message_too_large", param=f"edits[{i}].replace.message")
+        hi = item.get("to")
+        if isinstance(hi, int) and not isinstance(hi, bool) and hi > end:
+            raise ApiError(400, f"invalid request: edits[{i}].{kind}.to must be at most {end}",
+                           param=f"edits[{i}]")
+        canonical.append({kind: item})
+    try:
+        edits = body_fork(source=cid, at=slog.last_event_id, edits=canonical)["edits"]
+    except ValueError as exc:
+        raise ApiError(400, f"invalid request: {exc}".replace("fork.edits", "edits"), param="edits") from None
+    new = _new_id(app, scope, body.get("id"))
+    check_quota(app, conversations=1, nbytes=app.conversations.size(cid))
+    try:
+        await app.conversations.rebase(cid, edits, new)
+    except SessionStateError:
+        raise _exists(new) from None
+    except ValueError as exc:
+        raise ApiError(400, f"invalid request: {exc}", param="edits") from None
+    return {**_branch_info(app, new, cid, slog.last_event_id), "edits": edits}
+
+
+async def trim_conversation(app: App, scope: dict[str, Any], cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/trim`` ``{to, id?}``: 201 a new conversation holding the events before ``to``.
+
+    Raises:
+        ApiError: 404; 400 a bad ``to`` or ``id``; 409 ``session_exists``.
+    """
+    slog = conversation_log(app, cid)
+    _only(body, frozenset({"to", "id"}))
+    to = body.get("to")
+    if isinstance(to, bool) or not isinstance(to, int) or not 1 <= to <= slog.last_event_id + 1:
+        raise ApiError(400, f"invalid request: to must be an event id in 1..{slog.last_event_id + 1}", param="to")
+    return await fork_conversation(app, scope, cid, {"at": to - 1, **({"id": body["id"]} if "id" in body else {})})
+
+
+def descendants(app: App, cid: str) -> list[str]:
+    """The conversations branched off ``cid``, at any depth (children before theirs)."""
+    store = app.conversations
+    slog = store.get(cid)
+    if slog is None:
+        return []
+    children: dict[str, list[str]] = {}
+    for other in store.conversations(slog.tenant):
+        parent, _at = store.parent(other)
+        if parent is not None:
+            children.setdefault(parent, []).append(other)
+    out: list[str] = []
+    todo = list(children.get(cid, ()))
+    while todo:
+        child = todo.pop(0)
+        if child not in out:
+            out.append(child)
+            todo += children.get(child, ())
+    return out
+
+
+async def purge_conversation(app: App, scope: dict[str, Any], cid: str, *, mode: str,
+                             expected_version: Any = None) -> dict[str, Any]:
+    """Delete ``cid`` (``DELETE /v1/sessions/{id}?mode=cascade|reroot&expected_version=V``).
+
+    ``cascade`` purges its descendants too; ``reroot`` makes its children roots. A
+    running turn of any purged conversation is stopped first (what it said lands).
+
+    Raises:
+        ApiError: 404; 400 a bad ``mode``; 409 ``version_conflict``.
+    """
+    conversation_log(app, cid)
+    if mode not in PURGE_MODES:
+        raise ApiError(400, "invalid request: mode must be cascade or reroot", param="mode")
+    store = app.conversations
+    _expected_version(app, cid, expected_version)
+    gone = [cid, *(descendants(app, cid) if mode == "cascade" else [])]
+    for victim in gone:  # stop running turns, and wait (bounded) for what they said to land
+        slog = store.get(victim)
+        if slog is not None and slog.open_turn >= 0:
+            turn = await load_turn(app, victim, slog.open_turn)
+            if turn is not None and not turn.landed:
+                with contextlib.suppress(ApiError):
+                    await cancel_generation(app, scope, turn.generation)
+                with trio.move_on_after(LAND_WAIT_S):
+                    await turn.wait_landed()
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        _expected_version(app, cid, expected_version)
+        gone = [v for v in gone if store.get(v) is not None]
+        tenant = conversation_log(app, cid).tenant
+        rerooted = {} if mode == "cascade" else {
+            child: store.meta(child) for child in store.conversations(tenant) if store.parent(child)[0] == cid}
+        await store.purge(gone, mode, rerooted)
+    return {"id": public_id(cid), "object": "session.deleted", "deleted": True,
+            "purged": [public_id(v) for v in gone], "rerooted": [public_id(c) for c in rerooted]}
+
+
+def tool_calls(app: App, cid: str) -> dict[str, Any]:
+    """``GET /v1/sessions/{id}/tool_calls``: the calls of the last assistant message that have no result yet."""
+    conversation_log(app, cid)
+    messages = [m for _eid, m in app.conversations.fold(cid).messages]
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    if last < 0:
+        return {"object": "list", "data": []}
+    answered = {m.get("tool_call_id") for m in messages[last + 1:] if m.get("role") == "tool"}
+    data = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"),
+             "arguments": (c.get("function") or {}).get("arguments"), "status": "open"}
+            for c in messages[last].get("tool_calls") or [] if c.get("id") not in answered]
+    return {"object": "list", "data": data}
+
+
+TOOL_OUTCOMES = frozenset({"failed", "cancelled"})
+
+
+async def tool_result(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/tool_results`` ``{tool_call_id, content}`` or ``{tool_call_id,
+    outcome: failed|cancelled, note?}``: a ``tool`` message answering an open call.
+
+    Raises:
+        ApiError: 404 the conversation, or 404 ``tool_call_not_found`` (no open call has that id);
+            400 a bad field; 409 ``session_busy``.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset({"tool_call_id", "content", "outcome", "note"}))
+    call_id = body.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise ApiError(400, "invalid request: tool_call_id must be a string", param="tool_call_id")
+    outcome, note = body.get("outcome"), body.get("note")
+    if outcome is None:
+        if "note" in body:
+            raise ApiError(400, "invalid request: note goes with an outcome", param="note")
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, "invalid request: content must be a string (or give an outcome)", param="content")
+    else:
+        if "content" in body:
+            raise ApiError(400, "invalid request: give content or an outcome, not both", param="outcome")
+        if outcome not in TOOL_OUTCOMES:
+            raise ApiError(400, "invalid request: outcome must be failed or cancelled", param="outcome")
+        if note is not None and not isinstance(note, str):
+            raise ApiError(400, "invalid request: note must be a string", param="note")
+        content = f"The tool call {outcome}" + (f": {note}" if note else ".")
+    if call_id not in {c["id"] for c in tool_calls(app, cid)["data"]}:
+        raise ApiError(404, f"no open tool call '{call_id}' in conversation '{public_id(cid)}'",
+                       code="tool_call_not_found", param="tool_call_id")
+    return await append_messages(app, cid, {"messages": [{"role": "tool", "tool_call_id": call_id,
+                                                          "content": content}]})
 
 
 async def create_conversation(app: App, scope: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +529,12 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
             info = await create_conversation(app, scope, body)
         await send_json(send, 201, info)
         return True
-    wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET"}.get(tail or "")
+    wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET", "/rebase": "POST",
+              "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST"}.get(tail or "")
+    if tail is None and method in ("PATCH", "DELETE"):
+        if method == "PATCH":
+            check_log(app)
+        wanted = method
     if wanted is not None and method != wanted:
         raise ApiError(405, f"method {method} not allowed on {scope['path']}")
     if wanted is not None:
@@ -276,6 +562,34 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         with _whole():
             info = await fork_conversation(app, scope, cid, body)
         await send_json(send, 201, info)
+    elif tail in ("/rebase", "/trim"):
+        body = await read_json(scope, receive)
+        with _whole():
+            info = await (rebase_conversation if tail == "/rebase" else trim_conversation)(app, scope, cid, body)
+        await send_json(send, 201, info)
+    elif tail is None and method == "PATCH":
+        body = await read_json(scope, receive)
+        with _whole():
+            info = await patch_meta(app, scope, cid, body)
+        await send_json(send, 200, info)
+    elif tail is None and method == "DELETE":
+        query = parse_qs(scope.get("query_string", b"").decode())
+        mode = (query.get("mode") or ["reroot"])[0]
+        raw = (query.get("expected_version") or [None])[0]
+        expected = None if raw is None else (int(raw) if raw.isdigit() else -1)
+        check_log(app)
+        with _whole():
+            done = await purge_conversation(app, scope, cid, mode=mode, expected_version=expected)
+        await send_json(send, 200, done)
+    elif tail == "/subscribe":
+        await _subscribe(app, scope, send, cid)
+    elif tail == "/tool_calls":
+        await send_json(send, 200, tool_calls(app, cid))
+    elif tail == "/tool_results":
+        body = await read_json(scope, receive)
+        with _whole():
+            done = await tool_result(app, cid, body)
+        await send_json(send, 200, done)
     elif tail == "/events":
         page = events_page(app, cid, after=_query_int(scope, "after", -1, -1, 2**62),
                            limit=_query_int(scope, "limit", 1000, 1, MAX_EVENTS_PAGE))
@@ -295,6 +609,26 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     else:
         return False
     return True
+
+
+async def _subscribe(app: App, scope: dict[str, Any], send: Send, cid: str) -> None:
+    """``GET /v1/sessions/{id}/subscribe?after=N`` (or ``Last-Event-ID``): SSE ``committed`` (``id:`` the
+    event id), ``provisional`` and, last, ``ended`` events (``api/_watch.py``)."""
+    raw = header(scope, "last-event-id")
+    after = _query_int(scope, "after", -1, -1, 2**62) if raw is None else (int(raw) if raw.isdigit() else -2)
+    if after < -1:
+        raise ApiError(400, f"invalid Last-Event-ID {raw!r}: an event id", param="after")
+    sse = SseResponse(send, done=False)
+    await sse.start([(b"x-superfluid-conversation", public_id(cid).encode())])
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        frame = encode_sse_json(data, event=kind, id=str(data["id"]) if kind == "committed" else None)
+        if kind == "ended":
+            await sse.end(frame)
+        else:
+            await sse.send(frame)
+
+    await watch(app, cid, after, emit)
 
 
 async def _stream(app: App, scope: dict[str, Any], receive: Receive, send: Send, cid: str) -> None:

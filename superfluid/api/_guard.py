@@ -71,7 +71,7 @@ _EXPOSED = b"x-superfluid-session, x-superfluid-conversation, x-superfluid-warm,
 _ALLOWED_HEADERS = frozenset({"authorization", "content-type", "x-api-key", "anthropic-version", "anthropic-beta",
                               "openai-organization", "openai-project", "openai-beta"})
 _ALLOWED_PREFIXES = ("x-superfluid-", "x-stainless-")  # ours; the openai and anthropic SDKs'
-_METHODS = b"GET, POST, DELETE, OPTIONS"
+_METHODS = b"GET, POST, PATCH, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE = b"600"
 
 _RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics", "/ui/lanes"})  # the page's live view polls the last two
@@ -239,7 +239,8 @@ class Guard:
         method, path = scope.get("method", "GET"), scope["path"]
         if http and method == "OPTIONS":
             return None
-        exempt = (path == "/health" and method in ("GET", "HEAD")) or (http and self.ui and ui_public(scope))
+        exempt = path == "/health" and method in ("GET", "HEAD")
+        exempt = exempt or (http and self.ui and ui_public(scope))  # the page: it asks for the key itself
         principal: Principal | None = ANONYMOUS
         if self.keys and not exempt:
             principal = authenticate(self.keys, presented_key(scope))
@@ -252,7 +253,7 @@ class Guard:
         scope[PRINCIPAL] = principal
         if not http:
             return None
-        if method == "POST":
+        if method in ("POST", "PATCH"):
             refusal = self._content_type(scope)
             if refusal is not None:
                 return refusal

@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from ..sessions._resumable import serve_resume_ttl
-from ..chat import TextStream
+from ..chat import TextStream, close_json
 from ..journal import JournalWriteError
 from ..proto import Sampling
 from ..sched import Job, JobError, QosClass, QueueFull, Unavailable
@@ -242,7 +242,9 @@ def log_refusal(exc: JournalWriteError) -> ApiError:
 
 
 async def open_session(app: App, job: Job, **kw: Any) -> LiveSession:
-    """``SessionStore.open``, refused typed as :func:`check_log` says."""
+    """``SessionStore.open``, refused typed as :func:`check_log` says. The job
+    takes the session's stop strings: its lane ends at the token completing one."""
+    job.stops = tuple(s for s in kw.get("stops", ()) if s)
     try:
         return await app.sessions.open(job, **kw)
     except JournalWriteError as exc:
@@ -291,13 +293,17 @@ async def wait_admitted(job: Job) -> None:
 
 
 class Follower:
-    """Reads a job by cursor and yields text deltas."""
+    """Reads a job by cursor and yields text deltas. With ``document`` (a JSON
+    schema: the reply is a ``response_format`` document), a reply cut by its
+    token budget ends with the text that closes the document legally
+    (``close_json``, as a forced tool call's arguments get), in the last delta."""
 
-    def __init__(self, job: Job, stops: list[str]) -> None:
+    def __init__(self, job: Job, stops: list[str], *, document: dict[str, Any] | None = None) -> None:
         self.job = job
         self.text = TextStream(stops)
         self.cursor = 0
         self.finish: str | None = None
+        self.document = document
 
     async def next_delta(self) -> tuple[str, list[Any], bool]:
         """Wait for progress. Returns ``(text, logprob rows, done)``; a row is
@@ -318,5 +324,7 @@ class Follower:
                 raise ApiError.of_job(job.error)
             out.append(self.text.finish())
             self.finish = job.finish or "stop"
+            if self.document is not None and self.finish == "length":
+                out.append(close_json(self.text.text, self.document) or "")   # (None: no legal ending)
             return "".join(out), lps, True
         return "".join(out), lps, False

@@ -35,6 +35,7 @@ from ._chat import (ChatRequest, Reply, open_reply, parse_tool_choice, parse_too
                     thinking_kwargs)
 from ._lane import tokenize
 from ._tenancy import Partition, partition_of
+from ._infill import DEFAULT_FIM_TOKENS, fim_prompt, fim_qos, fim_tokens, open_token_reply
 from ._params import MAX_STOP_CHARS, number, sampling_from
 from ._principal import principal_of
 from ..serving import FOREVER, expires_at_wall, parse_keep_alive
@@ -453,15 +454,15 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         keep_alive = granted_keep_alive(principal_of(scope).admin, _keep_alive(body))
         model = await app.resolve_model(_name(app, body.get("model")))
         app.registry.keep_alive(model, keep_alive)
-        if body.get("suffix"):
-            raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this model",
-                           code="unsupported_parameter")
         if body.get("template") or body.get("context") or body.get("images"):
             key = "template" if body.get("template") else ("context" if body.get("context") else "images")
             raise ApiError(400, f"unsupported parameter: {key}")
         prompt = body.get("prompt") or ""
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string")
+        if body.get("suffix") is not None:
+            await _fill_in(app, scope, receive, send, body, model, prompt, partition)
+            return
         if not prompt:
             await _loaded(send, model, "response", body.get("stream", True), keep_alive)
             return
@@ -480,6 +481,30 @@ async def api_generate(app: App, scope: dict[str, Any], receive: Receive, send: 
         await _run(app, scope, receive, send, model, req, "response", body.get("stream", True), partition, warnings)
 
     await answer_errors(send, run, lambda exc: {"error": exc.message})
+
+
+async def _fill_in(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any],
+                   model: ServedModel, prompt: str, partition: Partition) -> None:
+    """``/api/generate`` with a ``suffix``: the prompt is the code before the cursor, the
+    suffix the code after it; the model's FIM markers frame them (``api/_infill.py``)."""
+    suffix = body["suffix"]
+    if not isinstance(suffix, str):
+        raise ApiError(400, "suffix must be a string")
+    for key in ("system", "format", "think"):
+        if body.get(key) is not None and body.get(key) != "":
+            raise ApiError(400, f"a suffix (fill-in-the-middle) takes no {key}", code="unsupported_parameter")
+    fim_tokens(model)  # a model without FIM markers is refused before anything is tokenized
+    fields, budget = _sampling_body(model, body, app)
+    budget = DEFAULT_FIM_TOKENS if budget is None else budget
+    klass = fim_qos(app, scope)
+    ids, _cut = await fim_prompt(model, prefix=prompt, suffix=suffix, max_new=budget, klass=klass)
+    sampling = sampling_from(fields, n_vocab=int(model.info.get("n_vocab", 1 << 30)))
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be a boolean")
+    async with open_token_reply(app, model, ids, sampling=sampling, max_tokens=budget, klass=klass,
+                                partition=partition, stops=fields["stop"] or []) as reply:
+        await _answer(send, reply, model, "response", stream)
 
 
 async def _loaded(send: Send, model: ServedModel, kind: str, stream: Any, keep_alive: float | None) -> None:
@@ -534,12 +559,18 @@ async def _run(app: App, scope: dict[str, Any], receive: Receive, send: Send, mo
     # what the server did otherwise than asked rides on the last record, in a field Ollama clients ignore
     extra = {"superfluid": {"warnings": warnings}} if warnings else {}
     async with open_reply(app, model, req, klass=qos_of(app, scope), partition=partition) as reply:
-        if not stream:
-            text, thinking, _rows = await reply.collect()
-            record = _record(model.name, kind, text, thinking, reply.calls)
-            await send_json(send, 200, {**record, "done": True, **_stats(reply), **extra})
-        else:
-            await _stream_ndjson(send, reply, model.name, kind, extra)
+        await _answer(send, reply, model, kind, stream, extra)
+
+
+async def _answer(send: Send, reply: Reply, model: ServedModel, kind: str, stream: bool,
+                  extra: dict[str, Any] | None = None) -> None:
+    extra = extra or {}
+    if not stream:
+        text, thinking, _rows = await reply.collect()
+        record = _record(model.name, kind, text, thinking, reply.calls)
+        await send_json(send, 200, {**record, "done": True, **_stats(reply), **extra})
+    else:
+        await _stream_ndjson(send, reply, model.name, kind, extra)
 
 
 async def _stream_ndjson(send: Send, reply: Reply, model: str, kind: str, extra: dict[str, Any] | None = None) -> None:

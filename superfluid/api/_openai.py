@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from .._errors import leaves
+from ..chat import document_schema
 from ..proto import encode_sse_json
 from ._chat import (
     ChatRequest, Reply, choices_from, grammar_from_response_format, max_tokens_from, open_replies, open_reply,
@@ -30,6 +31,7 @@ from ._lane import (
     Follower, open_lane, prepare, resumable_requested, wait_admitted, with_extras,
 )
 from ._http import ApiError, Receive, Send, send_json
+from ._infill import DEFAULT_FIM_TOKENS, fim_prompt, fim_qos, fim_tokens, grammar_of
 from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._sse import SseResponse
 from ._tenancy import partition_of
@@ -108,18 +110,29 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
         req = ChatRequest(
             messages=parse_messages(body), sampling=sampling, max_tokens=max_tokens_from(body), tools=tools,
             choice=parse_tool_choice(body.get("tool_choice"), tools),
-            grammar=grammar_from_response_format(body.get("response_format")),
+            grammar=_grammar(body), grammar_param="grammar" if body.get("grammar") else "response_format",
             template_kwargs=thinking_kwargs(model.template.source, kwargs, enable=body.get("enable_thinking"),
                                             effort=body.get("reasoning_effort")),
             stops=stops_from(body), ignore_eos=bool(body.get("ignore_eos", False)))
     else:
         prompt = _completion_prompt(body.get("prompt"), n_vocab=int(model.info.get("n_vocab", 1 << 30)))
-        grammar = grammar_from_response_format(body.get("response_format"))
+        grammar = _grammar(body)
         if grammar:
-            require_grammar(model, "response_format")
+            require_grammar(model, "response_format" if body.get("response_format") else "grammar")
             sampling = attrs.evolve(sampling, grammar=grammar)
+        max_tokens = max_tokens_from(body)
         segments, ids = ([(prompt, True)], None) if isinstance(prompt, str) else ([], prompt)
-        job = await prepare(model, segments, tokens=ids, sampling=sampling, max_tokens=max_tokens_from(body),
+        fim = _fim_mode(model, body)
+        if fim is not None:
+            if not isinstance(prompt, str):
+                raise ApiError(400, "a suffix (fill-in-the-middle) takes a text prompt, not token ids",
+                               code="unsupported_parameter", param="prompt")
+            klass = fim_qos(app, scope)
+            max_tokens = DEFAULT_FIM_TOKENS if max_tokens is None else max_tokens
+            segments = []
+            ids, _cut = await fim_prompt(model, prefix=prompt, suffix=body["suffix"], spm=fim == "spm",
+                                         max_new=max_tokens, klass=klass)
+        job = await prepare(model, segments, tokens=ids, sampling=sampling, max_tokens=max_tokens,
                             klass=klass, partition=partition, ignore_eos=bool(body.get("ignore_eos", False)),
                             add_special=bool(model.info.get("add_bos", False)))
         if stream and resumable_requested(scope):
@@ -161,6 +174,44 @@ async def _generate(app: App, scope: dict[str, Any], receive: Receive, send: Sen
             await _stream_chat(send, reply, rid=rid, created=created, continuous=_stream_options(body)[1])
         else:
             await _whole_chat(send, reply, rid=rid, created=created)
+
+
+def _grammar(body: dict[str, Any]) -> str:
+    """The output constraint: ``response_format``, or a raw GBNF ``grammar`` (llama-server's field).
+
+    Raises:
+        ApiError: 400 for both at once, or a bad value.
+    """
+    fmt, gbnf = grammar_from_response_format(body.get("response_format")), grammar_of(body)
+    if fmt and gbnf:
+        raise ApiError(400, "invalid request: give a response_format or a grammar, not both", param="grammar")
+    return fmt or gbnf
+
+
+def _fim_mode(model: ServedModel, body: dict[str, Any]) -> str | None:
+    """``psm``/``spm`` for a fill-in-the-middle request (a ``suffix``), None for a plain one. An empty
+    suffix on a model without FIM markers is a plain completion (clients send one at the end of a file).
+
+    Raises:
+        ApiError: 400 a bad ``suffix``/``fim_mode``, or ``fim_unsupported``.
+    """
+    suffix, mode = body.get("suffix"), body.get("fim_mode")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ApiError(400, "invalid request: suffix must be a string", param="suffix")
+    if mode is not None and mode not in ("psm", "spm"):
+        raise ApiError(400, 'invalid request: fim_mode must be "psm" or "spm"', code="invalid_value",
+                       param="fim_mode")
+    if suffix is None:
+        if mode is not None:
+            raise ApiError(400, "fim_mode needs a suffix", code="unsupported_parameter", param="fim_mode")
+        return None
+    if not suffix:
+        try:
+            fim_tokens(model)
+        except ApiError:
+            return None
+    fim_tokens(model)
+    return mode or "psm"
 
 
 def _completion_prompt(prompt: Any, *, n_vocab: int) -> str | list[int]:
@@ -262,7 +313,7 @@ async def _run_completion(app: App, model: ServedModel, job: Job, send: Send,
                           stops: list[str], *, stream: bool, usage: bool = False, continuous: bool = False) -> None:
     rid = f"cmpl-superfluid-{next(_ids)}"
     created = int(time.time())
-    follower = Follower(job, stops)
+    follower = Follower(job, stops, document=document_schema(job.sampling.grammar))
     async with open_lane(app, model, job, kind="completion", stops=stops):  # a disconnect cancels the request
         if stream:
             await _stream_completion(send, job, follower, rid=rid, created=created, model=model.name,
@@ -459,7 +510,7 @@ async def _run_completions(app: App, model: ServedModel, first: Job, n: int, sen
     async with open_lane(app, model, first, kind="completion", stops=stops):  # a disconnect cancels every choice
         async with open_siblings(app, model, first, n, kind="completion", stops=stops) as siblings:
             jobs = [first, *siblings]
-            followers = [Follower(job, stops) for job in jobs]
+            followers = [Follower(job, stops, document=document_schema(job.sampling.grammar)) for job in jobs]
             if stream:
                 await _stream_completions(send, jobs, followers, rid=rid, created=created, model=model.name,
                                           usage=usage, continuous=continuous)

@@ -136,6 +136,7 @@ def sampling_from(body: dict[str, Any], *, n_vocab: int, want_logprobs: int = -1
     repeat_key = "repetition_penalty" if body.get("repeat_penalty") is None else "repeat_penalty"
     return Sampling(
         temperature=temperature or 0.0,
+        temperature_default=body.get("temperature") is None,
         top_p=number(body, "top_p", lo=0.0, hi=1.0, default=1.0) or 0.0,
         top_k=integer(body, "top_k", lo=0, hi=1_000_000, default=0) or 0,
         min_p=number(body, "min_p", lo=0.0, hi=1.0, default=0.0) or 0.0,

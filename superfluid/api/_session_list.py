@@ -46,7 +46,7 @@ def list_sessions(app: App, scope: dict[str, Any]) -> dict[str, Any]:
     limit, after = _query(scope)
     tenant = principal_of(scope).tenant
     journal = app.sessions.journal
-    mine = [s for s in journal.sessions.values() if s.tenant == tenant]
+    mine = [s for s in journal.sessions.values() if s.tenant == tenant and not (s.conversation is not None and s.done)]
     mine.sort(key=lambda s: (s.first_ts, s.first_seq), reverse=True)
     start = 0
     if after is not None:

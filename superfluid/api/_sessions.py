@@ -24,6 +24,7 @@ from urllib.parse import parse_qs
 
 import trio
 
+from ..chat import document_schema
 from ..proto import encode_sse_json
 from ._lane import Follower, open_lane, usage_of, wait_admitted
 from ._lifecycle import note_job
@@ -42,8 +43,9 @@ __all__ = ["cancel_generation", "delete_generation", "follower_at", "get_session
 
 
 def follower_at(session: LiveSession, cursor: int) -> Follower:
-    """A follower positioned after ``cursor`` tokens, its stop filter primed."""
-    follower = Follower(session.job, session.stops)
+    """A follower positioned after ``cursor`` tokens, its stop filter primed. A session
+    streams text, never parsed calls: a cut ``response_format`` document is closed."""
+    follower = Follower(session.job, session.stops, document=document_schema(session.job.sampling.grammar))
     for piece in session.job.pieces[:cursor]:
         follower.text.feed(piece)
     follower.cursor = cursor
@@ -112,7 +114,7 @@ async def run_resumable(app: App, model: ServedModel, job: Job, *, kind: str, st
         # a disconnect cancels the request's scope (api/_lifecycle.py); the lane then keeps the job if lane.keep
         await wait_admitted(job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        await stream_live(tracked, session, Follower(job, stops), model=model.name,
+        await stream_live(tracked, session, follower_at(session, 0), model=model.name,
                           rid=f"{prefix}-superfluid-{session.id}", first=True)
 
 

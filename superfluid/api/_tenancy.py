@@ -57,12 +57,14 @@ def partition_of(scope: dict[str, Any], body: dict[str, Any] | None = None) -> P
 
 
 def tenant_of(app: App, sid: str) -> str | None:
-    """The tenant owning session or conversation ``sid``; None if there is none."""
+    """The tenant owning session or conversation ``sid``; None if there is none (or it was purged)."""
     live = app.sessions.live.get(sid)
     if live is not None:
         return live.tenant
     slog = app.sessions.journal.sessions.get(sid)
-    return None if slog is None else slog.tenant
+    if slog is None or (slog.conversation is not None and slog.done):  # (a purged conversation is no one's)
+        return None
+    return slog.tenant
 
 
 def resolve(app: App, scope: dict[str, Any], ident: str) -> str | None:

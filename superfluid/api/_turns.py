@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["SAMPLING_FIELDS", "assistant_message", "busy_error", "check_quota", "check_room", "check_sampling", "conversation_log", "landed_summary",
-           "load_turn", "open_turns", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn"]
+           "load_turn", "open_turns", "restore_turns", "send_turn", "serve_turn", "start_turn", "stream_turn",
+           "turn_reader"]
 
 log = logging.getLogger("superfluid.conversations")
 
@@ -220,7 +221,9 @@ async def start_turn(app: App, scope: dict[str, Any], cid: str, body: dict[str, 
         if not state.messages:
             raise ApiError(400, "invalid request: the conversation has no messages yet", param="messages")
         model = await app.resolve_model(state.header["model"])
-        klass = _klass(app, scope, body)
+        default_qos = store.meta(cid)["qos"]  # the conversation's own class (PATCH qos), if set
+        klass = _klass(app, scope, body if body.get("qos") is not None or default_qos is None
+                       else {**body, "qos": default_qos})
         fields = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
         check_sampling(model, fields)
         params = {"sampling": {**state.header["sampling"], **fields}, "tool_choice": body.get("tool_choice"),
@@ -257,8 +260,8 @@ async def _start(app: App, store: ConversationStore, sched: Scheduler, model: Se
             await store.begin(turn, params)
             gone: ApiError | None = None
             try:
-                turn.session = await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
-                                                  resumable=True)
+                turn.open(await open_session(app, job, model=model.name, kind="chat", stops=turn.stops,
+                                             resumable=True))
                 hand.send_nowait(turn)
             except trio.BrokenResourceError:  # the owner ended: the model went away (an unload raced us)
                 closed = sched.closed
@@ -434,7 +437,7 @@ async def landed_summary(turn: Turn) -> dict[str, Any]:
             "message": turn.message}
 
 
-def _reader(turn: Turn, cursor: int) -> Reply:
+def turn_reader(turn: Turn, cursor: int) -> Reply:
     """A reader of the turn's generation after ``cursor`` tokens: its stop filter and parser primed."""
     assert turn.session is not None
     job = turn.session.job
@@ -460,7 +463,7 @@ async def stream_turn(send: Send, receive: Receive, turn: Turn, cursor: int) -> 
     this reader; the turn goes on.
     """
     assert turn.session is not None
-    session, reply = turn.session, _reader(turn, cursor)
+    session, reply = turn.session, turn_reader(turn, cursor)
     rid, created = f"chatcmpl-superfluid-{turn.generation}", int(time.time())
     name = session.model
 

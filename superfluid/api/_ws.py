@@ -33,6 +33,25 @@ Conversations (``api/_conversations.py``); ``body`` is the HTTP route's body:
 * ``{"op":"fork","session":C,"body":{"at":N?,"id":new?}}``:
   ``{"op":"forked","session":new,"source":C,"info":{…}}``.
 
+The session tree (``body`` as the HTTP route's; replies carry ``info``, the
+conversation as ``GET /v1/sessions/{id}`` describes it):
+
+* ``{"op":"rebase","session":C,"body":{edits, id?}}``: ``{"op":"rebased","session":new,"source":C,"info"}``.
+* ``{"op":"trim","session":C,"body":{to, id?}}``: ``{"op":"trimmed","session":new,"source":C,"info"}``.
+* ``{"op":"purge","session":C,"body":{mode?, expected_version?}}`` (or those fields beside ``op``):
+  ``{"op":"purged","session":C,"purged":[ids],"rerooted":[ids]}``.
+* ``{"op":"tree","body":{include_archived?}}``: ``{"op":"tree","data":[nodes]}``.
+* ``{"op":"meta","session":C,"body":{title?, archived?, qos?, expected_version?}}``: ``{"op":"meta","session":C,"info"}``.
+* ``{"op":"tool_calls","session":C}``: ``{"op":"tool_calls","session":C,"data":[calls]}``;
+  ``{"op":"tool_result","session":C,"body":{tool_call_id, content | outcome, note?}}``:
+  ``{"op":"tool_result","session":C,"events":[ids]}``.
+* ``{"op":"subscribe","session":C,"after":N?}`` where ``C`` is a conversation (``after`` an
+  event id, default -1: from its start): ``subscribed``, then ``event {session, event}``,
+  ``provisional {session, turn, text}`` and, last, ``ended {session, reason}`` (``lagged``,
+  ``purged``, ``shutdown``; ``api/_watch.py``); ``unsubscribe`` ends it.
+
+The unix socket (``--socket``, ``daemon/_socket.py``) speaks these same messages as JSON lines.
+
 Server to client: ``delta {session, cursor, text}``, ``done {session, cursor,
 finish_reason, usage}``, ``error {id?, session?, error:{message, type, param,
 code}}``, and the replies above. ``cursor`` is the token cursor of the SSE
@@ -91,8 +110,11 @@ from ._params import integer, sampling_from, stops_from, template_kwargs_from
 from ._guard import RateLimited
 from ._principal import principal_of
 from ._conversations import (
-    append_messages, conversation_info, create_conversation, events_page, fork_conversation, own_conversation,
+    append_messages, conversation_info, conversation_tree, create_conversation, events_page, fork_conversation,
+    own_conversation, patch_meta, purge_conversation, rebase_conversation, tool_calls, tool_result,
+    trim_conversation,
 )
+from ._watch import watch
 from ._sessions import cancel_generation, follower_at, live_session, session_info
 from ._tenancy import chosen_id, partition_of, public_id, resolve
 from ._turns import landed_summary, start_turn
@@ -103,7 +125,7 @@ if TYPE_CHECKING:
     from ..sched import Job
     from ._host import App
 
-__all__ = ["LIMITS", "WS_PATH", "WsLimits", "chat_job", "serve_websocket"]
+__all__ = ["LIMITS", "WS_PATH", "WsLimits", "chat_job", "serve_stream", "serve_websocket"]
 
 log = logging.getLogger("superfluid.ws")
 
@@ -145,6 +167,12 @@ async def serve_websocket(app: App, scope: dict[str, Any], receive: Receive, sen
         await send({"type": "websocket.close", "code": CLOSE_POLICY})  # before accept: HTTP 403
         return
     await send({"type": "websocket.accept"})
+    await _Socket(app, scope, send, LIMITS).run(receive)
+
+
+async def serve_stream(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    """Serve the ops on an accepted message stream that speaks ASGI's websocket messages
+    (the unix socket, ``daemon/_socket.py``): as :func:`serve_websocket` after its accept."""
     await _Socket(app, scope, send, LIMITS).run(receive)
 
 
@@ -387,8 +415,89 @@ class _Socket:
             raise ApiError(429, f"this socket already follows {len(self.subs)} sessions (the limit)",
                            code="too_many_subscriptions")
 
+    async def _op_rebase(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        info = await rebase_conversation(self.app, self.scope, own_conversation(self.app, self.scope, sid),
+                                         _body_of(msg))
+        await self._emit(_with_ref({"op": "rebased", "session": info["id"], "source": sid, "info": info}, ref))
+
+    async def _op_trim(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        info = await trim_conversation(self.app, self.scope, own_conversation(self.app, self.scope, sid),
+                                       _body_of(msg))
+        await self._emit(_with_ref({"op": "trimmed", "session": info["id"], "source": sid, "info": info}, ref))
+
+    async def _op_purge(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        body = {**{k: msg[k] for k in ("mode", "expected_version") if k in msg}, **_body_of(msg)}
+        for key in body:
+            if key not in ("mode", "expected_version"):
+                raise ApiError(400, f"invalid message: unknown field {key!r}", code="invalid_message", param=key)
+        done = await purge_conversation(self.app, self.scope, own_conversation(self.app, self.scope, sid),
+                                        mode=body.get("mode", "reroot"), expected_version=body.get("expected_version"))
+        await self._emit(_with_ref({"op": "purged", "session": sid, "purged": done["purged"],
+                                    "rerooted": done["rerooted"]}, ref))
+
+    async def _op_tree(self, msg: dict[str, Any], ref: Any) -> None:
+        archived = _body_of(msg).get("include_archived", msg.get("include_archived", False))
+        if not isinstance(archived, bool):
+            raise ApiError(400, "invalid message: include_archived must be a boolean", code="invalid_message",
+                           param="include_archived")
+        tree = conversation_tree(self.app, self.scope, include_archived=archived)
+        await self._emit(_with_ref({"op": "tree", "data": tree["data"]}, ref))
+
+    async def _op_meta(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        info = await patch_meta(self.app, self.scope, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "meta", "session": sid, "info": info}, ref))
+
+    async def _op_tool_calls(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        calls = tool_calls(self.app, own_conversation(self.app, self.scope, sid))
+        await self._emit(_with_ref({"op": "tool_calls", "session": sid, "data": calls["data"]}, ref))
+
+    async def _op_tool_result(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await tool_result(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "tool_result", "session": sid, "events": done["events"]}, ref))
+
+    def _watch(self, sid: str, cid: str, after: Any, ref: Any) -> None:
+        """Subscribe to conversation ``cid`` (called ``sid``) from event cursor ``after``."""
+        if isinstance(after, bool) or not isinstance(after, int) or after < -1:
+            raise ApiError(400, "invalid message: after must be an event id (or -1: from the start)",
+                           code="invalid_message", param="after")
+        if sid in self.subs:
+            raise ApiError(409, f"this socket already follows session '{sid}'; unsubscribe first",
+                           code="already_subscribed")
+        self._check_room()
+        scope = trio.CancelScope()
+        self.subs[sid] = scope
+        self.work.start_soon(self._run_watch, sid, cid, after, scope,
+                             _with_ref({"op": "subscribed", "session": sid, "after": after}, ref))
+
+    async def _run_watch(self, sid: str, cid: str, after: int, scope: trio.CancelScope, ack: dict[str, Any]) -> None:
+        async def emit(kind: str, data: dict[str, Any]) -> None:
+            if kind == "committed":
+                await self._emit({"op": "event", "session": sid, "event": data})
+            else:
+                await self._emit({"op": kind, "session": sid, **data})
+
+        try:
+            with scope:
+                await self._emit(ack)
+                await watch(self.app, cid, after, emit)
+        finally:
+            if self.subs.get(sid) is scope:
+                del self.subs[sid]
+                self._subs_changed.set()
+
     async def _op_subscribe(self, msg: dict[str, Any], ref: Any) -> None:
-        session = live_session(self.app, self.scope, _session_of(msg))
+        named = _session_of(msg)
+        own = resolve(self.app, self.scope, named)
+        if own is not None and self.app.conversations.get(own) is not None:
+            self._watch(named, own, msg.get("after", -1), ref)
+            return
+        session = live_session(self.app, self.scope, named)
         after = msg.get("after", 0)
         n = len(session.job.tokens)
         if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= n:
@@ -517,6 +626,13 @@ _OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
     "append": _Socket._op_append,
     "events": _Socket._op_events,
     "fork": _Socket._op_fork,
+    "rebase": _Socket._op_rebase,
+    "trim": _Socket._op_trim,
+    "purge": _Socket._op_purge,
+    "tree": _Socket._op_tree,
+    "meta": _Socket._op_meta,
+    "tool_calls": _Socket._op_tool_calls,
+    "tool_result": _Socket._op_tool_result,
 }
 
 

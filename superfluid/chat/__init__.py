@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ._reasoning import ReasoningSplitter as ReasoningSplitter
 from ._reasoning import reasoning_tags as reasoning_tags
+from ._jsonclose import document_schema as document_schema
+from ._stops import StopScan as StopScan
 from ._stops import TextStream as TextStream
 from ._template import TEMPLATE_NAMES as TEMPLATE_NAMES
 from ._template import ChatTemplate as ChatTemplate

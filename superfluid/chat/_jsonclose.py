@@ -1,10 +1,11 @@
-"""JSON repair and forced-truncation recovery for tool-call documents.
+"""JSON repair and forced-truncation recovery for tool-call and reply documents.
 
 :func:`repair_json` salvages what a model wrote when that is safe (code
 fences, prose around the document, trailing commas, an unterminated tail).
 :func:`close_json` closes a document cut short by ``max_tokens`` to the
 smallest completion that validates against the call schema, so a forced
-call's arguments always parse.
+call's arguments always parse; :func:`document_schema` is the schema of a
+``response_format`` reply, whose cut document is closed the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["close_json", "repair_json"]
+__all__ = ["close_json", "document_schema", "repair_json"]
 
 
 _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*|\s*```$")
@@ -405,6 +406,21 @@ class _Closer:
             if ch != ",":
                 raise _Mismatch("expected ',' or ']'")
             need = True
+
+
+def document_schema(grammar: str) -> dict[str, Any] | None:
+    """The schema of a reply constrained by the worker grammar ``grammar``: any
+    object for ``json`` (``json_object``), the schema of ``json_schema:…``; None
+    for free text or raw GBNF, whose ending nothing here knows."""
+    if grammar == "json":
+        return {"type": "object"}
+    if grammar.startswith("json_schema:"):
+        try:
+            schema = json.loads(grammar[len("json_schema:"):])
+        except ValueError:
+            return None
+        return schema if isinstance(schema, dict) else None
+    return None
 
 
 def close_json(prefix: str, schema: dict[str, Any]) -> str | None:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import codecs
 
-__all__ = ["TextStream"]
+__all__ = ["StopScan", "TextStream"]
 
 
 class TextStream:
     """Stop strings are looked for only in the text not yet released (at most
     the longest stop's length plus one token's text), never in the whole reply."""
 
-    def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, stops: list[str] | tuple[str, ...] = (), *, keep: bool = True) -> None:
         self.stops = [s for s in stops if s]
+        self._keep = keep             # False: released text is not kept (:class:`StopScan` only asks where a stop is)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""          # decoded text not yet released (could start a stop)
         self._parts: list[str] = []  # released text, joined on demand (``+=`` copied the reply per token)
@@ -56,7 +57,8 @@ class TextStream:
             if cut >= 0:
                 self.stopped = True
                 self._pending = ""
-                self._parts.append(buf[:cut])
+                if self._keep:
+                    self._parts.append(buf[:cut])
                 return buf[:cut]
         hold = 0
         if not final:
@@ -67,6 +69,22 @@ class TextStream:
                         break
         out = buf[: len(buf) - hold]
         self._pending = buf[len(buf) - hold :]
-        if out:
+        if out and self._keep:
             self._parts.append(out)
         return out
+
+
+class StopScan:
+    """Whether a stop string is complete, one token's bytes at a time, decoded
+    exactly as a reader's :class:`TextStream` decodes them: the scheduler ends a
+    lane at the token that completes a stop (``sched/_core.py``), so what a reply
+    counts does not depend on when its reader looked. Keeps only the text that
+    could still begin a stop."""
+
+    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+        self._text = TextStream(stops, keep=False)
+
+    def feed(self, piece: bytes) -> bool:
+        """Add one token's bytes; True once a stop string is complete (and from then on)."""
+        self._text.feed(piece)
+        return self._text.stopped

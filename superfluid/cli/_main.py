@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a connection has to send a complete request head, from its accept or from "
                         "the end of its previous response (so also how long an idle keep-alive connection "
                         f"stays); then it is closed (default {D.HEADER_TIMEOUT_S:g})")
-    s.add_argument("--sessions", type=Path, help="sessions directory (default ~/.superfluid/sessions)")
+    s.add_argument("--sessions", type=Path, help="sessions directory (default $SUPERFLUID_HOME/sessions, ~/.superfluid/sessions)")
     s.add_argument("--sessions-cache", action="store_true",
                    help="treat the session log as a cache: keep the old one aside and start fresh")
     s.add_argument("--resume-ttl", type=nonneg_float, default=D.RESUME_TTL_S,
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout", type=positive_float, default=D.BODY_TIMEOUT_S,
                    help="seconds a request body may take to arrive; then 408 and the connection closes "
                         f"(default {D.BODY_TIMEOUT_S:g})")
+    s.add_argument("--socket", type=Path, default=None, metavar="PATH",
+                   help="also serve the WebSocket's ops (/v1/ws) as newline-delimited JSON on a unix socket at PATH, "
+                        "made 0600: whoever may open it acts as the admin (default: off)")
     s.add_argument("--ws-idle-timeout", type=positive_float, default=D.WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay with no message from the client and no session to follow; "
                         f"then it is closed with 1001 (default {D.WS_IDLE_TIMEOUT_S:g})")
@@ -560,7 +563,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_conversation_events=args.max_conversation_events, files_quota_gb=args.files_quota_gb,
         files_max_bytes=args.files_max_bytes,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
-        ws_idle_timeout_s=args.ws_idle_timeout, max_queue=args.max_queue, deterministic=args.deterministic,
+        ws_idle_timeout_s=args.ws_idle_timeout, socket=args.socket, max_queue=args.max_queue, deterministic=args.deterministic,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
         aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
         speculate=args.speculate, spec_gates=_speculation(args), chat_templates=chat_templates, **fleet,

@@ -25,7 +25,7 @@ from ._errors import USAGE, CliError, HelpFormatter, suggest
 __all__ = ["add_session_parser", "run_session"]
 
 # Body fields that hold what a user or a model wrote; left out of an export unless --include-content.
-_CONTENT = frozenset({"tokens", "text", "message", "system", "tools", "template_kwargs"})
+_CONTENT = frozenset({"tokens", "text", "message", "system", "tools", "template_kwargs", "title"})
 _CONTENT_PARAMS = frozenset({"stops", "stop", "grammar", "logit_bias"})
 
 
@@ -119,6 +119,9 @@ def _event(record: Any, include_content: bool) -> dict[str, Any]:
     for key, value in body.items():
         if not include_content and key in ("params", "sampling") and isinstance(value, dict):
             out[key] = {k: v for k, v in value.items() if k not in _CONTENT_PARAMS}
+        elif not include_content and key == "edits" and isinstance(value, list):  # a rebase's: ranges, no messages
+            out[key] = [{kind: {"from": span["from"], "to": span["to"]} for kind, span in edit.items()}
+                        for edit in value]
         elif include_content or key not in _CONTENT:
             out[key] = value
         elif key == "tokens" and isinstance(value, (list, tuple)):

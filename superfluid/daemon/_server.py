@@ -11,6 +11,7 @@ Nursery tree (daemon)::
     ├── turn restorers          after a restart, in a nursery of their own: load each open turn, hand it on
     ├── batches                 BatchService.run (api/_batches.py): a cancel scope per running batch, its lines
     ├── monitor                 on a terminal: the live view (_monitor.py); q drains
+    ├── unix socket             --socket: its accept loop and connections (_socket.py), WebSocket ops as JSON lines
     └── HTTP listener           our accept loop (_listener.py) -> hypercorn's connections -> request scopes
 """
 
@@ -26,6 +27,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from ._listener import MAX_HEAD_BYTES, raise_nofile, serve_http
+from ._socket import serve_socket
 from ._summary import summary_lines
 from ._monitor import run_monitor
 from .._cpu import CpuYield, unyielding
@@ -221,6 +223,8 @@ async def serve(
                 root.cancel_scope.cancel()
 
             binds = await root.start(serve_listener)
+            if config.socket is not None:
+                await root.start(serve_socket, app, config.socket)
             lines = summary_lines(config, registry.loaded.values(), binds, sessions_dir=sessions_dir,
                                   default=registry.default)
             if announce is None:

@@ -72,7 +72,7 @@ import trio
 
 from ..proto._errors import LocalProtocolError
 from ..proto._wal import (
-    CONVERSATION, CONVERSATION_EVENTS, CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, WalRecord, encode_record,
+    CONVERSATION, CONVERSATION_EVENTS, CREATED, DAEMON_SESSION, EPOCH_BUMP, MAX_RECORD_SIZE, PURGED, WalRecord, encode_record,
     ends_session,
 )
 from ..proto._wal_conversation import open_turn_after
@@ -552,7 +552,7 @@ class Journal:
                 self._state.apply(record)
                 if self._next_ids.get(record.session) == _CLOSING and ends_session(record.body):
                     del self._next_ids[record.session]
-                    self._finished += 1
+                    self._finished += record.body["type"] != PURGED  # (finished generations: a purge drops)
             self._appended += len(ticket.records)
             ticket.committed = True
 
@@ -569,7 +569,9 @@ class Journal:
         since = _unix_ms() - int(self.config.conversation_ttl_s * 1000)
         for s in self.sessions.values():
             if s.conversation is not None:
-                if s.open_turn >= 0 or s.session in busy:
+                if s.done:  # purged
+                    drop.append(s.session)
+                elif s.open_turn >= 0 or s.session in busy:
                     keep.append(s)
                 elif s.last_ts >= since:
                     idle.append(s)

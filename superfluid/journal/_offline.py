@@ -82,8 +82,11 @@ def read_log(directory: Path, *, max_record_size: int = 64 << 20) -> OfflineLog:
 
 def state_of(slog: SessionLog, epoch: int, *, live: bool = False) -> str:
     """``generating`` (live), ``interrupted`` (cut by a restart; a resumable one resumes at the next start),
-    ``open``, ``finished``, ``cancelled``, ``failed`` or ``conversation``."""
+    ``open``, ``finished``, ``cancelled``, ``failed``, ``conversation`` or ``purged`` (a deleted conversation
+    the log still holds until its next compaction)."""
     if slog.conversation is not None:
+        if slog.done:
+            return "purged"
         return "generating" if slog.open_turn >= 0 and live else "conversation"
     if slog.finish is None:
         if live:

@@ -34,12 +34,13 @@ from types import MappingProxyType
 from typing import Any
 
 from ..proto._wal import (
-    CANCELLED, CONVERSATION, CREATED, FINISHED, FORK, GENERATED, MESSAGE, PROMPT, TURN, TURN_END, WalRecord,
+    CANCELLED, CONVERSATION, CREATED, FINISHED, FORK, GENERATED, MESSAGE, META, PROMPT, PURGED, TURN, TURN_END,
+    WalRecord,
 )
 
 __all__ = ["SessionLog"]
 
-_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED, CONVERSATION, MESSAGE, TURN, TURN_END, FORK)
+_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED, CONVERSATION, MESSAGE, TURN, TURN_END, FORK, META, PURGED)
 _KIND_CODE = {kind: code for code, kind in enumerate(_KINDS)}
 _KIND_MASK = 0x3F
 _NO_TEXT = 0x80  # flag on a PROMPT kind code: its text was None
@@ -177,12 +178,18 @@ class SessionLog:
             conversation never finishes; its events' bodies are kept whole.
         open_turn: a conversation's turn (the id of its ``turn`` event) that
             has no ``message`` or ``turn_end`` ending it yet; else ``-1``.
+        fork: a conversation's latest ``fork`` marker body (without ``type``
+            and ``edits``) plus ``event``, its id: where it branched off; None
+            for a root.
+        meta: a conversation's latest ``meta`` body after its latest ``fork``
+            marker (without ``type``), or None (no title, not archived,
+            version 0). A purged conversation has ``finish == "purged"``.
     """
 
     __slots__ = (
         "_extras", "_index", "_prompt_len", "_prompt_text", "_text", "_text_len", "conversation", "created", "epoch",
-        "error", "finish", "first_seq", "first_ts", "generated_tokens", "last_event_id", "last_seq", "last_ts",
-        "open_turn", "prompt_tokens", "session",
+        "error", "finish", "first_seq", "first_ts", "fork", "generated_tokens", "last_event_id", "last_seq",
+        "last_ts", "meta", "open_turn", "prompt_tokens", "session",
     )
 
     def __init__(self, session: str) -> None:
@@ -190,6 +197,8 @@ class SessionLog:
         self.created: dict[str, Any] | None = None
         self.conversation: dict[str, Any] | None = None
         self.open_turn = -1
+        self.fork: dict[str, Any] | None = None
+        self.meta: dict[str, Any] | None = None
         self.prompt_tokens = array("I")
         self.generated_tokens = array("I")
         self.finish: str | None = None
@@ -357,6 +366,17 @@ class SessionLog:
                 self.open_turn = record.event_id
             elif kind == TURN_END or (kind == MESSAGE and body["turn"] is not None):
                 self.open_turn = -1
+            elif kind == FORK:
+                at = body["at"]
+                if body.get("edits"):  # a rebase: it shares the events before its first edit
+                    at = min(at, next(iter(body["edits"][0].values()))["from"] - 1)
+                self.fork = {"source": body["source"], "at": at, "event": record.event_id}
+                self.meta = None
+            elif kind == META:
+                self.meta = extra
+            elif kind == PURGED:
+                self.finish = "purged"
+                self.open_turn = -1  # nobody lands a purged conversation's turn
         ids.append(record.event_id)
         epochs.append(record.epoch)
         tss.append(record.ts)

@@ -59,7 +59,7 @@ PROTOCOL_VERSION = 1
 TOKENIZED_PIECE = 1 << 16  # token ids in one Tokenized frame
 DROPPABLE_BASE = 0x80
 MAX_LOGPROBS = 20
-FINISH_REASONS = frozenset({"eos", "length", "context", "cancelled", "error"})
+FINISH_REASONS = frozenset({"eos", "length", "context", "stop", "cancelled", "error"})   # stop: Admit.stops
 
 
 def _nonneg(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
@@ -111,6 +111,9 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=lambda v: tuple(tuple(p) for p in v))
     n_logprobs: int = attrs.field(default=-1)
     grammar: str = ""
+    # the request named no temperature (``temperature`` is the default): --spec-max-temperature may
+    # lower it on a speculating worker, and never one a request set (on the wire only when true)
+    temperature_default: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.temperature < 0:
@@ -125,6 +128,8 @@ class Sampling:
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
+        if not self.temperature_default:
+            del d["temperature_default"]   # (added after version 1: a peer that predates it reads the rest)
         return d
 
 
@@ -144,12 +149,16 @@ class Hello(Event):
 class Tokenize(Event):
     """Tokenize ``segments`` (``[text, parse_special]`` pairs) and concatenate.
     Scaffold from a chat template is parsed for special markers; client text
-    is not, so a user cannot forge a turn."""
+    is not, so a user cannot forge a turn. With ``pieces`` the answer carries
+    each id's bytes too; ``ids`` (no segments) asks only for their bytes: a
+    detokenize (``/detokenize``, ``/tokenize`` ``with_pieces``)."""
 
     code: ClassVar[int] = 0x03
     req: int = attrs.field(validator=_nonneg)
     segments: tuple[tuple[str, bool], ...] = attrs.field(converter=lambda v: tuple((str(t), bool(p)) for t, p in v))
     add_special: bool = False
+    ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple, validator=_token_list, metadata={"since": 1})
+    pieces: bool = attrs.field(default=False, metadata={"since": 1})
 
 
 @attrs.frozen(kw_only=True)
@@ -189,6 +198,8 @@ class Admit(Event):
     priority: int = attrs.field(default=2, validator=_nonneg)   # QoS class: 0 most urgent; orders prefill
     # prefix-cache partition: KV computed under one salt is reused only under the same salt
     cache_salt: str = attrs.field(default="", metadata={"since": 1})
+    # stop strings: the lane ends (finish ``stop``) with the token that completes one
+    stops: tuple[str, ...] = attrs.field(default=(), converter=tuple, metadata={"since": 1})
 
     def __attrs_post_init__(self) -> None:
         if not self.tokens:
@@ -267,15 +278,19 @@ class Tokenized(Event):
     req: int = attrs.field(validator=_nonneg)
     tokens: tuple[int, ...] = attrs.field(converter=_tuple, validator=_token_list)
     more: bool = False
+    pieces: tuple[bytes, ...] = attrs.field(default=(), converter=_tuple, metadata={"since": 1})  # asked: one per id
 
 
-def tokenized_pieces(req: int, tokens: list[int]) -> list[Tokenized]:
+def tokenized_pieces(req: int, tokens: list[int], pieces: list[bytes] | None = None) -> list[Tokenized]:
     """The answer to tokenize request ``req``, split so no frame can outgrow the
     link's limit however long the prompt (a msgpack int is at most 9 bytes, so a
-    piece is at most ~600 KiB), and the reader decodes it in bounded steps."""
+    piece is at most ~600 KiB; with each id's bytes, an eighth as many ids), and
+    the reader decodes it in bounded steps."""
     n = len(tokens)
-    starts = range(0, n, TOKENIZED_PIECE) if n else [0]
-    return [Tokenized(req=req, tokens=tokens[i : i + TOKENIZED_PIECE], more=i + TOKENIZED_PIECE < n)
+    step = TOKENIZED_PIECE if pieces is None else TOKENIZED_PIECE // 8
+    starts = range(0, n, step) if n else [0]
+    return [Tokenized(req=req, tokens=tokens[i : i + step], more=i + step < n,
+                      pieces=() if pieces is None else pieces[i : i + step])
             for i in starts]
 
 

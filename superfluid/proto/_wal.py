@@ -50,11 +50,15 @@ from ._wal_conversation import (
     CONVERSATION_EVENTS,
     FORK,
     MESSAGE,
+    META,
+    PURGED,
     TURN,
     TURN_END,
     body_conversation,
     body_fork,
     body_message,
+    body_meta,
+    body_purged,
     body_turn,
     body_turn_end,
     validate_conversation_body,
@@ -84,6 +88,8 @@ __all__ = [
     "MAX_SESSION_ID",
     "MAX_TOKEN_ID",
     "MESSAGE",
+    "META",
+    "PURGED",
     "PROMPT",
     "TURN",
     "TURN_END",
@@ -99,6 +105,8 @@ __all__ = [
     "body_fork",
     "body_generated",
     "body_message",
+    "body_meta",
+    "body_purged",
     "body_prompt",
     "body_turn",
     "body_turn_end",
@@ -238,14 +246,16 @@ _CONVERSATION_FIELDS: Final = {
     MESSAGE: ({"message", "turn", "finish"}, {"message"}),
     TURN: ({"generation", "params"}, {"generation", "params"}),
     TURN_END: ({"turn", "finish", "error"}, {"turn", "finish"}),
-    FORK: ({"source", "at"}, {"source", "at"}),
+    FORK: ({"source", "at", "edits"}, {"source", "at"}),
+    META: ({"version", "title", "archived", "qos", "root"}, {"version"}),
+    PURGED: ({"mode"}, {"mode"}),
 }
 
 
 def ends_session(body: Mapping[str, Any]) -> bool:
     """True for the bodies after which a session takes no more events."""
     kind = body["type"]
-    return kind in (FINISHED, CANCELLED) or (kind == GENERATED and body.get("finish") is not None)
+    return kind in (FINISHED, CANCELLED, PURGED) or (kind == GENERATED and body.get("finish") is not None)
 
 
 # ---- records ------------------------------------------------------------------

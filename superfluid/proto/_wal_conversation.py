@@ -16,8 +16,19 @@ it never ends (compaction bounds how many are kept). Bodies:
   generation session (``created``, ``prompt``, ``generated``...) that answers
   the conversation so far; ``params`` are the turn's request fields.
 * ``turn_end{turn, finish, error}``: the turn ended with no reply to add.
-* ``fork{source, at}``: the events before this one are copies of the events
-  of ``source`` up to ``at`` (same ids).
+* ``fork{source, at, edits?}``: the events before this one are copies of the
+  events of ``source`` up to ``at`` (same ids); with ``edits`` (a rebase),
+  copies of ``source``'s events up to ``at`` with those edits applied
+  (``[{"drop": {"from", "to"}} | {"replace": {"from", "to", "message"}}]``,
+  half-open ranges of ``source``'s event ids), renumbered. The conversation's
+  parent is ``source``, its metadata starts afresh after this marker.
+* ``meta{version, title, archived, qos, root}``: the conversation's metadata
+  from now on (the whole of it, not a change): ``version`` counts meta changes
+  since its start or its latest ``fork`` marker; ``root`` true once its parent
+  was purged with ``reroot`` (it is then a root of the tree).
+* ``purged{mode}``: the conversation is deleted (``cascade`` or ``reroot``,
+  how its descendants went); it takes no more events, answers as unknown and
+  is dropped by the next compaction.
 
 The order rules (one open turn at a time, nothing but its end while it is
 open) are the journal's; this module checks each body alone.
@@ -31,8 +42,9 @@ from typing import Any, Final
 from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, plain, reason, tenant_field
 
 __all__ = [
-    "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "TURN", "TURN_END", "body_conversation",
-    "body_fork", "body_message", "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
+    "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "META", "PURGED", "PURGE_MODES",
+    "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_purged", "body_turn",
+    "body_turn_end", "open_turn_after", "validate_conversation_body",
 ]
 
 CONVERSATION: Final = "conversation"
@@ -40,7 +52,12 @@ MESSAGE: Final = "message"
 TURN: Final = "turn"
 TURN_END: Final = "turn_end"
 FORK: Final = "fork"
-CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK})
+META: Final = "meta"
+PURGED: Final = "purged"
+CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED})
+PURGE_MODES: Final = frozenset({"cascade", "reroot"})
+EDIT_KINDS: Final = frozenset({"drop", "replace"})
+MAX_TITLE: Final = 1024
 MESSAGE_ROLES: Final = frozenset({"system", "user", "assistant", "tool"})
 _MAX_ID: Final = 256  # as MAX_SESSION_ID in _wal.py
 
@@ -69,9 +86,53 @@ def body_turn_end(*, turn: int, finish: str, error: str | Mapping[str, Any] | No
     return validate_conversation_body({"type": TURN_END, "turn": turn, "finish": finish, "error": error})
 
 
-def body_fork(*, source: str, at: int) -> dict[str, Any]:
-    """The events before this one are ``source``'s up to ``at``."""
-    return validate_conversation_body({"type": FORK, "source": source, "at": at})
+def body_fork(*, source: str, at: int, edits: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """The events before this one are ``source``'s up to ``at`` (with ``edits`` applied, renumbered)."""
+    body: dict[str, Any] = {"type": FORK, "source": source, "at": at}
+    if edits is not None:
+        body["edits"] = edits
+    return validate_conversation_body(body)
+
+
+def body_meta(*, version: int, title: str | None = None, archived: bool = False, qos: str | None = None,
+              root: bool = False) -> dict[str, Any]:
+    """The conversation's metadata from now on."""
+    return validate_conversation_body({"type": META, "version": version, "title": title, "archived": archived,
+                                       "qos": qos, "root": root})
+
+
+def body_purged(*, mode: str) -> dict[str, Any]:
+    """The conversation is deleted; ``mode`` says how its descendants went."""
+    return validate_conversation_body({"type": PURGED, "mode": mode})
+
+
+def _edits(value: object) -> list[dict[str, Any]]:
+    """A rebase's edits, canonical: sorted, non-overlapping half-open ranges, never event 0."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError("fork.edits must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    last = 1
+    for i, edit in enumerate(value):
+        if not isinstance(edit, Mapping) or len(edit) != 1 or next(iter(edit)) not in EDIT_KINDS:
+            raise ValueError(f"fork.edits[{i}] must be {{\"drop\": ...}} or {{\"replace\": ...}}")
+        kind, span = next(iter(edit.items()))
+        if not isinstance(span, Mapping) or set(span) != ({"from", "to", "message"} if kind == "replace"
+                                                          else {"from", "to"}):
+            raise ValueError(f"fork.edits[{i}].{kind} must have from, to" + (", message" if kind == "replace" else ""))
+        lo, hi = int_field(f"fork.edits[{i}].{kind}.from", span["from"]), int_field(f"fork.edits[{i}].{kind}.to",
+                                                                                     span["to"])
+        if lo < last or hi < lo or (kind == "drop" and hi == lo):
+            raise ValueError(f"fork.edits[{i}]: ranges are half-open, sorted, non-overlapping, never event 0 "
+                             f"(got {lo}..{hi})")
+        last = hi
+        item: dict[str, Any] = {"from": lo, "to": hi}
+        if kind == "replace":
+            message = map_field(f"fork.edits[{i}].replace.message", span["message"])
+            if message.get("role") not in MESSAGE_ROLES:
+                raise ValueError(f"fork.edits[{i}].replace.message.role must be one of {sorted(MESSAGE_ROLES)}")
+            item["message"] = message
+        out.append({kind: item})
+    return out
 
 
 def _session_id(name: str, value: object) -> str:
@@ -117,16 +178,32 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
                 "finish": reason("turn_end.finish", body["finish"]), "error": error_field("turn_end.error",
                                                                                           body.get("error"))}
     if kind == FORK:
-        return {"type": FORK, "source": _session_id("fork.source", body["source"]),
-                "at": int_field("fork.at", body["at"], hi=MAX_INT)}
+        out = {"type": FORK, "source": _session_id("fork.source", body["source"]),
+               "at": int_field("fork.at", body["at"], hi=MAX_INT)}
+        if body.get("edits") is not None:
+            out["edits"] = _edits(body["edits"])
+        return out
+    if kind == META:
+        title, archived, qos, root = body.get("title"), body.get("archived", False), body.get("qos"), body.get("root",
+                                                                                                            False)
+        if title is not None and (type(title) is not str or len(title) > MAX_TITLE):
+            raise ValueError(f"meta.title must be a string of at most {MAX_TITLE} characters or None")
+        if type(archived) is not bool or type(root) is not bool:
+            raise ValueError("meta.archived and meta.root must be booleans")
+        return {"type": META, "version": int_field("meta.version", body["version"]), "title": title,
+                "archived": archived, "qos": None if qos is None else reason("meta.qos", qos), "root": root}
+    if kind == PURGED:
+        if body["mode"] not in PURGE_MODES:
+            raise ValueError(f"purged.mode must be one of {sorted(PURGE_MODES)}")
+        return {"type": PURGED, "mode": body["mode"]}
     raise ValueError(f"unknown event type {kind!r}")
 
 
 def open_turn_after(open_turn: int, event_id: int, body: Mapping[str, Any]) -> int:
     """The conversation's open turn (``-1``: none) after event ``event_id`` with
     canonical ``body``, given the one before it: a turn starts only when none is
-    open; while one is open only its end (its reply, or ``turn_end``) or a
-    ``fork`` marker may follow.
+    open; while one is open only its end (its reply, or ``turn_end``), a
+    ``fork`` marker, ``meta`` or ``purged`` may follow.
 
     Raises:
         ValueError: the event breaks these rules.

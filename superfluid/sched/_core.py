@@ -145,6 +145,8 @@ class TokenizeRequest:
     add_special: bool
     reply: Reply
     klass: QosClass = QosClass.INTERACTIVE
+    ids: tuple[int, ...] = ()     # only these ids' bytes (a detokenize)
+    pieces: bool = False          # the answer is ``(id, bytes)`` pairs
 
 
 @attrs.frozen(eq=False)
@@ -326,7 +328,8 @@ class SchedulerCore:
         cmd = pending.command
         if isinstance(cmd, EmbedRequest):
             return Embed(req=req, inputs=cmd.inputs, normalize=cmd.normalize)
-        return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special)
+        return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special, ids=cmd.ids,
+                        pieces=cmd.pieces)
 
     def _fail_tokenizes(self, error: Unavailable, *, unsent_only: bool = False) -> None:
         for req, pending in list(self._tokenize.items()):
@@ -595,7 +598,7 @@ class SchedulerCore:
         return Admit(
             lane=lane, tokens=job.prompt + generated, n_prompt=len(job.prompt),
             max_new=job.max_new, sampling=job.sampling, ignore_eos=job.ignore_eos, priority=int(job.klass),
-            cache_salt=job.partition,
+            cache_salt=job.partition, stops=job.stops,
         )
 
     def _dequeue(self, job_id: int) -> Job:
@@ -721,7 +724,9 @@ class SchedulerCore:
         elif isinstance(event, Tokenized):
             pending = self._tokenize.get(event.req)
             if pending is not None:
-                pending.parts += event.tokens
+                cmd = pending.command
+                wants = isinstance(cmd, TokenizeRequest) and (cmd.pieces or bool(cmd.ids))
+                pending.parts += zip(event.tokens, event.pieces, strict=False) if wants else event.tokens
                 if not event.more:
                     self._tokenize_done(event.req)
                     pending.command.reply.set(pending.parts)
@@ -755,11 +760,22 @@ class SchedulerCore:
             if spec:
                 job.spec = (int(spec[0][0]), int(spec[0][1]))
             if token >= 0 and finish not in ("eos", "cancelled", "error"):
+                stopped = bool(job.stops) and job.completes_stop(piece)
                 job.staged.append((token, piece, lp))
                 span = spans.setdefault(job.id, (job, [], []))
                 span[1].append(token)
                 span[2].append(piece)
                 decoding += 1
+                if stopped:
+                    # The job ends here, with this token (usage counts it, as llama-server's does):
+                    # the lane is free now and its Cancel goes out with the next write, ahead of any
+                    # Admit; what the worker emits for it until then (a draft's tail) is dropped.
+                    del self.running[lane]
+                    ended.append((job, "stop"))
+                    if finish is None:
+                        job.cancel_sent = True
+                        self._frames.append(Cancel(lane=lane, publish=True))
+                    continue
             if finish is not None:
                 del self.running[lane]
                 ended.append((job, finish))

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import trio
 
+from ..chat import StopScan
 from ..proto import Sampling
 from ._jobtypes import JobError, JobState, cache_partition
 from ._qos import QosClass
@@ -66,6 +67,8 @@ class Job:
     admitted_at: float | None = None
     done_at: float | None = None
     spec: tuple[int, int] | None = None   # speculation: (draft tokens proposed, accepted), from the worker
+    stops: tuple[str, ...] = ()     # stop strings: its lane ends at the token that completes one (SchedulerCore.emit)
+    stop_scan: Any = None           # their StopScan over what it generated, from its first token scanned
     abort: JobError | None = None   # why it was stopped, when not by its reader: it ends with this, not "cancelled"
     _changed: trio.Event = attrs.field(factory=trio.Event)
     ended: trio.Event = attrs.field(factory=trio.Event)   # set once, when the job is done
@@ -90,6 +93,16 @@ class Job:
 
     def generated(self) -> list[int]:
         return self.tokens + [token for token, _piece, _lp in self.staged]
+
+    def completes_stop(self, piece: bytes) -> bool:
+        """Whether ``piece``, the next token generated, completes one of :attr:`stops`
+        (the scan starts from what it generated before: a job restored from the log)."""
+        scan = self.stop_scan
+        if scan is None:
+            scan = self.stop_scan = StopScan(self.stops)
+            for before in [*self.pieces, *(p for _t, p, _lp in self.staged)]:
+                scan.feed(before)
+        return bool(scan.feed(piece))
 
     def commit_staged(self, n: int) -> None:
         """Make the first ``n`` staged tokens visible (their commit is durable)."""

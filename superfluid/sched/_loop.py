@@ -255,6 +255,20 @@ class Scheduler:
         result: list[int] = await reply.wait()
         return result
 
+    async def pieces(self, segments: list[tuple[str, bool]] | None = None, *, ids: list[int] | None = None,
+                     add_special: bool = False, klass: QosClass = QosClass.INTERACTIVE) -> list[tuple[int, bytes]]:
+        """``(id, bytes)`` for each token of ``segments`` tokenized, or of ``ids`` (a detokenize),
+        from the worker, as :meth:`tokenize` (retried on the next worker, urgent classes first).
+
+        Raises:
+            Unavailable: no worker could take the request.
+        """
+        reply = _Reply()
+        await self._command(TokenizeRequest(list(segments or []), add_special, reply, klass, ids=tuple(ids or ()),
+                                            pieces=True))
+        result: list[tuple[int, bytes]] = await reply.wait()
+        return result
+
     async def embed(self, inputs: list[list[int]], *, normalize: bool = True) -> tuple[int, list[bytes]]:
         """One vector per input (token ids) from the worker: ``(dim, vectors)``, each
         vector ``dim`` little-endian float32. Sent to the next worker if one dies holding it.

@@ -9,6 +9,7 @@ import attrs
 
 from .. import _defaults as D
 from ..proto import SpecConfig
+from ..runtime._home import home
 from ..sched import PlannerConfig, QosClass
 
 __all__ = ["ApiKey", "ModelSource", "ServeConfig", "default_sessions_dir", "secret_digest"]
@@ -59,6 +60,7 @@ class ServeConfig:
     max_connections_per_client: int = D.MAX_CONNECTIONS_PER_CLIENT  # per client IP, loopback aside (0: no cap)
     header_timeout_s: float = D.HEADER_TIMEOUT_S  # until a complete request head (also the keep-alive idle time)
     sessions: Path | None = None          # None: ~/.superfluid/sessions
+    socket: Path | None = None            # --socket: the unix socket speaking the WebSocket's ops (None: off)
     sessions_cache: bool = False          # start a fresh log, keeping the old one aside
     resume_ttl_s: float = D.RESUME_TTL_S  # a resumable generation nobody follows is cancelled after this
     max_batch: int = D.MAX_BATCH
@@ -124,4 +126,5 @@ class ServeConfig:
 
 
 def default_sessions_dir() -> Path:
-    return Path.home() / ".superfluid" / "sessions"
+    """``$SUPERFLUID_HOME/sessions`` (``~/.superfluid/sessions``), beside the models, runtimes and logs."""
+    return home() / "sessions"

@@ -45,6 +45,8 @@ def parse_keep_alive(value: Any) -> float | None:
                                  "a number of seconds, 0 or -1") from None
             seconds = sum(float(n) * _UNITS[u] for n, u in parts)
         value = sign * seconds
+    if isinstance(value, int) and abs(value) > 1 << 62:   # (an int past a float's range: math.isfinite raises)
+        value = math.inf if value > 0 else -math.inf
     if not math.isfinite(value):
         raise ValueError("keep_alive must be finite")
     return FOREVER if value < 0 else float(value)

@@ -16,9 +16,11 @@ lock that orders appends before a turn's prompt is rendered.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,11 @@ import attrs
 import msgpack
 import trio
 
-from ..proto._wal import MESSAGE, TURN, TURN_END, body_fork, body_message, body_turn, body_turn_end
+from ..proto._wal_conversation import open_turn_after
+from ..proto._wal import (
+    CONVERSATION, MESSAGE, META, PURGED, TURN, TURN_END, body_fork, body_message, body_meta, body_purged,
+    body_turn, body_turn_end,
+)
 
 if TYPE_CHECKING:
     from ..serving import ServedModel
@@ -35,7 +41,9 @@ if TYPE_CHECKING:
     from ..journal import Journal, SessionLog
     from ..proto._wal import WalRecord
 
-__all__ = ["ConversationStore", "Folded", "Turn", "size_of"]
+__all__ = ["ConversationStore", "Folded", "Turn", "Watcher", "rebased", "size_of"]
+
+WATCH_QUEUE = 256  # frames a subscriber may have unread before it is ended ``lagged``
 
 
 def size_of(value: Any) -> int:
@@ -64,6 +72,22 @@ class Turn:
     finish: str | None = None
     error: Any = None
     _landed: trio.Event = attrs.field(factory=trio.Event)
+    _opened: trio.Event = attrs.field(factory=trio.Event)  # set once ``session`` is, or the turn landed
+
+    def __attrs_post_init__(self) -> None:
+        if self.session is not None:
+            self._opened.set()
+
+    def open(self, session: LiveSession) -> None:
+        """The turn's generation is in the log: readers may follow :attr:`session`."""
+        self.session = session
+        self._opened.set()
+
+    async def wait_opened(self) -> None:
+        """Wait until :attr:`session` is set (or the turn landed without one).
+
+        Cancellation: a plain wait."""
+        await self._opened.wait()
 
     @property
     def landed(self) -> bool:
@@ -83,6 +107,7 @@ class Turn:
     def mark_landed(self, event_id: int, message: dict[str, Any] | None, finish: str, error: Any) -> None:
         self.end_event, self.message, self.finish, self.error = event_id, message, finish, error
         self._landed.set()
+        self._opened.set()
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +132,117 @@ class Folded:
         return [m for eid, m in self.messages if eid < event_id]
 
 
+class Watcher:
+    """One subscriber of a conversation: a bounded queue of frames ``(kind, data)``.
+
+    ``kind`` is ``"committed"`` (data: a :class:`WalRecord`) or ``"provisional"``
+    (data: ``{turn, text}``). A push that finds the queue full ends the watcher
+    ``lagged`` (it re-subscribes from its cursor); :meth:`end` ends it with a
+    reason (``purged``, ``shutdown``); what was queued before is still read.
+    """
+
+    def __init__(self, cid: str, capacity: int) -> None:
+        self.cid = cid
+        self.capacity = capacity
+        self.queue: collections.deque[tuple[str, Any]] = collections.deque()
+        self.ended: str | None = None
+        self._changed = trio.Event()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def push(self, kind: str, data: Any) -> None:
+        if self.ended is not None:
+            return
+        if len(self.queue) >= self.capacity:
+            self.end("lagged")
+            return
+        self.queue.append((kind, data))
+        self._wake()
+
+    def end(self, reason: str) -> None:
+        if self.ended is None:
+            self.ended = reason
+            self._wake()
+
+    @property
+    def roomy(self) -> bool:
+        """Less than half full: a provisional reader may push (it waits otherwise, coalescing)."""
+        return len(self.queue) < self.capacity // 2
+
+    async def changed(self) -> None:
+        """Wait until something is pushed, taken or the watcher ends."""
+        await self._changed.wait()
+
+    async def next(self) -> tuple[str, Any] | None:
+        """The next frame; None once ended and drained."""
+        await trio.lowlevel.checkpoint()
+        while not self.queue:
+            if self.ended is not None:
+                return None
+            await self.changed()
+        frame = self.queue.popleft()
+        self._wake()
+        return frame
+
+
+def rebased(records: list[WalRecord], edits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bodies of a rebase: ``records`` (a conversation's events, header first)
+    with ``edits`` (canonical, as a ``fork`` marker holds them) applied.
+
+    A dropped or replaced range may cut a turn from its end: a ``turn`` event whose
+    end is not kept is left out, a reply whose ``turn`` event is not kept becomes a
+    plain message, a ``turn_end`` without its turn is left out; kept turns are
+    renumbered (``turn`` fields name the new ids). ``meta`` events are not copied.
+    """
+    spans = [(kind, span) for edit in edits for kind, span in edit.items()]
+    kept: list[WalRecord | dict[str, Any]] = []
+    pending = list(spans)
+
+    def emit_until(event_id: int) -> None:
+        while pending and pending[0][1]["from"] <= event_id:
+            kind, span = pending.pop(0)
+            if kind == "replace":
+                kept.append(body_message(message=span["message"]))
+
+    for rec in records:
+        emit_until(rec.event_id)
+        if any(span["from"] <= rec.event_id < span["to"] for _k, span in spans) or rec.body["type"] == META:
+            continue
+        kept.append(rec)
+    emit_until(1 << 62)
+    ids_kept = {r.event_id for r in kept if not isinstance(r, dict)}
+    ended = {r.body["turn"] for r in kept if not isinstance(r, dict) and r.body["type"] in (MESSAGE, TURN_END)
+             and r.body["turn"] is not None}
+    out: list[dict[str, Any]] = []
+    new_id: dict[int, int] = {}
+    for r in kept:
+        if isinstance(r, dict):
+            out.append(r)
+            continue
+        body = r.body
+        if body["type"] == TURN and r.event_id not in ended:
+            continue
+        if body["type"] == TURN_END and body["turn"] not in ids_kept:
+            continue
+        if body["type"] == MESSAGE and body["turn"] is not None:
+            body = (body_message(message=body["message"]) if body["turn"] not in ids_kept else
+                    {**body, "turn": new_id[body["turn"]]})
+        elif body["type"] == TURN_END:
+            body = {**body, "turn": new_id[body["turn"]]}
+        new_id[r.event_id] = len(out)
+        out.append(body)
+    assert out and out[0]["type"] == CONVERSATION
+    open_turn = -1
+    for event_id, body in enumerate(out[1:], start=1):  # e.g. a message inserted between a turn and its reply
+        try:
+            open_turn = open_turn_after(open_turn, event_id, body)
+        except ValueError as exc:
+            raise ValueError(f"the edits break a turn: {exc}") from None
+    return out
+
+
 class ConversationStore:
     """The daemon's conversations: journal writes, live turns, per-conversation order.
 
@@ -123,6 +259,7 @@ class ConversationStore:
         self._locks: dict[str, trio.Lock] = {}
         self._preparing: set[str] = set()       # conversations whose turn is being rendered and logged
         self._sizes: dict[str, int] = {}        # bytes of each conversation's logged bodies, once asked
+        self._watchers: dict[str, set[Watcher]] = {}
 
     @staticmethod
     def new_id() -> str:
@@ -133,7 +270,59 @@ class ConversationStore:
     def get(self, cid: str) -> SessionLog | None:
         """The conversation's log, or None if ``cid`` is not a conversation."""
         slog = self.journal.sessions.get(cid)
-        return slog if slog is not None and slog.conversation is not None else None
+        return slog if slog is not None and slog.conversation is not None and not slog.done else None
+
+    def meta(self, cid: str) -> dict[str, Any]:
+        """The conversation's metadata: ``version``, ``title``, ``archived``, ``qos``, ``root``.
+
+        Raises:
+            KeyError: ``cid`` is not a conversation.
+        """
+        slog = self.get(cid)
+        if slog is None:
+            raise KeyError(cid)
+        return dict(slog.meta or {"version": 0, "title": None, "archived": False, "qos": None, "root": False})
+
+    def parent(self, cid: str) -> tuple[str | None, int | None]:
+        """``(parent, fork_at)``: the conversation it branched off (while that one is kept and
+        not purged, and this one was not rerooted) and the last event id they share."""
+        slog = self.get(cid)
+        if slog is None or slog.fork is None or (slog.meta or {}).get("root"):
+            return None, None
+        source = slog.fork["source"]
+        return (source, slog.fork["at"]) if self.get(source) is not None else (None, None)
+
+    def conversations(self, tenant: str) -> list[str]:
+        """The ids of ``tenant``'s conversations (not purged), oldest first."""
+        return [sid for sid, slog in self.journal.sessions.items()
+                if slog.conversation is not None and not slog.done and slog.tenant == tenant]
+
+    # -- watching ------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watching(self, cid: str, capacity: int | None = None) -> Iterator[Watcher]:
+        """A :class:`Watcher` of ``cid`` for the block (``capacity`` default :data:`WATCH_QUEUE`):
+        every event committed to it is pushed."""
+        watcher = Watcher(cid, capacity or WATCH_QUEUE)
+        self._watchers.setdefault(cid, set()).add(watcher)
+        try:
+            yield watcher
+        finally:
+            held = self._watchers.get(cid)
+            if held is not None:
+                held.discard(watcher)
+                if not held:
+                    del self._watchers[cid]
+
+    def watchers(self, cid: str) -> list[Watcher]:
+        return list(self._watchers.get(cid, ()))
+
+    def _publish(self, records: list[WalRecord]) -> None:
+        for rec in records:
+            for watcher in self._watchers.get(rec.session, ()):
+                watcher.push("committed", rec)
+                if rec.body["type"] == PURGED:
+                    watcher.end("purged")
 
     def busy(self, cid: str) -> bool:
         """A turn is open in the log, or one is being started."""
@@ -152,13 +341,14 @@ class ConversationStore:
     def usage(self, tenant: str) -> tuple[int, int]:
         """How many conversations ``tenant`` keeps in the log, and the bytes they take."""
         cids = [sid for sid, slog in self.journal.sessions.items()
-                if slog.conversation is not None and slog.tenant == tenant]
+                if slog.conversation is not None and not slog.done and slog.tenant == tenant]
         return len(cids), sum(self.size(cid) for cid in cids)
 
     def _grew(self, records: list[WalRecord]) -> list[WalRecord]:
         for rec in records:
             if rec.session in self._sizes:
                 self._sizes[rec.session] += size_of(rec.body)
+        self._publish(records)
         return records
 
     def records(self, cid: str, *, after: int = -1) -> list[WalRecord]:
@@ -285,4 +475,57 @@ class ConversationStore:
         ended = {r.body["turn"] for r in copied if r.body["type"] in (MESSAGE, TURN_END) and r.body["turn"] is not None}
         if copied[-1].body["type"] == TURN and copied[-1].event_id not in ended:
             copied.pop()
-        return await self.journal.append_many([*((new, r.body) for r in copied), (new, body_fork(source=cid, at=at))])
+        return self._grew(await self.journal.append_many([*((new, r.body) for r in copied),
+                                                          (new, body_fork(source=cid, at=at))]))
+
+    def copyable(self, cid: str) -> list[WalRecord]:
+        """``cid``'s events a branch copies: all but a turn still running (the last event then).
+
+        Raises:
+            KeyError: ``cid`` is not a conversation.
+        """
+        slog = self.get(cid)
+        if slog is None:
+            raise KeyError(cid)
+        records = slog.records()
+        if slog.open_turn >= 0 and records[-1].event_id == slog.open_turn:
+            records.pop()
+        return records
+
+    async def rebase(self, cid: str, edits: list[dict[str, Any]], new: str) -> list[WalRecord]:
+        """Log conversation ``new``: ``cid``'s events with ``edits`` applied (:func:`rebased`), and a
+        ``fork`` marker holding the edits.
+
+        Raises:
+            KeyError: ``cid`` is not a conversation.
+            ValueError: bad edits (one that puts a message between a turn and its end).
+            SessionStateError: a session named ``new`` exists.
+        """
+        records = self.copyable(cid)
+        marker = body_fork(source=cid, at=records[-1].event_id, edits=edits)
+        bodies = rebased(records, marker["edits"])
+        return self._grew(await self.journal.append_many([*((new, b) for b in bodies), (new, marker)]))
+
+    async def set_meta(self, updates: dict[str, dict[str, Any]]) -> list[WalRecord]:
+        """Log each conversation's new metadata (``{cid: whole meta}``) in one durable write;
+        its version is bumped here.
+
+        Raises:
+            SessionStateError: one of them is gone.
+        """
+        items = [(cid, body_meta(**{**meta, "version": meta["version"] + 1})) for cid, meta in updates.items()]
+        return self._grew(await self.journal.append_many(items))
+
+    async def purge(self, purged: list[str], mode: str, rerooted: dict[str, dict[str, Any]]) -> list[WalRecord]:
+        """Log ``purged`` (each a ``purged`` event) and the ``root`` metadata of ``rerooted`` in one write.
+
+        Raises:
+            SessionStateError: one of them is gone.
+        """
+        items = [(cid, body_meta(**{**meta, "version": meta["version"] + 1, "root": True}))
+                 for cid, meta in rerooted.items()]
+        items += [(cid, body_purged(mode=mode)) for cid in purged]
+        records = self._grew(await self.journal.append_many(items))
+        for cid in purged:
+            self._sizes.pop(cid, None)
+        return records

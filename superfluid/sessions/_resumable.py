@@ -223,7 +223,8 @@ class SessionStore:
         job = Job(prompt=list(slog.prompt_tokens), sampling=sampling, max_new=int(params.get("max_new", 256)),
                   klass=QosClass[str(created.get("klass", "agent")).upper()],
                   ignore_eos=bool(params.get("ignore_eos", False)), session=slog.session,
-                  tenant=slog.tenant, cache_salt=str(params.get("cache_salt", "")), created=trio.current_time())
+                  tenant=slog.tenant, cache_salt=str(params.get("cache_salt", "")), created=trio.current_time(),
+                  stops=tuple(s for s in params.get("stops") or () if s))
         job.tokens = list(slog.generated_tokens)
         job.pieces = _pieces(slog)
         job.started = True

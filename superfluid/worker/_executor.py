@@ -69,6 +69,7 @@ from typing import Any
 
 import attrs
 
+from ..chat import StopScan
 from ..proto import Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
@@ -102,6 +103,7 @@ class Lane:
     cached: int = 0
     replay: bool = False   # exact mode: tokens after the prompt are decoded one per round
     spec: LaneSpec | None = None   # drafting state, if this lane may speculate
+    stops: StopScan | None = None  # its stop strings over what it generated (Admit.stops)
 
     @property
     def prefill_end(self) -> int:
@@ -278,9 +280,10 @@ class Executor:
         slot.exact = self._cells(msg.n_prompt) if self.exact else _Slot.exact
         lane = Lane(
             lane=msg.lane, seq=seq, tokens=tokens, n_prompt=msg.n_prompt, max_new=msg.max_new,
-            sampling=msg.sampling, ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority, n_past=matched,
+            sampling=self._capped(msg.sampling), ignore_eos=msg.ignore_eos, sampler=sampler, priority=msg.priority,
+            n_past=matched,
             cached=min(matched, msg.n_prompt), replay=replay,
-            spec=LaneSpec() if self._may_draft(msg.sampling) else None,
+            spec=LaneSpec() if self._may_draft(self._capped(msg.sampling)) else None, stops=self._stop_scan(msg),
         )
         if self.gates is not None:
             self.gates.admitted()
@@ -291,7 +294,8 @@ class Executor:
 
     def _may_draft(self, s: Sampling) -> bool:
         """Grammar, ``logit_bias`` and logprobs lanes never speculate, nor ones sampling
-        hotter than ``--spec-max-temperature``."""
+        hotter than ``--spec-max-temperature`` (a temperature the request set: a default
+        one was capped to it, :meth:`_capped`)."""
         if self.gates is None or s.grammar or s.logit_bias or s.n_logprobs >= 0:
             return False
         cap = self.gates.config.max_temperature
@@ -937,15 +941,30 @@ class Executor:
         res.emits.append(row)
         return 1
 
+    def _capped(self, s: Sampling) -> Sampling:
+        """``--spec-max-temperature`` caps a default temperature (the request named none) on a
+        speculating worker, so the lane may draft; a temperature the request set is never changed."""
+        cap = -1.0 if self.gates is None else self.gates.config.max_temperature
+        return attrs.evolve(s, temperature=cap) if s.temperature_default and 0 <= cap < s.temperature else s
+
     def _lane_sampling(self, msg: Admit) -> Sampling:
         """``ignore_eos`` bans the end-of-generation tokens (a -inf bias, as
         llama-server does), so every generated token is text. Under a grammar
         they stay drawable (a finished grammar allows nothing else) and pass
         through as empty pieces."""
-        s = msg.sampling
+        s = self._capped(msg.sampling)
         if not msg.ignore_eos or s.grammar or not self.info.eog:
             return s
         return attrs.evolve(s, logit_bias=(*s.logit_bias, *((tok, -math.inf) for tok in self.info.eog)))
+
+    def _stop_scan(self, msg: Admit) -> StopScan | None:
+        """The lane's stop scan, past what it generated before (a re-admitted lane)."""
+        if not msg.stops:
+            return None
+        scan = StopScan(msg.stops)
+        for token in msg.tokens[msg.n_prompt:]:
+            scan.feed(b"" if self.engine.is_eog(token) else self.engine.piece(token))
+        return scan
 
     def _sample(self, ln: Lane, out: Any) -> list[Any]:
         k = ln.n_generated
@@ -962,6 +981,8 @@ class Executor:
             finish = "context"
         # an end-of-generation token passed by ignore_eos renders as no text
         piece = b"" if self.engine.is_eog(token) else self.engine.piece(token)
+        if ln.stops is not None and ln.stops.feed(piece):
+            finish = "stop"   # at the token completing a stop: the engine decodes no further for it
         return [ln.lane, token, piece, finish, lp]
 
     def close(self) -> None:

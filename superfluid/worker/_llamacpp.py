@@ -202,6 +202,19 @@ def _scan_vocab(vocab: Any, n_vocab: int) -> tuple[tuple[int, ...], dict[str, in
     return tuple(eog), specials
 
 
+_NO_FIM = "the model has no fill-in-the-middle tokens (tokenizer.ggml.fim_pre/suf/mid_token_id)"
+
+
+def _fim_tokens(vocab: Any) -> dict[str, int]:
+    """The fill-in-the-middle marker ids llama.cpp found (GGUF ``tokenizer.ggml.fim_*_token_id``,
+    else the ``<|fim_prefix|>``/``<fim_prefix>``/``<PRE>`` spellings in the vocabulary): ``pre``,
+    ``suf``, ``mid`` and, for the repo-level pattern, ``rep`` and ``sep``; absent ones left out."""
+    found = {"pre": L.llama_vocab_fim_pre(vocab), "suf": L.llama_vocab_fim_suf(vocab),
+             "mid": L.llama_vocab_fim_mid(vocab), "rep": L.llama_vocab_fim_rep(vocab),
+             "sep": L.llama_vocab_fim_sep(vocab)}
+    return {k: int(v) for k, v in found.items() if v >= 0}
+
+
 def _needs_shared_pool(model: Any, *, deterministic: bool = False) -> bool:
     """Sliding-window, recurrent and hybrid memories cannot keep an arbitrary prefix.
     Deterministic mode keeps a sliding-window model's whole context (``swa_full``)
@@ -321,7 +334,8 @@ class LlamaEngine:
     def _extra(self, threads: int, shared: bool) -> dict[str, Any]:
         return {"general_name": _meta(self._model, "general.name") or "", "n_ctx": L.llama_n_ctx(self._ctx),
                 "n_swa": L.llama_model_n_swa(self._model), "n_batch": self._cap, "threads": threads,
-                "kv_unified": shared, "deterministic": self._deterministic}
+                "kv_unified": shared, "deterministic": self._deterministic,
+                "fim": _fim_tokens(self._vocab)}
 
     def capabilities(self) -> dict[str, Any]:
         per_seq = self.info.kv_layout == "per_seq"
@@ -335,6 +349,7 @@ class LlamaEngine:
                 "shared KV pool (sliding-window/recurrent model): only a whole cached sequence is reused"),
             "embeddings": True,
             "input": {"text": True, "image": _NO_MEDIA, "audio": _NO_MEDIA},
+            "fim": True if {"pre", "suf", "mid"} <= self.info.extra["fim"].keys() else _NO_FIM,
         }
 
     # -- vocabulary (safe beside decode) ----------------------------------------

@@ -458,13 +458,14 @@ class _Worker:
 
     def _tokenized(self, event: Tokenize) -> list[Any]:
         try:
-            toks = []
+            toks = list(event.ids)
             for i, (text, parse_special) in enumerate(event.segments):
                 toks += self.engine.tokenize(text, add_special=event.add_special and i == 0,
                                              parse_special=parse_special)
+            pieces = [self.engine.piece(t) for t in toks] if event.pieces or event.ids else None
         except Exception as exc:  # noqa: BLE001 - boundary: answer with an empty list and a fault
             return [Fault(lane=-1, kind="tokenize", message=str(exc)), Tokenized(req=event.req, tokens=[])]
-        return tokenized_pieces(event.req, toks)
+        return tokenized_pieces(event.req, toks, pieces)
 
     def _answer_tokenize(self, event: Tokenize) -> None:
         for answer in self._tokenized(event):
@@ -517,7 +518,8 @@ class _Worker:
                 if not data:
                     return  # the daemon went away
                 continue
-            if isinstance(event, Tokenize) and sum(len(text) for text, _ in event.segments) > INLINE_TOKENIZE:
+            if isinstance(event, Tokenize) and (sum(len(text) for text, _ in event.segments)
+                                                + len(event.ids)) > INLINE_TOKENIZE:
                 tokenize_nursery.start_soon(partial(trio.to_thread.run_sync, self._answer_tokenize, event,
                                                     limiter=limiter))
             elif isinstance(event, Tokenize):

@@ -15,8 +15,9 @@ window, default 4096), ``step_ms`` (per decode step, default 2), ``prefill_us``
 ``copy`` (the share of choices whose first candidate repeats what followed the
 last earlier occurrence of the context's last three tokens, else two, else one,
 as a model copying its prompt does: 0 by default), ``draft_us`` (the cost of each extra token of a
-speculative decode row, default 0) and ``drafts=0`` (refuse speculation, as a
-runtime that cannot verify drafts does).
+speculative decode row, default 0), ``drafts=0`` (refuse speculation, as a
+runtime that cannot verify drafts does) and ``fim=0`` (declare no fill-in-the-middle
+markers, as a model without them; the ids stay in the vocabulary).
 
 Faults, asked for inside a prompt: ``[[mock:crash_after=N]]`` SIGKILLs the
 worker when the lane would draw generated token N; ``[[mock:hang_after=N]]``
@@ -59,12 +60,18 @@ WORDS = (
     ".", ",", "\n",
 )
 WORD0 = BYTE0 + 256
-N_VOCAB = WORD0 + len(WORDS)
+# fill-in-the-middle markers after the words (ids below them keep their meaning), StarCoder's spelling
+FIM0 = WORD0 + len(WORDS)
+FIM_MARKERS = {"<fim_prefix>": FIM0, "<fim_suffix>": FIM0 + 1, "<fim_middle>": FIM0 + 2, "<repo_name>": FIM0 + 3,
+               "<file_sep>": FIM0 + 4}
+FIM_IDS = {"pre": FIM0, "suf": FIM0 + 1, "mid": FIM0 + 2, "rep": FIM0 + 3, "sep": FIM0 + 4}
+N_VOCAB = FIM0 + len(FIM_MARKERS)
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
+_MARKERS = {**SPECIALS, **FIM_MARKERS}
+_SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in _MARKERS) + ")")
 _WORD_RE = re.compile(b"|".join(re.escape(w.encode()) for w in sorted(WORDS, key=len, reverse=True)))
 _FAULT_RE = re.compile(r"\[\[mock:(crash_after|hang_after|fault_after|garbage_after|bug_after)=(\d+)\]\]")
 
@@ -82,7 +89,7 @@ MOCK_EMBED_DIM = 64
 
 def parse_mock_spec(spec: str) -> dict[str, float]:
     opts = {"n_ctx": 4096.0, "step_ms": 2.0, "prefill_us": 20.0, "eos_every": 48.0, "refuse_load": 0.0, "n_seq": 0.0,
-            "copy": 0.0, "draft_us": 0.0, "drafts": 1.0}
+            "copy": 0.0, "draft_us": 0.0, "drafts": 1.0, "fim": 1.0}
     _, _, query = spec.partition("?")
     for key, value in parse_qsl(query):
         if key == "name":
@@ -120,7 +127,7 @@ class _MockSampler:
             for n in (3, 2, 1):
                 tail = ctx[-n:]
                 at = next((end for end in range(len(ctx) - 1, n - 1, -1) if ctx[end - n:end] == tail), None)
-                if at is not None and WORD0 <= ctx[at]:
+                if at is not None and WORD0 <= ctx[at] < FIM0:
                     cands[0] = ctx[at]
                     break
         return cands
@@ -175,6 +182,7 @@ class MockEngine:
             n_seq=n_seq, n_ctx_seq=int(self.opts["n_ctx"]), kv_layout="per_seq",
             bos=SPECIALS["<s>"], eog=(SPECIALS["</s>"], SPECIALS["<|im_end|>"]),
             chat_template=CHATML, special_tokens=dict(SPECIALS), add_bos=False,
+            extra={"fim": dict(FIM_IDS) if self.opts["fim"] else {}},
         )
         self.kv: list[list[int]] = [[] for _ in range(n_seq)]
         self.drafts: bool | str = True if self.opts["drafts"] else "the mock runtime was started with drafts=0"
@@ -188,6 +196,7 @@ class MockEngine:
             "prefix_cache": True,
             "embeddings": True,
             "input": {"text": True, "image": "text-only runtime", "audio": "text-only runtime"},
+            "fim": True if self.opts["fim"] else "the mock was started with fim=0",
         }
 
     def embed(self, inputs: list[list[int]], *, normalize: bool) -> tuple[int, list[bytes]]:
@@ -213,8 +222,8 @@ class MockEngine:
         out = [SPECIALS["<s>"]] if add_special else []
         parts = _SPECIAL_RE.split(text) if parse_special else [text]
         for part in parts:
-            if parse_special and part in SPECIALS:
-                out.append(SPECIALS[part])
+            if parse_special and part in _MARKERS:
+                out.append(_MARKERS[part])
                 continue
             data = part.encode()
             pos = 0
@@ -229,6 +238,8 @@ class MockEngine:
         return out
 
     def piece(self, token: int) -> bytes:
+        if FIM0 <= token < N_VOCAB:
+            return next(name for name, tid in FIM_MARKERS.items() if tid == token).encode()
         if token >= WORD0:
             return WORDS[token - WORD0].encode()
         if token >= BYTE0:
