@@ -326,6 +326,14 @@ async def test_a_copy_on_an_allowed_origin_works_and_on_a_foreign_one_is_refused
         sent = daemon_requests(page, port)
         assert sent and all(origin == good for _, _, origin, _ in sent), sent
         assert ("POST", f"/v1/sessions/{cid}/generate", good, 200) in sent
+        # the tree operations too: PATCH is preflighted, and granted to an allowed origin
+        await click(page, "#rename")
+        await until(page, "!document.getElementById('text-dialog').hidden")
+        await page.evaluate("document.getElementById('text-input').value = 'from elsewhere'")
+        await click(page, "#text-ok")
+        await until(page, "document.getElementById('conv-title').textContent === 'from elsewhere'")
+        assert (await d.client.get(f"/v1/sessions/{cid}")).json()["title"] == "from elsewhere"
+        assert ("OPTIONS", f"/v1/sessions/{cid}", good, 204) in daemon_requests(page, port)
 
         before = await d.client.get("/metrics")
         evil = f"http://evil.example:{static_port}"
@@ -667,6 +675,10 @@ async def test_a_second_tab_follows_the_conversation_live(chromium: Chromium) ->
         await send_and_watch(two, "from tab two")
         await until(one, "document.querySelectorAll('#messages .msg').length === 6")
         assert await one.evaluate(SHOWN) == await two.evaluate(SHOWN)
+        # deleted in one tab, it is gone from the other (its subscription ends "purged")
+        await click(two, "#delete")
+        await until(one, "window.superfluid.state.current === null && !document.querySelector('#tree .node')")
+        assert "deleted" in await one.evaluate("document.getElementById('status').textContent")
 
 
 async def test_screenshot_of_a_chat_with_branches(chromium: Chromium) -> None:

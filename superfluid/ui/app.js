@@ -727,7 +727,11 @@
           return;
         }
       }
-      if (ended === "purged") { setStatus("this conversation was deleted"); await loadTree().catch(fail); return; }
+      if (ended === "purged") {  // deleted, here or elsewhere
+        await loadTree().catch(fail);
+        if (state.current === cid) { await select(null).catch(fail); setStatus("that conversation was deleted"); }
+        return;
+      }
       if (ended === "shutdown") return;
       await new Promise((res) => setTimeout(res, ended === "lagged" ? 0 : 1000));  // lagged: again from the cursor
     }
