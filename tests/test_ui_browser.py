@@ -706,3 +706,19 @@ async def test_screenshot_of_a_chat_with_branches(chromium: Chromium) -> None:
         assert await page.evaluate("document.getElementById('conv-title').textContent") == "Prefix cache"
         if SHOTS:
             await trio.Path(DOCS / "ui-chat.png").write_bytes(await page.screenshot())
+
+
+async def test_the_daemons_own_page_cannot_be_pointed_elsewhere(chromium: Chromium, static_port: int) -> None:
+    """``?api=`` on the page the daemon serves: its CSP (``connect-src 'self'``) blocks every
+    request to another origin, so a crafted link cannot make the page send a typed key elsewhere."""
+    async with serving() as d, tab(chromium) as page:
+        await page.send("Page.addScriptToEvaluateOnNewDocument", {"source": (
+            "window.violations = []; document.addEventListener('securitypolicyviolation', "
+            "e => window.violations.push([e.effectiveDirective, e.blockedURI]));")})
+        elsewhere = f"http://evil.example:{static_port}"
+        await page.navigate(d.url + "/ui/?" + urlencode({"api": elsewhere}))
+        await until(page, "document.body.dataset.ready === 'error'")
+        violations = await page.evaluate("window.violations")
+        assert violations and all(v == ["connect-src", f"{elsewhere}/v1/models"] for v in violations), violations
+        sent = [p["request"]["url"] for p in page.events("Network.requestWillBeSent")]
+        assert not [u for u in sent if u.startswith(elsewhere)], sent  # nothing left the browser
