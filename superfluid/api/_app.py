@@ -31,6 +31,7 @@ from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses, route_responses
 from ._infill import completion as llama_completion
 from ._infill import detokenize, infill, tokenize_route
+from ._ui import route_ui
 
 from ..sessions._batches import BatchStore
 from ..sessions._conversations import ConversationStore
@@ -276,6 +277,9 @@ class App:
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        if await route_ui(self.config.ui, scope, send, lambda: list(self.registry.loaded.values()),
+                          current_principal().may_use):  # the built-in page, /ui (api/_ui.py)
+            return
         if self.stopping.started and method in ("POST", "PUT") and path not in _NOT_GENERATING:
             raise shutting_down()  # 503 server_shutting_down: nothing new starts while the daemon stops
         if path == "/health" and method in ("GET", "HEAD"):

@@ -53,6 +53,7 @@ import trio
 from ._admission import Slots
 from ._http import ApiError, Send
 from ._principal import ANONYMOUS, PRINCIPAL, Principal, authenticate, presented_key
+from ._ui import ui_public
 
 if TYPE_CHECKING:
     from ..serving import ServeConfig
@@ -73,7 +74,7 @@ _ALLOWED_PREFIXES = ("x-superfluid-", "x-stainless-")  # ours; the openai and an
 _METHODS = b"GET, POST, PATCH, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE = b"600"
 
-_RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics"})
+_RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics", "/ui/lanes"})  # the page's live view polls the last two
 _ADMIN_ANY_METHOD = frozenset({"/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"})
 _MODEL_PATH = re.compile(r"/v1/models/.+")
 
@@ -223,6 +224,7 @@ class Guard:
         self.machine = _machine_names(socket.gethostname() if hostname is None else hostname)
         self.allowed_hosts = frozenset(h.lower() for h in config.allowed_hosts)
         self.origins = frozenset(config.web_origins)
+        self.ui = config.ui  # the page (api/_ui.py) loads without a key, then asks for one
         self.rate_limit_rpm = config.rate_limit_rpm
         self.buckets = _Buckets(clock, max_buckets)
         self.slots = Slots()  # each key's max_concurrent generations (api/_admission.py)
@@ -238,6 +240,7 @@ class Guard:
         if http and method == "OPTIONS":
             return None
         exempt = path == "/health" and method in ("GET", "HEAD")
+        exempt = exempt or (http and self.ui and ui_public(scope))  # the page: it asks for the key itself
         principal: Principal | None = ANONYMOUS
         if self.keys and not exempt:
             principal = authenticate(self.keys, presented_key(scope))

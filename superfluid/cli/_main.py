@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "/health and /metrics exempt (default 0: no limit)")
     s.add_argument("--insecure-no-auth", action="store_true",
                    help="serve a non-loopback address with no API key (refused by default)")
+    s.add_argument("--no-ui", action="store_true",
+                   help="do not serve the built-in web page (GET /ui; a browser's GET / goes there; default: served)")
     s.add_argument("--max-conversation-bytes", type=positive_int, default=D.MAX_CONVERSATION_BYTES,
                    help=f"bytes a conversation's events may hold; more is refused with 413 "
                         f"(default {D.MAX_CONVERSATION_BYTES})")
@@ -258,7 +260,8 @@ def _security(args: argparse.Namespace) -> dict[str, Any]:
     return {"api_keys": load_keys(api_key, args.key_policy, os.environ),
             "web_origins": tuple(parse_web_origin(o) for o in origins),
             "allowed_hosts": tuple(parse_allowed_host(h) for h in args.allowed_host),
-            "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth}
+            "rate_limit_rpm": args.rate_limit, "insecure_no_auth": args.insecure_no_auth,
+            "ui": not args.no_ui}
 
 
 

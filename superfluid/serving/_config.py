@@ -86,6 +86,7 @@ class ServeConfig:
     web_origins: tuple[str, ...] = ()     # browser origins allowed besides this machine's pages; "*": any
     rate_limit_rpm: int = 0               # requests a minute per TCP peer (0: no limit)
     insecure_no_auth: bool = False        # serve a non-loopback address with no key anyway
+    ui: bool = True                       # the built-in page at /ui (api/_ui.py); --no-ui: 404
     max_conversation_bytes: int = D.MAX_CONVERSATION_BYTES  # a conversation's logged events, in bytes (413 beyond)
     max_message_bytes: int = D.MAX_MESSAGE_BYTES  # one message of a conversation, in bytes (413 beyond)
     max_conversation_events: int = D.MAX_CONVERSATION_EVENTS  # events in one conversation (413 beyond)
