@@ -66,6 +66,8 @@ BD = "tests/test_security_bodies.py::"
 CN = "tests/test_security_connections.py::"
 F = "tests/test_fleet.py::"
 BT = "tests/test_batches.py::"
+UI = "tests/test_ui.py::"
+UB = "tests/test_ui_browser.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -548,6 +550,31 @@ MUTATIONS = (
              "                await registry.wait_for_models(store.models_to_resume(), config.fleet_wait_s)\n",
              "                pass\n",
              (F + "test_a_head_restart_resumes_resumable_streams_on_the_nodes",)),
+    # ---- the built-in page (SPEC.md §8 "The built-in page", §10) ----
+    Mutation("the page's files need no key (the page asks for it)", 'superfluid/api/_guard.py',
+             '        exempt = exempt or (http and self.ui and ui_public(scope))  # the page: it asks for the key itself\n',
+             '        exempt = exempt or False\n',
+             (UI + 'test_the_page_needs_no_key_but_passes_the_host_and_origin_checks', UB + 'test_with_keys_the_page_asks_for_one_and_keeps_it_in_the_tab',)),
+    Mutation('the page is served with a strict CSP', 'superfluid/api/_ui.py',
+             '_HEADERS = [(b"content-security-policy", CSP), ',
+             '_HEADERS = [',
+             (UI + 'test_the_page_and_its_assets_are_served_with_a_strict_policy',)),
+    Mutation('--no-ui: no page', 'superfluid/api/_ui.py',
+             '    if not enabled or not (path in ("/", "/ui") or path.startswith("/ui/")):\n',
+             '    if not (path in ("/", "/ui") or path.startswith("/ui/")):\n',
+             (UI + 'test_no_ui_turns_the_page_off',)),
+    Mutation("only a browser's GET / goes to the page", 'superfluid/api/_ui.py',
+             '        if path == "/" and (method not in ("GET", "HEAD") or not _wants_html(scope)):\n',
+             '        if path == "/" and method not in ("GET", "HEAD"):\n',
+             (UI + 'test_the_page_and_its_assets_are_served_with_a_strict_policy',)),
+    Mutation("/ui/lanes lists only the key's models", 'superfluid/api/_ui.py',
+             '        if not may_use(model.name):\n',
+             '        if False:\n',
+             (UI + 'test_lanes_tell_a_key_only_its_models',)),
+    Mutation('/ui/lanes is exempt from the rate limit', 'superfluid/api/_guard.py',
+             '"/v1/metrics", "/ui/lanes"})',
+             '"/v1/metrics"})',
+             (UI + 'test_the_live_views_polls_do_not_pay_the_rate_limit',)),
     # ---- stop strings (SPEC.md §1: matched in the worker and in the core) ----
     Mutation("the worker ends a lane at the token completing a stop", "superfluid/worker/_executor.py",
              "        if ln.stops is not None and ln.stops.feed(piece):\n",
