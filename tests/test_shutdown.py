@@ -163,6 +163,7 @@ async def test_ctrl_c_ends_every_stream_typed_and_a_resumable_one_resumes_after_
         assert f"  Running on {url} " in log and "  model mock (default): runtime mock" in log, log
         assert "tokens per lane, 8 lanes" in log and f"  sessions: {sessions}\n" in log and "  auth: off" in log
         assert "Anthropic /v1/messages" in log and "Ollama /api/chat" in log
+        assert f"  page: {url}/ui/ " in log, log   # the built-in page, where a browser finds it
         assert log.count("finish=server_shutting_down") == 8, log  # the WebSocket's too
 
         # the resumable session was not ended: after a restart it resumes from the cursor the client saw

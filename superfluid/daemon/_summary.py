@@ -67,6 +67,8 @@ def summary_lines(config: ServeConfig, models: Iterable[ServedModel], binds: lis
     if config.fleet:
         lines += _fleet_lines(config, models)
     lines.append("  dialects: " + "; ".join(f"{name} {routes}" for name, routes in DIALECTS))
+    if config.ui and binds:
+        lines.append(f"  page: {binds[0].rstrip('/')}/ui/ (a browser's / goes there; --no-ui turns it off)")
     lines.append(f"  sessions: {sessions_dir}")
     if config.park:
         lines.append(f"  park: {sessions_dir / 'park'} (up to {config.park_budget_gb:g} GiB, least recently used evicted)")
