@@ -56,6 +56,7 @@ D = "tests/test_daemon.py::"
 P = "tests/test_proto.py::"
 G = "tests/test_security_guard.py::"
 T = "tests/test_session_tree.py::"
+R = "tests/test_session_rest.py::"
 A = "tests/test_actor.py::"
 B = "tests/test_boundaries.py::"
 C = "tests/test_sched_core.py::"
@@ -665,6 +666,14 @@ MUTATIONS = (
              "            open_turn = open_turn_after(open_turn, event_id, body)\n",
              "            pass\n",
              (T + "test_meta_tree_rebase_trim_purge_over_http_survive_a_restart",)),
+    Mutation("a tool cancel marks the open call cancel_requested", "superfluid/api/_conversations.py",
+             '             "status": "cancel_requested" if c.get("id") in cancelled else "open"}\n',
+             '             "status": "open"}\n',
+             (R + "test_a_tool_cancel_is_an_event_the_call_stays_open_until_answered_and_survives_a_restart",)),
+    Mutation("a tool call takes one cancel request", "superfluid/api/_conversations.py",
+             '        if call["status"] == "cancel_requested":\n',
+             '        if False:\n',
+             (R + "test_a_tool_cancel_is_an_event_the_call_stays_open_until_answered_and_survives_a_restart",)),
 )
 
 

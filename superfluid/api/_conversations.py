@@ -32,7 +32,8 @@ The session tree (SPEC.md §7, "The session tree"):
   roots (reroot); running turns are stopped first.
 * ``GET …/subscribe?after=N``: SSE of committed events and the running turn's
   text (``api/_watch.py``).
-* ``GET …/tool_calls`` and ``POST …/tool_results``: the tool ledger.
+* ``GET …/tool_calls``, ``POST …/tool_results`` and ``POST …/tool_calls/{call_id}/cancel``: the tool
+  ledger (a cancel is a ``tool_cancel`` event; the call stays open until answered).
 
 Every conversation belongs to the tenant that created it; for any other
 tenant its id answers as an unknown one (:func:`own_conversation`).
@@ -55,7 +56,7 @@ import trio
 
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation, body_fork
-from ..proto._wal_conversation import MAX_TITLE, PURGE_MODES
+from ..proto._wal_conversation import MAX_TITLE, PURGE_MODES, TOOL_CANCEL
 from ..sched import parse_qos
 from ..sessions._conversations import size_of
 from ..proto import encode_sse_json
@@ -77,10 +78,10 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["append_messages", "conversation_info", "create_conversation", "events_page", "fork_conversation",
-           "own_conversation", "route_conversations"]
+           "own_conversation", "route_conversations", "tool_cancel"]
 CREATE_FIELDS = frozenset({"model", "system", "tools", "sampling", "messages", "chat_template_kwargs", "id"})
 MAX_EVENTS_PAGE = 10_000
-_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z_]+)?)?")
+_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z_]+)?(?:/([^/]{1,256})(/cancel)?)?)?")
 
 
 def _only(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -343,17 +344,44 @@ async def purge_conversation(app: App, scope: dict[str, Any], cid: str, *, mode:
 
 
 def tool_calls(app: App, cid: str) -> dict[str, Any]:
-    """``GET /v1/sessions/{id}/tool_calls``: the calls of the last assistant message that have no result yet."""
-    conversation_log(app, cid)
-    messages = [m for _eid, m in app.conversations.fold(cid).messages]
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    """``GET /v1/sessions/{id}/tool_calls``: the calls of the last assistant message that have no result yet,
+    ``status`` ``open`` or ``cancel_requested`` (a ``tool_cancel`` event after that message names it)."""
+    slog = conversation_log(app, cid)
+    messages = app.conversations.fold(cid).messages
+    last = max((i for i, (_eid, m) in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     if last < 0:
         return {"object": "list", "data": []}
-    answered = {m.get("tool_call_id") for m in messages[last + 1:] if m.get("role") == "tool"}
+    answered = {m.get("tool_call_id") for _eid, m in messages[last + 1:] if m.get("role") == "tool"}
+    cancelled = {r.body["call_id"] for r in slog.records(messages[last][0]) if r.body["type"] == TOOL_CANCEL}
     data = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"),
-             "arguments": (c.get("function") or {}).get("arguments"), "status": "open"}
-            for c in messages[last].get("tool_calls") or [] if c.get("id") not in answered]
+             "arguments": (c.get("function") or {}).get("arguments"),
+             "status": "cancel_requested" if c.get("id") in cancelled else "open"}
+            for c in messages[last][1].get("tool_calls") or [] if c.get("id") not in answered]
     return {"object": "list", "data": data}
+
+
+async def tool_cancel(app: App, cid: str, call_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/tool_calls/{call_id}/cancel``: log a ``tool_cancel`` event for an open
+    call; the call stays open (``cancel_requested``) until a result or an outcome answers it.
+
+    Raises:
+        ApiError: 404 the conversation, 404 ``tool_call_not_found`` (no open call has that id); 409
+            ``cancel_already_requested``; 400 a field in the body.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset())
+    store = app.conversations
+    async with store.ordered(cid):
+        call = next((c for c in tool_calls(app, cid)["data"] if c["id"] == call_id), None)
+        if call is None:
+            raise ApiError(404, f"no open tool call '{call_id}' in conversation '{public_id(cid)}'",
+                           code="tool_call_not_found", param="call_id")
+        if call["status"] == "cancel_requested":
+            raise ApiError(409, f"tool call '{call_id}' already has a cancel requested; answer it with a result "
+                           "or the outcome cancelled", code="cancel_already_requested", param="call_id")
+        rec = await store.cancel_tool(cid, call_id)
+    return {"id": public_id(cid), "object": "session.tool_call", "tool_call_id": call_id,
+            "status": "cancel_requested", "event": rec.event_id}
 
 
 TOOL_OUTCOMES = frozenset({"failed", "cancelled"})
@@ -518,7 +546,11 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     m = _ROUTE.fullmatch(scope["path"])
     if m is None:
         return False
-    method, (cid, tail) = scope["method"], m.groups()
+    method, (cid, tail, item, action) = scope["method"], m.groups()
+    if item is not None:  # …/tool_calls/{call_id}/cancel
+        if (tail, action) != ("/tool_calls", "/cancel"):
+            return False
+        tail = "/tool_calls/cancel"
     if method == "POST":
         check_log(app)  # every POST here writes the log: a full disk refuses it typed (507)
     if cid is None:
@@ -530,7 +562,8 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         await send_json(send, 201, info)
         return True
     wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET", "/rebase": "POST",
-              "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST"}.get(tail or "")
+              "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST",
+              "/tool_calls/cancel": "POST"}.get(tail or "")
     if tail is None and method in ("PATCH", "DELETE"):
         if method == "PATCH":
             check_log(app)
@@ -585,6 +618,12 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         await _subscribe(app, scope, send, cid)
     elif tail == "/tool_calls":
         await send_json(send, 200, tool_calls(app, cid))
+    elif tail == "/tool_calls/cancel":
+        assert item is not None
+        body = await _optional_json(scope, receive)
+        with _whole():
+            done = await tool_cancel(app, cid, item, body)
+        await send_json(send, 200, done)
     elif tail == "/tool_results":
         body = await read_json(scope, receive)
         with _whole():

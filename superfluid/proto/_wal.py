@@ -52,6 +52,7 @@ from ._wal_conversation import (
     MESSAGE,
     META,
     PURGED,
+    TOOL_CANCEL,
     TURN,
     TURN_END,
     body_conversation,
@@ -91,6 +92,7 @@ __all__ = [
     "META",
     "PURGED",
     "PROMPT",
+    "TOOL_CANCEL",
     "TURN",
     "TURN_END",
     "WalCorrupt",
@@ -249,6 +251,7 @@ _CONVERSATION_FIELDS: Final = {
     FORK: ({"source", "at", "edits"}, {"source", "at"}),
     META: ({"version", "title", "archived", "qos", "root"}, {"version"}),
     PURGED: ({"mode"}, {"mode"}),
+    TOOL_CANCEL: ({"call_id"}, {"call_id"}),
 }
 
 

@@ -29,6 +29,9 @@ it never ends (compaction bounds how many are kept). Bodies:
 * ``purged{mode}``: the conversation is deleted (``cascade`` or ``reroot``,
   how its descendants went); it takes no more events, answers as unknown and
   is dropped by the next compaction.
+* ``tool_cancel{call_id}``: a client asked that the open tool call
+  ``call_id`` be cancelled; the call stays open until a ``tool`` message
+  answers it (an outcome ``cancelled``, or its result).
 
 The order rules (one open turn at a time, nothing but its end while it is
 open) are the journal's; this module checks each body alone.
@@ -43,8 +46,8 @@ from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, pl
 
 __all__ = [
     "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "META", "PURGED", "PURGE_MODES",
-    "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_purged", "body_turn",
-    "body_turn_end", "open_turn_after", "validate_conversation_body",
+    "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_purged", "body_tool_cancel",
+    "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
 ]
 
 CONVERSATION: Final = "conversation"
@@ -54,7 +57,8 @@ TURN_END: Final = "turn_end"
 FORK: Final = "fork"
 META: Final = "meta"
 PURGED: Final = "purged"
-CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED})
+TOOL_CANCEL: Final = "tool_cancel"
+CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL})
 PURGE_MODES: Final = frozenset({"cascade", "reroot"})
 EDIT_KINDS: Final = frozenset({"drop", "replace"})
 MAX_TITLE: Final = 1024
@@ -104,6 +108,11 @@ def body_meta(*, version: int, title: str | None = None, archived: bool = False,
 def body_purged(*, mode: str) -> dict[str, Any]:
     """The conversation is deleted; ``mode`` says how its descendants went."""
     return validate_conversation_body({"type": PURGED, "mode": mode})
+
+
+def body_tool_cancel(*, call_id: str) -> dict[str, Any]:
+    """A client asked that open tool call ``call_id`` be cancelled."""
+    return validate_conversation_body({"type": TOOL_CANCEL, "call_id": call_id})
 
 
 def _edits(value: object) -> list[dict[str, Any]]:
@@ -196,6 +205,8 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if body["mode"] not in PURGE_MODES:
             raise ValueError(f"purged.mode must be one of {sorted(PURGE_MODES)}")
         return {"type": PURGED, "mode": body["mode"]}
+    if kind == TOOL_CANCEL:
+        return {"type": TOOL_CANCEL, "call_id": _session_id("tool_cancel.call_id", body["call_id"])}
     raise ValueError(f"unknown event type {kind!r}")
 
 

@@ -1,0 +1,120 @@
+"""The rest of the session tree (#48): tool cancel, permissions and pin, each over HTTP, the
+WebSocket and the unix socket, each an event replayed after a restart (SPEC.md §7, "The session tree")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from .conftest import open_daemon, mock_config
+from .test_session_tree import (
+    ASKED, U1, FrameSurface, HttpSurface, Surface, create, events, short_dir, subscription, surface,
+)
+
+# op -> (method, path after /v1/sessions/{id}, the body's field that goes in the path)
+_HTTP = {"tool_cancel": ("POST", "/tool_calls/{tool_call_id}/cancel", "tool_call_id"),
+         "permission_request": ("POST", "/permissions", None),
+         "permission_response": ("POST", "/permissions/{permission}", "permission"),
+         "permissions": ("GET", "/permissions", None),
+         "pin": ("POST", "/pin", None)}
+
+
+async def call(s: Surface, op: str, session: str, **body: Any) -> tuple[bool, dict[str, Any]]:
+    """``op`` over ``s``: over HTTP the route, else the op (its reply frame without op, id, session)."""
+    if isinstance(s, FrameSurface) or op not in _HTTP:
+        return await s.call(op, session, **body)
+    assert isinstance(s, HttpSurface)
+    method, tail, field = _HTTP[op]
+    if field is not None:
+        tail = tail.replace("{" + field + "}", str(body.pop(field)))
+    if method == "GET":
+        r = await s.client.get(f"/v1/sessions/{session}{tail}")
+    else:
+        r = await s.client.post(f"/v1/sessions/{session}{tail}", json=body)
+    data = r.json()
+    return r.status_code < 400, data.get("error", data)
+
+
+def statuses(calls: dict[str, Any]) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in calls["data"]}
+
+
+@pytest.mark.parametrize("kind", ["http", "ws", "socket"])
+async def test_a_tool_cancel_is_an_event_the_call_stays_open_until_answered_and_survives_a_restart(
+        kind: str) -> None:
+    home = short_dir()
+    sock = home / "sf.sock"
+    config = mock_config(socket=sock, sessions=home / "sessions")
+    async with open_daemon(config) as d:
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1, ASKED])
+            async with surface(kind, d, sock) as s, subscription(kind, d, sock, cid, after=2) as watch:
+                ok, done = await call(s, "tool_cancel", cid, tool_call_id="call_1")
+                assert ok and done["status"] == "cancel_requested" and done["event"] == 3, done
+                assert await watch() == ("committed", {**(await events(c, cid))[3]})
+                assert (await events(c, cid))[3]["type"] == "tool_cancel"
+                assert (await events(c, cid))[3]["call_id"] == "call_1"
+                ok, calls = await call(s, "tool_calls", cid)
+                assert ok and statuses(calls) == {"call_1": "cancel_requested", "call_2": "open"}
+                ok, error = await call(s, "tool_cancel", cid, tool_call_id="call_1")
+                assert not ok and error["code"] == "cancel_already_requested", error
+                ok, error = await call(s, "tool_cancel", cid, tool_call_id="nope")
+                assert not ok and error["code"] == "tool_call_not_found", error
+                ok, error = await call(s, "tool_cancel", "c-nope", tool_call_id="call_1")
+                assert not ok and error["code"] == "session_not_found", error
+                ok, done = await call(s, "tool_cancel", cid, tool_call_id="call_2")
+                assert ok and done["event"] == 4
+                ok, _ = await call(s, "tool_result", cid, tool_call_id="call_1", outcome="cancelled")
+                assert ok
+                ok, calls = await call(s, "tool_calls", cid)
+                assert ok and statuses(calls) == {"call_2": "cancel_requested"}
+                ok, error = await call(s, "tool_cancel", cid, tool_call_id="call_1")  # answered: no longer open
+                assert not ok and error["code"] == "tool_call_not_found", error
+                before = await events(c, cid)
+    async with open_daemon(config) as d:
+        c = d.client
+        with trio.fail_after(60):
+            assert await events(c, cid) == before
+            async with surface(kind, d, sock) as s:
+                ok, calls = await call(s, "tool_calls", cid)
+                assert ok and statuses(calls) == {"call_2": "cancel_requested"}
+                ok, _ = await call(s, "tool_result", cid, tool_call_id="call_2", content="12:00")  # a result answers
+                assert ok
+                ok, calls = await call(s, "tool_calls", cid)
+                assert ok and calls["data"] == []
+
+
+REST_ROUTES = [("POST", "/tool_calls/call_1/cancel", {})]
+REST_OPS = [("tool_cancel", {"tool_call_id": "call_1"})]
+
+
+async def test_another_tenant_gets_the_unknown_id_answer_on_the_rest_of_the_tree() -> None:
+    import attrs
+    import httpx
+    from trio_websocket import open_websocket_url
+
+    from superfluid.daemon._keypolicy import ApiKey
+
+    from .test_session_tree import WsSurface
+
+    keys = (ApiKey.from_secret("a", "ka"), ApiKey.from_secret("b", "kb"))
+    async with open_daemon(attrs.evolve(mock_config(), api_keys=keys)) as d:
+        a = httpx.AsyncClient(base_url=d.url, timeout=60, headers={"authorization": "Bearer ka"})
+        b = httpx.AsyncClient(base_url=d.url, timeout=60, headers={"authorization": "Bearer kb"})
+        with trio.fail_after(30):
+            cid = await create(a, messages=[U1, ASKED], id="mine")
+            for method, tail, body in REST_ROUTES:
+                r = await b.request(method, f"/v1/sessions/{cid}{tail}", json=body if method == "POST" else None)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", (tail, r.text)
+            async with open_websocket_url(d.url.replace("http://", "ws://") + "/v1/ws",
+                                          extra_headers=[("authorization", "Bearer kb")]) as ws:
+                s = WsSurface(ws)
+                for op, body in REST_OPS:
+                    ok, error = await s.call(op, cid, **body)
+                    assert not ok and error["code"] == "session_not_found", (op, error)
+            assert len(await events(a, cid)) == 3  # nothing of b's was logged
+        await a.aclose()
+        await b.aclose()
