@@ -674,6 +674,18 @@ MUTATIONS = (
              '        if call["status"] == "cancel_requested":\n',
              '        if False:\n',
              (R + "test_a_tool_cancel_is_an_event_the_call_stays_open_until_answered_and_survives_a_restart",)),
+    Mutation("a permission request is answered once", "superfluid/api/_conversations.py",
+             '        if _permission(app, cid, pid)["status"] != "pending":\n',
+             '        if _permission(app, cid, pid) is None:\n',
+             (R + "test_permissions_are_requested_answered_once_listed_and_survive_a_restart",)),
+    Mutation("an answer sets the permission's status", "superfluid/api/_conversations.py",
+             '            held[body["permission"]].update(status="allowed" if body["allow"] else "denied", note=body["note"],\n',
+             '            held[body["permission"]].update(note=body["note"],\n',
+             (R + "test_permissions_are_requested_answered_once_listed_and_survive_a_restart",)),
+    Mutation("at most 256 permission requests pending", "superfluid/api/_conversations.py",
+             "        if pending >= MAX_PENDING_PERMISSIONS:\n",
+             "        if False:\n",
+             (R + "test_at_most_256_permission_requests_are_pending_per_conversation",)),
 )
 
 

@@ -14,7 +14,7 @@ from .test_session_tree import (
 )
 
 # op -> (method, path after /v1/sessions/{id}, the body's field that goes in the path)
-_HTTP = {"tool_cancel": ("POST", "/tool_calls/{tool_call_id}/cancel", "tool_call_id"),
+_HTTP: dict[str, tuple[str, str, str | None]] = {"tool_cancel": ("POST", "/tool_calls/{tool_call_id}/cancel", "tool_call_id"),
          "permission_request": ("POST", "/permissions", None),
          "permission_response": ("POST", "/permissions/{permission}", "permission"),
          "permissions": ("GET", "/permissions", None),
@@ -24,7 +24,8 @@ _HTTP = {"tool_cancel": ("POST", "/tool_calls/{tool_call_id}/cancel", "tool_call
 async def call(s: Surface, op: str, session: str, **body: Any) -> tuple[bool, dict[str, Any]]:
     """``op`` over ``s``: over HTTP the route, else the op (its reply frame without op, id, session)."""
     if isinstance(s, FrameSurface) or op not in _HTTP:
-        return await s.call(op, session, **body)
+        ok, reply = await s.call(op, session, **body)
+        return ok, reply.get("permission", reply) if ok else reply
     assert isinstance(s, HttpSurface)
     method, tail, field = _HTTP[op]
     if field is not None:
@@ -87,8 +88,86 @@ async def test_a_tool_cancel_is_an_event_the_call_stays_open_until_answered_and_
                 assert ok and calls["data"] == []
 
 
-REST_ROUTES = [("POST", "/tool_calls/call_1/cancel", {})]
-REST_OPS = [("tool_cancel", {"tool_call_id": "call_1"})]
+@pytest.mark.parametrize("kind", ["http", "ws", "socket"])
+async def test_permissions_are_requested_answered_once_listed_and_survive_a_restart(kind: str) -> None:
+    home = short_dir()
+    sock = home / "sf.sock"
+    config = mock_config(socket=sock, sessions=home / "sessions")
+    async with open_daemon(config) as d:
+        c = d.client
+        with trio.fail_after(60):
+            cid = await create(c, messages=[U1, ASKED])
+            async with surface(kind, d, sock) as s, subscription(kind, d, sock, cid, after=2) as watch:
+                ok, one = await call(s, "permission_request", cid, tool_call_id="call_1", tool="weather",
+                                     arguments={"city": "Oslo"}, reason="reads the network")
+                assert ok and one["id"].startswith("perm-") and one["status"] == "pending", one
+                assert (one["tool_call_id"], one["tool"], one["arguments"], one["reason"]) == (
+                    "call_1", "weather", {"city": "Oslo"}, "reads the network")
+                kind_, event = await watch()
+                assert kind_ == "committed" and event["type"] == "permission_request" and event["id"] == 3
+                assert event["permission"] == one["id"] and event["arguments"] == {"city": "Oslo"}
+                ok, two = await call(s, "permission_request", cid)  # every field optional
+                assert ok and two["status"] == "pending" and two["tool"] is None
+                await watch()
+                ok, three = await call(s, "permission_request", cid, tool="time")
+                assert ok
+                await watch()
+                ok, error = await call(s, "permission_request", cid, colour="red")
+                assert not ok and error["param"] == "colour", error
+                ok, answered = await call(s, "permission_response", cid, permission=one["id"], allow=True, note="fine")
+                assert ok and answered["status"] == "allowed" and answered["note"] == "fine", answered
+                kind_, event = await watch()
+                assert event["type"] == "permission_response" and event["allow"] is True and event["id"] == 6
+                assert event["permission"] == one["id"]
+                ok, error = await call(s, "permission_response", cid, permission=one["id"], allow=False)
+                assert not ok and error["code"] == "already_answered", error
+                ok, error = await call(s, "permission_response", cid, permission="perm-nope", allow=False)
+                assert not ok and error["code"] == "permission_not_found", error
+                ok, error = await call(s, "permission_response", cid, permission=two["id"], allow="yes")
+                assert not ok and error["param"] == "allow", error
+                ok, answered = await call(s, "permission_response", cid, permission=two["id"], allow=False)
+                assert ok and answered["status"] == "denied" and answered["note"] is None
+                ok, listed = await call(s, "permissions", cid)
+                assert ok and [(p["id"], p["status"]) for p in listed["data"]] == [
+                    (one["id"], "allowed"), (two["id"], "denied"), (three["id"], "pending")]
+                before = listed
+    async with open_daemon(config) as d:
+        with trio.fail_after(60):
+            async with surface(kind, d, sock) as s:
+                ok, listed = await call(s, "permissions", cid)
+                assert ok and listed == before
+                ok, answered = await call(s, "permission_response", cid, permission=three["id"], allow=True)
+                assert ok and answered["status"] == "allowed"
+                ok, error = await call(s, "permission_response", cid, permission=one["id"], allow=True)
+                assert not ok and error["code"] == "already_answered"
+
+
+async def test_at_most_256_permission_requests_are_pending_per_conversation() -> None:
+    import superfluid.api._conversations as conversations
+
+    async with open_daemon(mock_config()) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            pids = []
+            for _ in range(conversations.MAX_PENDING_PERMISSIONS):
+                r = await c.post(f"/v1/sessions/{cid}/permissions", json={})
+                assert r.status_code == 201, r.text
+                pids.append(r.json()["id"])
+            r = await c.post(f"/v1/sessions/{cid}/permissions", json={"tool": "x"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_pending_permissions", r.text
+            r = await c.post(f"/v1/sessions/{cid}/permissions/{pids[0]}", json={"allow": False})
+            assert r.status_code == 200
+            r = await c.post(f"/v1/sessions/{cid}/permissions", json={"tool": "x"})  # one answered: room again
+            assert r.status_code == 201, r.text
+            r = await c.put(f"/v1/sessions/{cid}/permissions", json={})
+            assert r.status_code == 405
+
+
+REST_ROUTES = [("POST", "/tool_calls/call_1/cancel", {}), ("POST", "/permissions", {}),
+               ("GET", "/permissions", {}), ("POST", "/permissions/perm-x", {"allow": True})]
+REST_OPS = [("tool_cancel", {"tool_call_id": "call_1"}), ("permission_request", {}), ("permissions", {}),
+            ("permission_response", {"permission": "perm-x", "allow": True})]
 
 
 async def test_another_tenant_gets_the_unknown_id_answer_on_the_rest_of_the_tree() -> None:

@@ -46,7 +46,10 @@ conversation as ``GET /v1/sessions/{id}`` describes it):
   ``{"op":"tool_result","session":C,"body":{tool_call_id, content | outcome, note?}}``:
   ``{"op":"tool_result","session":C,"events":[ids]}``;
   ``{"op":"tool_cancel","session":C,"body":{tool_call_id}}``: ``{"op":"tool_cancel","session":C,
-  "tool_call_id","status":"cancel_requested","event"}``.
+  "tool_call_id","status":"cancel_requested","event"}``;
+  ``{"op":"permission_request","session":C,"body":{tool_call_id?, tool?, arguments?, reason?}}`` and
+  ``{"op":"permission_response","session":C,"body":{permission, allow, note?}}``: ``{"op":…,"session":C,
+  "permission"}``; ``{"op":"permissions","session":C}``: ``{"op":"permissions","session":C,"data"}``.
 * ``{"op":"subscribe","session":C,"after":N?}`` where ``C`` is a conversation (``after`` an
   event id, default -1: from its start): ``subscribed``, then ``event {session, event}``,
   ``provisional {session, turn, text}`` and, last, ``ended {session, reason}`` (``lagged``,
@@ -113,7 +116,8 @@ from ._guard import RateLimited
 from ._principal import principal_of
 from ._conversations import (
     append_messages, conversation_info, conversation_tree, create_conversation, events_page, fork_conversation,
-    own_conversation, patch_meta, purge_conversation, rebase_conversation, tool_calls, tool_cancel, tool_result,
+    own_conversation, patch_meta, permissions, purge_conversation, rebase_conversation, request_permission,
+    respond_permission, tool_calls, tool_cancel, tool_result,
     trim_conversation,
 )
 from ._watch import watch
@@ -475,6 +479,26 @@ class _Socket:
         await self._emit(_with_ref({"op": "tool_cancel", "session": sid, "tool_call_id": call_id,
                                     "status": done["status"], "event": done["event"]}, ref))
 
+    async def _op_permission_request(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await request_permission(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "permission_request", "session": sid, "permission": done}, ref))
+
+    async def _op_permission_response(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        body = dict(_body_of(msg))
+        pid = body.pop("permission", None)
+        if not isinstance(pid, str) or not pid:
+            raise ApiError(400, "invalid message: body.permission must name a permission request",
+                           code="invalid_message", param="permission")
+        done = await respond_permission(self.app, own_conversation(self.app, self.scope, sid), pid, body)
+        await self._emit(_with_ref({"op": "permission_response", "session": sid, "permission": done}, ref))
+
+    async def _op_permissions(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        listed = permissions(self.app, own_conversation(self.app, self.scope, sid))
+        await self._emit(_with_ref({"op": "permissions", "session": sid, "data": listed["data"]}, ref))
+
     def _watch(self, sid: str, cid: str, after: Any, ref: Any) -> None:
         """Subscribe to conversation ``cid`` (called ``sid``) from event cursor ``after``."""
         if isinstance(after, bool) or not isinstance(after, int) or after < -1:
@@ -648,6 +672,9 @@ _OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
     "tool_calls": _Socket._op_tool_calls,
     "tool_result": _Socket._op_tool_result,
     "tool_cancel": _Socket._op_tool_cancel,
+    "permission_request": _Socket._op_permission_request,
+    "permission_response": _Socket._op_permission_response,
+    "permissions": _Socket._op_permissions,
 }
 
 

@@ -51,6 +51,8 @@ from ._wal_conversation import (
     FORK,
     MESSAGE,
     META,
+    PERMISSION_REQUEST,
+    PERMISSION_RESPONSE,
     PURGED,
     TOOL_CANCEL,
     TURN,
@@ -90,6 +92,8 @@ __all__ = [
     "MAX_TOKEN_ID",
     "MESSAGE",
     "META",
+    "PERMISSION_REQUEST",
+    "PERMISSION_RESPONSE",
     "PURGED",
     "PROMPT",
     "TOOL_CANCEL",
@@ -252,6 +256,8 @@ _CONVERSATION_FIELDS: Final = {
     META: ({"version", "title", "archived", "qos", "root"}, {"version"}),
     PURGED: ({"mode"}, {"mode"}),
     TOOL_CANCEL: ({"call_id"}, {"call_id"}),
+    PERMISSION_REQUEST: ({"permission", "tool_call_id", "tool", "arguments", "reason"}, {"permission"}),
+    PERMISSION_RESPONSE: ({"permission", "allow", "note"}, {"permission", "allow"}),
 }
 
 

@@ -32,6 +32,11 @@ it never ends (compaction bounds how many are kept). Bodies:
 * ``tool_cancel{call_id}``: a client asked that the open tool call
   ``call_id`` be cancelled; the call stays open until a ``tool`` message
   answers it (an outcome ``cancelled``, or its result).
+* ``permission_request{permission, tool_call_id, tool, arguments, reason}``: a
+  client asks a person (another client) to allow a tool call; ``permission`` (``perm-…``)
+  names it, the rest is optional and free-form (``arguments`` any plain value).
+* ``permission_response{permission, allow, note}``: the request is answered
+  (each request once; the API checks that).
 
 The order rules (one open turn at a time, nothing but its end while it is
 open) are the journal's; this module checks each body alone.
@@ -46,7 +51,8 @@ from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, pl
 
 __all__ = [
     "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "META", "PURGED", "PURGE_MODES",
-    "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_purged", "body_tool_cancel",
+    "PERMISSION_REQUEST", "PERMISSION_RESPONSE", "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_permission_request",
+    "body_permission_response", "body_purged", "body_tool_cancel",
     "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
 ]
 
@@ -58,7 +64,10 @@ FORK: Final = "fork"
 META: Final = "meta"
 PURGED: Final = "purged"
 TOOL_CANCEL: Final = "tool_cancel"
-CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL})
+PERMISSION_REQUEST: Final = "permission_request"
+PERMISSION_RESPONSE: Final = "permission_response"
+CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL, PERMISSION_REQUEST,
+                                        PERMISSION_RESPONSE})
 PURGE_MODES: Final = frozenset({"cascade", "reroot"})
 EDIT_KINDS: Final = frozenset({"drop", "replace"})
 MAX_TITLE: Final = 1024
@@ -113,6 +122,18 @@ def body_purged(*, mode: str) -> dict[str, Any]:
 def body_tool_cancel(*, call_id: str) -> dict[str, Any]:
     """A client asked that open tool call ``call_id`` be cancelled."""
     return validate_conversation_body({"type": TOOL_CANCEL, "call_id": call_id})
+
+
+def body_permission_request(*, permission: str, tool_call_id: str | None = None, tool: str | None = None,
+                            arguments: Any = None, reason: str | None = None) -> dict[str, Any]:
+    """A client asks that a tool call be allowed; ``permission`` names the request."""
+    return validate_conversation_body({"type": PERMISSION_REQUEST, "permission": permission, "tool_call_id": tool_call_id,
+                                       "tool": tool, "arguments": arguments, "reason": reason})
+
+
+def body_permission_response(*, permission: str, allow: bool, note: str | None = None) -> dict[str, Any]:
+    """Permission request ``permission`` is answered."""
+    return validate_conversation_body({"type": PERMISSION_RESPONSE, "permission": permission, "allow": allow, "note": note})
 
 
 def _edits(value: object) -> list[dict[str, Any]]:
@@ -205,6 +226,18 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if body["mode"] not in PURGE_MODES:
             raise ValueError(f"purged.mode must be one of {sorted(PURGE_MODES)}")
         return {"type": PURGED, "mode": body["mode"]}
+    if kind == PERMISSION_REQUEST:
+        return {"type": PERMISSION_REQUEST, "permission": _session_id("permission_request.permission", body["permission"]),
+                "tool_call_id": opt_str("permission_request.tool_call_id", body.get("tool_call_id")),
+                "tool": opt_str("permission_request.tool", body.get("tool")),
+                "arguments": plain(body.get("arguments")),
+                "reason": opt_str("permission_request.reason", body.get("reason"))}
+    if kind == PERMISSION_RESPONSE:
+        if type(body["allow"]) is not bool:
+            raise ValueError("permission_response.allow must be a boolean")
+        return {"type": PERMISSION_RESPONSE, "permission": _session_id("permission_response.permission",
+                                                                            body["permission"]),
+                "allow": body["allow"], "note": opt_str("permission_response.note", body.get("note"))}
     if kind == TOOL_CANCEL:
         return {"type": TOOL_CANCEL, "call_id": _session_id("tool_cancel.call_id", body["call_id"])}
     raise ValueError(f"unknown event type {kind!r}")

@@ -28,7 +28,7 @@ import attrs
 import msgpack
 import trio
 
-from ..proto._wal_conversation import body_tool_cancel, open_turn_after
+from ..proto._wal_conversation import open_turn_after
 from ..proto._wal import (
     CONVERSATION, MESSAGE, META, PURGED, TURN, TURN_END, body_fork, body_message, body_meta, body_purged,
     body_turn, body_turn_end,
@@ -506,13 +506,14 @@ class ConversationStore:
         bodies = rebased(records, marker["edits"])
         return self._grew(await self.journal.append_many([*((new, b) for b in bodies), (new, marker)]))
 
-    async def cancel_tool(self, cid: str, call_id: str) -> WalRecord:
-        """Log a ``tool_cancel`` event for tool call ``call_id``; the caller holds :meth:`ordered`.
+    async def log_event(self, cid: str, body: dict[str, Any]) -> WalRecord:
+        """Log one event of the conversation's ledger (``tool_cancel``, ``permission_request``,
+        ``permission_response``, ``pin``); the caller holds :meth:`ordered`.
 
         Raises:
             SessionStateError: ``cid`` is gone.
         """
-        return self._grew([await self.journal.append(cid, body_tool_cancel(call_id=call_id))])[0]
+        return self._grew([await self.journal.append(cid, body)])[0]
 
     async def set_meta(self, updates: dict[str, dict[str, Any]]) -> list[WalRecord]:
         """Log each conversation's new metadata (``{cid: whole meta}``) in one durable write;
