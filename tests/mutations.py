@@ -686,6 +686,22 @@ MUTATIONS = (
              "        if pending >= MAX_PENDING_PERMISSIONS:\n",
              "        if False:\n",
              (R + "test_at_most_256_permission_requests_are_pending_per_conversation",)),
+    Mutation("a pinned conversation holds its model", "superfluid/daemon/_registry.py",
+             "        self.pinned_until = pinned_until\n",
+             "        pass\n",
+             (R + "test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart",)),
+    Mutation("the log keeps a conversation's pin", "superfluid/journal/_sessionlog.py",
+             "                self.pin = body[\"deadline\"]\n",
+             "                self.pin = body[\"deadline\"] if self.last_event_id < 0 else 0\n",
+             (R + "test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart",)),
+    Mutation("a branch starts unpinned", "superfluid/journal/_sessionlog.py",
+             "                self.meta = None\n                self.pin = 0\n",
+             "                self.meta = None\n",
+             (R + "test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart",)),
+    Mutation("a pin is bounded", "superfluid/api/_conversations.py",
+             "not 0 <= ttl <= MAX_PIN_S:\n",
+             "not 0 <= ttl:\n",
+             (R + "test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart",)),
 )
 
 

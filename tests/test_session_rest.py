@@ -164,10 +164,84 @@ async def test_at_most_256_permission_requests_are_pending_per_conversation() ->
             assert r.status_code == 405
 
 
+def two_models(**kw: Any) -> Any:
+    from superfluid.serving import ModelSource
+
+    side = tuple(ModelSource(spec=f"mock?name={n}&step_ms=1", runtime="mock", name=n) for n in ("main", "side"))
+    return mock_config(models=side, idle_timeout_s=0.5, **kw)
+
+
+async def loaded(c: Any) -> set[str]:
+    return {m["id"] for m in (await c.get("/v1/models")).json()["data"] if m["loaded"]}
+
+
+async def until_unloaded(c: Any, name: str, within: float) -> float:
+    """Seconds until model ``name`` is unloaded (at most ``within``)."""
+    t0 = trio.current_time()
+    with trio.fail_after(within):
+        while True:  # (polled: the daemon in another task says nothing when it unloads)
+            if name not in await loaded(c):
+                break
+            await trio.sleep(0.05)
+    return trio.current_time() - t0
+
+
+@pytest.mark.parametrize("kind", ["http", "ws", "socket"])
+async def test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart(kind: str) -> None:
+    import time
+
+    home = short_dir()
+    sock = home / "sf.sock"
+    config = two_models(socket=sock, sessions=home / "sessions")
+    async with open_daemon(config) as d:
+        c = d.client
+        with trio.fail_after(60):
+            r = await c.post("/v1/sessions", json={"model": "side", "messages": [U1]})
+            assert r.status_code == 201, r.text
+            cid = r.json()["id"]
+            assert r.json()["pinned_until"] is None and "side" in await loaded(c)
+            async with surface(kind, d, sock) as s:
+                for bad in (-1, 86_401, "10", True):
+                    ok, error = await call(s, "pin", cid, ttl_s=bad)
+                    assert not ok and error["param"] == "ttl_s", error
+                ok, error = await call(s, "pin", "c-nope", ttl_s=5)
+                assert not ok and error["code"] == "session_not_found"
+                ok, done = await call(s, "pin", cid, ttl_s=1.0)  # runs out: the idle timeout counts from then
+                assert ok and done["pinned_until"] == pytest.approx(time.time() + 1.0, abs=0.5), done
+                assert 1.0 <= await until_unloaded(c, "side", 10) + 0.1  # (not before the pin ran out)
+                r = await c.post("/v1/chat/completions", json={"model": "side", "max_tokens": 1,
+                                                               "messages": [U1]})
+                assert r.status_code == 200 and "side" in await loaded(c)
+                ok, done = await call(s, "pin", cid, ttl_s=600)
+                assert ok and done["pinned_until"] == pytest.approx(time.time() + 600, abs=5)
+                until = done["pinned_until"]
+                await trio.sleep(1.2)  # past --idle-timeout 0.5
+                assert "side" in await loaded(c)
+                assert (await c.get(f"/v1/sessions/{cid}")).json()["pinned_until"] == until
+                r = await c.post(f"/v1/sessions/{cid}/fork", json={})  # a branch is not pinned by the copies
+                assert r.status_code == 201 and r.json()["pinned_until"] is None, r.text
+                events_ = await events(c, cid)
+                assert events_[-1]["type"] == "pin" and events_[-1]["deadline"] == round(until * 1000)
+    async with open_daemon(config) as d:  # an unexpired pin holds after a restart
+        c = d.client
+        with trio.fail_after(60):
+            assert (await c.get(f"/v1/sessions/{cid}")).json()["pinned_until"] == until
+            r = await c.post("/v1/chat/completions", json={"model": "side", "max_tokens": 1, "messages": [U1]})
+            assert r.status_code == 200
+            await trio.sleep(1.2)
+            assert "side" in await loaded(c)
+            async with surface(kind, d, sock) as s:
+                ok, done = await call(s, "pin", cid, ttl_s=0)  # unpins
+                assert ok and done["pinned_until"] is None
+            await until_unloaded(c, "side", 10)
+            assert (await c.get(f"/v1/sessions/{cid}")).json()["pinned_until"] is None
+
+
 REST_ROUTES = [("POST", "/tool_calls/call_1/cancel", {}), ("POST", "/permissions", {}),
-               ("GET", "/permissions", {}), ("POST", "/permissions/perm-x", {"allow": True})]
+               ("GET", "/permissions", {}), ("POST", "/permissions/perm-x", {"allow": True}),
+               ("POST", "/pin", {"ttl_s": 5})]
 REST_OPS = [("tool_cancel", {"tool_call_id": "call_1"}), ("permission_request", {}), ("permissions", {}),
-            ("permission_response", {"permission": "perm-x", "allow": True})]
+            ("permission_response", {"permission": "perm-x", "allow": True}), ("pin", {"ttl_s": 5})]
 
 
 async def test_another_tenant_gets_the_unknown_id_answer_on_the_rest_of_the_tree() -> None:

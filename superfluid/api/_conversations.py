@@ -37,6 +37,8 @@ The session tree (SPEC.md §7, "The session tree"):
 * ``POST …/permissions`` ``{tool_call_id?, tool?, arguments?, reason?}`` (201), ``POST
   …/permissions/{pid}`` ``{allow, note?}``, ``GET …/permissions``: permission requests and their
   answers (``permission_request``, ``permission_response`` events).
+* ``POST …/pin`` ``{ttl_s}`` (0 unpins, at most a day): ``{pinned_until}``; a pinned conversation
+  holds its model loaded (``daemon/_lifetime.py``).
 
 Every conversation belongs to the tenant that created it; for any other
 tenant its id answers as an unknown one (:func:`own_conversation`).
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -62,7 +65,7 @@ from ..journal import SessionStateError
 from ..proto._wal import body_conversation, body_fork
 from ..proto._wal_conversation import (
     MAX_TITLE, PERMISSION_REQUEST, PERMISSION_RESPONSE, PURGE_MODES, TOOL_CANCEL, body_permission_request,
-    body_permission_response, body_tool_cancel,
+    body_permission_response, body_pin, body_tool_cancel,
 )
 from ..sched import parse_qos
 from ..sessions._conversations import size_of
@@ -85,7 +88,7 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["append_messages", "conversation_info", "create_conversation", "events_page", "fork_conversation",
-           "own_conversation", "permissions", "request_permission", "respond_permission", "route_conversations",
+           "own_conversation", "permissions", "pin_conversation", "request_permission", "respond_permission", "route_conversations",
            "tool_cancel"]
 CREATE_FIELDS = frozenset({"model", "system", "tools", "sampling", "messages", "chat_template_kwargs", "id"})
 MAX_EVENTS_PAGE = 10_000
@@ -133,7 +136,8 @@ def _meta_info(app: App, cid: str) -> dict[str, Any]:
     store = app.conversations
     meta, (parent, fork_at) = store.meta(cid), store.parent(cid)
     return {"title": meta["title"], "archived": meta["archived"], "qos": meta["qos"], "version": meta["version"],
-            "parent": None if parent is None else public_id(parent), "fork_at": fork_at}
+            "parent": None if parent is None else public_id(parent), "fork_at": fork_at,
+            "pinned_until": store.pinned(cid, time.time())}
 
 
 def conversation_info(app: App, cid: str) -> dict[str, Any]:
@@ -390,6 +394,31 @@ async def tool_cancel(app: App, cid: str, call_id: str, body: dict[str, Any]) ->
         rec = await store.log_event(cid, body_tool_cancel(call_id=call_id))
     return {"id": public_id(cid), "object": "session.tool_call", "tool_call_id": call_id,
             "status": "cancel_requested", "event": rec.event_id}
+
+
+MAX_PIN_S = 86_400   # a pin holds a model at most a day; pin again to hold it longer
+
+
+async def pin_conversation(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/pin`` ``{ttl_s}``: a ``pin`` event; until it runs out the conversation
+    holds its model loaded (``daemon/_lifetime.py``). ``ttl_s`` 0 unpins.
+
+    Raises:
+        ApiError: 404; 400 a bad ``ttl_s``.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset({"ttl_s"}))
+    ttl = body.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= MAX_PIN_S:
+        raise ApiError(400, f"invalid request: ttl_s must be a number of seconds in 0..{MAX_PIN_S} (0 unpins)",
+                       param="ttl_s")
+    store = app.conversations
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        check_room(app, cid, [], events=1)
+        await store.log_event(cid, body_pin(deadline=int((time.time() + ttl) * 1000) if ttl > 0 else 0))
+    app.registry.pins(store.pinned_until)  # look at the models' expiries again
+    return {"id": public_id(cid), "object": "session.pin", "pinned_until": store.pinned(cid, time.time())}
 
 
 MAX_PENDING_PERMISSIONS = 256   # pending permission requests per conversation
@@ -673,7 +702,7 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         return True
     wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET", "/rebase": "POST",
               "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST",
-              "/tool_calls/cancel": "POST", "/permissions/answer": "POST",
+              "/tool_calls/cancel": "POST", "/permissions/answer": "POST", "/pin": "POST",
               "/permissions": method if method in ("GET", "POST") else "POST"}.get(tail or "")
     if tail is None and method in ("PATCH", "DELETE"):
         if method == "PATCH":
@@ -734,6 +763,11 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         body = await _optional_json(scope, receive)
         with _whole():
             done = await tool_cancel(app, cid, item, body)
+        await send_json(send, 200, done)
+    elif tail == "/pin":
+        body = await read_json(scope, receive)
+        with _whole():
+            done = await pin_conversation(app, cid, body)
         await send_json(send, 200, done)
     elif tail == "/permissions" and method == "GET":
         await send_json(send, 200, permissions(app, cid))

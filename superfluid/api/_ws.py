@@ -49,7 +49,8 @@ conversation as ``GET /v1/sessions/{id}`` describes it):
   "tool_call_id","status":"cancel_requested","event"}``;
   ``{"op":"permission_request","session":C,"body":{tool_call_id?, tool?, arguments?, reason?}}`` and
   ``{"op":"permission_response","session":C,"body":{permission, allow, note?}}``: ``{"op":…,"session":C,
-  "permission"}``; ``{"op":"permissions","session":C}``: ``{"op":"permissions","session":C,"data"}``.
+  "permission"}``; ``{"op":"permissions","session":C}``: ``{"op":"permissions","session":C,"data"}``;
+  ``{"op":"pin","session":C,"body":{ttl_s}}``: ``{"op":"pin","session":C,"pinned_until"}``.
 * ``{"op":"subscribe","session":C,"after":N?}`` where ``C`` is a conversation (``after`` an
   event id, default -1: from its start): ``subscribed``, then ``event {session, event}``,
   ``provisional {session, turn, text}`` and, last, ``ended {session, reason}`` (``lagged``,
@@ -116,7 +117,7 @@ from ._guard import RateLimited
 from ._principal import principal_of
 from ._conversations import (
     append_messages, conversation_info, conversation_tree, create_conversation, events_page, fork_conversation,
-    own_conversation, patch_meta, permissions, purge_conversation, rebase_conversation, request_permission,
+    own_conversation, patch_meta, permissions, pin_conversation, purge_conversation, rebase_conversation, request_permission,
     respond_permission, tool_calls, tool_cancel, tool_result,
     trim_conversation,
 )
@@ -494,6 +495,11 @@ class _Socket:
         done = await respond_permission(self.app, own_conversation(self.app, self.scope, sid), pid, body)
         await self._emit(_with_ref({"op": "permission_response", "session": sid, "permission": done}, ref))
 
+    async def _op_pin(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await pin_conversation(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "pin", "session": sid, "pinned_until": done["pinned_until"]}, ref))
+
     async def _op_permissions(self, msg: dict[str, Any], ref: Any) -> None:
         sid = _session_of(msg)
         listed = permissions(self.app, own_conversation(self.app, self.scope, sid))
@@ -675,6 +681,7 @@ _OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
     "permission_request": _Socket._op_permission_request,
     "permission_response": _Socket._op_permission_response,
     "permissions": _Socket._op_permissions,
+    "pin": _Socket._op_pin,
 }
 
 

@@ -53,6 +53,7 @@ from ._wal_conversation import (
     META,
     PERMISSION_REQUEST,
     PERMISSION_RESPONSE,
+    PIN,
     PURGED,
     TOOL_CANCEL,
     TURN,
@@ -94,6 +95,7 @@ __all__ = [
     "META",
     "PERMISSION_REQUEST",
     "PERMISSION_RESPONSE",
+    "PIN",
     "PURGED",
     "PROMPT",
     "TOOL_CANCEL",
@@ -258,6 +260,7 @@ _CONVERSATION_FIELDS: Final = {
     TOOL_CANCEL: ({"call_id"}, {"call_id"}),
     PERMISSION_REQUEST: ({"permission", "tool_call_id", "tool", "arguments", "reason"}, {"permission"}),
     PERMISSION_RESPONSE: ({"permission", "allow", "note"}, {"permission", "allow"}),
+    PIN: ({"deadline"}, {"deadline"}),
 }
 
 

@@ -37,6 +37,9 @@ it never ends (compaction bounds how many are kept). Bodies:
   names it, the rest is optional and free-form (``arguments`` any plain value).
 * ``permission_response{permission, allow, note}``: the request is answered
   (each request once; the API checks that).
+* ``pin{deadline}``: until ``deadline`` (unix milliseconds; 0: unpinned) the
+  conversation holds its model loaded (no idle unload). A ``fork`` marker
+  ends a pin its copies carry.
 
 The order rules (one open turn at a time, nothing but its end while it is
 open) are the journal's; this module checks each body alone.
@@ -51,8 +54,8 @@ from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, pl
 
 __all__ = [
     "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "META", "PURGED", "PURGE_MODES",
-    "PERMISSION_REQUEST", "PERMISSION_RESPONSE", "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_permission_request",
-    "body_permission_response", "body_purged", "body_tool_cancel",
+    "PERMISSION_REQUEST", "PERMISSION_RESPONSE", "PIN", "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_permission_request",
+    "body_permission_response", "body_pin", "body_purged", "body_tool_cancel",
     "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
 ]
 
@@ -66,8 +69,9 @@ PURGED: Final = "purged"
 TOOL_CANCEL: Final = "tool_cancel"
 PERMISSION_REQUEST: Final = "permission_request"
 PERMISSION_RESPONSE: Final = "permission_response"
+PIN: Final = "pin"
 CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL, PERMISSION_REQUEST,
-                                        PERMISSION_RESPONSE})
+                                        PERMISSION_RESPONSE, PIN})
 PURGE_MODES: Final = frozenset({"cascade", "reroot"})
 EDIT_KINDS: Final = frozenset({"drop", "replace"})
 MAX_TITLE: Final = 1024
@@ -134,6 +138,11 @@ def body_permission_request(*, permission: str, tool_call_id: str | None = None,
 def body_permission_response(*, permission: str, allow: bool, note: str | None = None) -> dict[str, Any]:
     """Permission request ``permission`` is answered."""
     return validate_conversation_body({"type": PERMISSION_RESPONSE, "permission": permission, "allow": allow, "note": note})
+
+
+def body_pin(*, deadline: int) -> dict[str, Any]:
+    """The conversation holds its model until ``deadline`` (unix ms; 0: unpinned)."""
+    return validate_conversation_body({"type": PIN, "deadline": deadline})
 
 
 def _edits(value: object) -> list[dict[str, Any]]:
@@ -238,6 +247,8 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
         return {"type": PERMISSION_RESPONSE, "permission": _session_id("permission_response.permission",
                                                                             body["permission"]),
                 "allow": body["allow"], "note": opt_str("permission_response.note", body.get("note"))}
+    if kind == PIN:
+        return {"type": PIN, "deadline": int_field("pin.deadline", body["deadline"])}
     if kind == TOOL_CANCEL:
         return {"type": TOOL_CANCEL, "call_id": _session_id("tool_cancel.call_id", body["call_id"])}
     raise ValueError(f"unknown event type {kind!r}")
