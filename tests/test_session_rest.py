@@ -271,3 +271,27 @@ async def test_another_tenant_gets_the_unknown_id_answer_on_the_rest_of_the_tree
             assert len(await events(a, cid)) == 3  # nothing of b's was logged
         await a.aclose()
         await b.aclose()
+
+
+async def test_an_export_without_content_leaves_out_what_permissions_say(tmp_path: Any) -> None:
+    import json
+    import os
+    import sys
+
+    async with open_daemon(mock_config(sessions=tmp_path)) as d:
+        c = d.client
+        with trio.fail_after(30):
+            cid = await create(c, messages=[U1])
+            r = await c.post(f"/v1/sessions/{cid}/permissions", json={
+                "tool": "wipe_disk", "arguments": {"path": "/secret/place"}, "reason": "private reasons"})
+            r = await c.post(f"/v1/sessions/{cid}/permissions/{r.json()['id']}", json={"allow": False,
+                                                                                      "note": "private note"})
+            assert r.status_code == 200
+    with trio.fail_after(60):
+        proc = await trio.run_process([sys.executable, "-m", "superfluid", "session", "export", cid, "--sessions",
+                                       str(tmp_path)], check=False, capture_stdout=True, env=dict(os.environ))
+        out = proc.stdout.decode()
+        assert proc.returncode == 0 and '"type":"permission_response"' in out, out
+        assert not any(w in out for w in ("wipe_disk", "secret", "private")), out
+        assert [e["type"] for e in map(json.loads, out.splitlines())][-2:] == ["permission_request",
+                                                                               "permission_response"]
