@@ -3,6 +3,7 @@ WebSocket and the unix socket, each an event replayed after a restart (SPEC.md Â
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -217,6 +218,8 @@ async def test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_a
                 until = done["pinned_until"]
                 await trio.sleep(1.2)  # past --idle-timeout 0.5
                 assert "side" in await loaded(c)
+                [ps] = [m for m in (await c.get("/api/ps")).json()["models"] if m["name"] == "side"]
+                assert datetime.fromisoformat(ps["expires_at"].replace("Z", "+00:00")).timestamp() >= until
                 assert (await c.get(f"/v1/sessions/{cid}")).json()["pinned_until"] == until
                 r = await c.post(f"/v1/sessions/{cid}/fork", json={})  # a branch is not pinned by the copies
                 assert r.status_code == 201 and r.json()["pinned_until"] is None, r.text

@@ -50,6 +50,7 @@ class Registry(Protocol):
     aliases: dict[str, str]            # --alias NAME=MODEL
     default: str | None                # the model a request naming none gets
     idle_timeout_s: float              # --idle-timeout (serving/_keepalive.py)
+    pinned_until: Callable[[str, float], float]  # (model, now) -> until when a pinned conversation holds it (pins())
 
     def resolve_alias(self, name: str) -> str:
         """The model an ``--alias`` name stands for, or the known model a Hugging Face name
