@@ -132,6 +132,7 @@ class App:
         self.registry = registry
         self.sessions = sessions
         self.conversations = ConversationStore(sessions.journal)
+        registry.pins(self.conversations.pinned_until)  # a pinned conversation holds its model (daemon/_lifetime.py)
         self.metrics = metrics
         self.accepting = True
         self.stopping = Stopping()  # SIGTERM/SIGINT: readers end typed, then the daemon exits (_lifecycle.py)

@@ -32,7 +32,13 @@ The session tree (SPEC.md §7, "The session tree"):
   roots (reroot); running turns are stopped first.
 * ``GET …/subscribe?after=N``: SSE of committed events and the running turn's
   text (``api/_watch.py``).
-* ``GET …/tool_calls`` and ``POST …/tool_results``: the tool ledger.
+* ``GET …/tool_calls``, ``POST …/tool_results`` and ``POST …/tool_calls/{call_id}/cancel``: the tool
+  ledger (a cancel is a ``tool_cancel`` event; the call stays open until answered).
+* ``POST …/permissions`` ``{tool_call_id?, tool?, arguments?, reason?}`` (201), ``POST
+  …/permissions/{pid}`` ``{allow, note?}``, ``GET …/permissions``: permission requests and their
+  answers (``permission_request``, ``permission_response`` events).
+* ``POST …/pin`` ``{ttl_s}`` (0 unpins, at most a day): ``{pinned_until}``; a pinned conversation
+  holds its model loaded (``daemon/_lifetime.py``).
 
 Every conversation belongs to the tenant that created it; for any other
 tenant its id answers as an unknown one (:func:`own_conversation`).
@@ -48,6 +54,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
+import uuid
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -55,7 +63,10 @@ import trio
 
 from ..journal import SessionStateError
 from ..proto._wal import body_conversation, body_fork
-from ..proto._wal_conversation import MAX_TITLE, PURGE_MODES
+from ..proto._wal_conversation import (
+    MAX_TITLE, PERMISSION_REQUEST, PERMISSION_RESPONSE, PURGE_MODES, TOOL_CANCEL, body_permission_request,
+    body_permission_response, body_pin, body_tool_cancel,
+)
 from ..sched import parse_qos
 from ..sessions._conversations import size_of
 from ..proto import encode_sse_json
@@ -77,10 +88,11 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["append_messages", "conversation_info", "create_conversation", "events_page", "fork_conversation",
-           "own_conversation", "route_conversations"]
+           "own_conversation", "permissions", "pin_conversation", "request_permission", "respond_permission", "route_conversations",
+           "tool_cancel"]
 CREATE_FIELDS = frozenset({"model", "system", "tools", "sampling", "messages", "chat_template_kwargs", "id"})
 MAX_EVENTS_PAGE = 10_000
-_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z_]+)?)?")
+_ROUTE = re.compile(r"/v1/sessions(?:/([A-Za-z0-9_.-]+)(/[a-z_]+)?(?:/([^/]{1,256})(/cancel)?)?)?")
 
 
 def _only(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -124,7 +136,8 @@ def _meta_info(app: App, cid: str) -> dict[str, Any]:
     store = app.conversations
     meta, (parent, fork_at) = store.meta(cid), store.parent(cid)
     return {"title": meta["title"], "archived": meta["archived"], "qos": meta["qos"], "version": meta["version"],
-            "parent": None if parent is None else public_id(parent), "fork_at": fork_at}
+            "parent": None if parent is None else public_id(parent), "fork_at": fork_at,
+            "pinned_until": store.pinned(cid, time.time())}
 
 
 def conversation_info(app: App, cid: str) -> dict[str, Any]:
@@ -343,17 +356,171 @@ async def purge_conversation(app: App, scope: dict[str, Any], cid: str, *, mode:
 
 
 def tool_calls(app: App, cid: str) -> dict[str, Any]:
-    """``GET /v1/sessions/{id}/tool_calls``: the calls of the last assistant message that have no result yet."""
-    conversation_log(app, cid)
-    messages = [m for _eid, m in app.conversations.fold(cid).messages]
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    """``GET /v1/sessions/{id}/tool_calls``: the calls of the last assistant message that have no result yet,
+    ``status`` ``open`` or ``cancel_requested`` (a ``tool_cancel`` event after that message names it)."""
+    slog = conversation_log(app, cid)
+    messages = app.conversations.fold(cid).messages
+    last = max((i for i, (_eid, m) in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     if last < 0:
         return {"object": "list", "data": []}
-    answered = {m.get("tool_call_id") for m in messages[last + 1:] if m.get("role") == "tool"}
+    answered = {m.get("tool_call_id") for _eid, m in messages[last + 1:] if m.get("role") == "tool"}
+    cancelled = {r.body["call_id"] for r in slog.records(messages[last][0]) if r.body["type"] == TOOL_CANCEL}
     data = [{"id": c.get("id"), "name": (c.get("function") or {}).get("name"),
-             "arguments": (c.get("function") or {}).get("arguments"), "status": "open"}
-            for c in messages[last].get("tool_calls") or [] if c.get("id") not in answered]
+             "arguments": (c.get("function") or {}).get("arguments"),
+             "status": "cancel_requested" if c.get("id") in cancelled else "open"}
+            for c in messages[last][1].get("tool_calls") or [] if c.get("id") not in answered]
     return {"object": "list", "data": data}
+
+
+async def tool_cancel(app: App, cid: str, call_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/tool_calls/{call_id}/cancel``: log a ``tool_cancel`` event for an open
+    call; the call stays open (``cancel_requested``) until a result or an outcome answers it.
+
+    Raises:
+        ApiError: 404 the conversation, 404 ``tool_call_not_found`` (no open call has that id); 409
+            ``cancel_already_requested``; 400 a field in the body.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset())
+    store = app.conversations
+    async with store.ordered(cid):
+        call = next((c for c in tool_calls(app, cid)["data"] if c["id"] == call_id), None)
+        if call is None:
+            raise ApiError(404, f"no open tool call '{call_id}' in conversation '{public_id(cid)}'",
+                           code="tool_call_not_found", param="call_id")
+        if call["status"] == "cancel_requested":
+            raise ApiError(409, f"tool call '{call_id}' already has a cancel requested; answer it with a result "
+                           "or the outcome cancelled", code="cancel_already_requested", param="call_id")
+        rec = await store.log_event(cid, body_tool_cancel(call_id=call_id))
+    return {"id": public_id(cid), "object": "session.tool_call", "tool_call_id": call_id,
+            "status": "cancel_requested", "event": rec.event_id}
+
+
+MAX_PIN_S = 86_400   # a pin holds a model at most a day; pin again to hold it longer
+
+
+async def pin_conversation(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/pin`` ``{ttl_s}``: a ``pin`` event; until it runs out the conversation
+    holds its model loaded (``daemon/_lifetime.py``). ``ttl_s`` 0 unpins.
+
+    Raises:
+        ApiError: 404; 400 a bad ``ttl_s``.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset({"ttl_s"}))
+    ttl = body.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= MAX_PIN_S:
+        raise ApiError(400, f"invalid request: ttl_s must be a number of seconds in 0..{MAX_PIN_S} (0 unpins)",
+                       param="ttl_s")
+    store = app.conversations
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        check_room(app, cid, [], events=1)
+        await store.log_event(cid, body_pin(deadline=int((time.time() + ttl) * 1000) if ttl > 0 else 0))
+    app.registry.pins(store.pinned_until)  # look at the models' expiries again
+    return {"id": public_id(cid), "object": "session.pin", "pinned_until": store.pinned(cid, time.time())}
+
+
+MAX_PENDING_PERMISSIONS = 256   # pending permission requests per conversation
+MAX_PERMISSION_TEXT = 4096      # characters of a request's reason or an answer's note
+_PERMISSION_FIELDS = frozenset({"tool_call_id", "tool", "arguments", "reason"})
+
+
+def permissions(app: App, cid: str) -> dict[str, Any]:
+    """``GET /v1/sessions/{id}/permissions``: every permission request, oldest first, with its
+    ``status`` (``pending``, ``allowed``, ``denied``) from the conversation's events."""
+    slog = conversation_log(app, cid)
+    held: dict[str, dict[str, Any]] = {}
+    for rec in slog.records():
+        body = rec.body
+        if body["type"] == PERMISSION_REQUEST:
+            held[body["permission"]] = {"id": body["permission"], "object": "session.permission", "tool_call_id": body["tool_call_id"],
+                                "tool": body["tool"], "arguments": body["arguments"], "reason": body["reason"],
+                                "status": "pending", "note": None, "event": rec.event_id, "answer_event": None,
+                                "created": rec.ts // 1000}
+        elif body["type"] == PERMISSION_RESPONSE and body["permission"] in held:
+            held[body["permission"]].update(status="allowed" if body["allow"] else "denied", note=body["note"],
+                                    answer_event=rec.event_id)
+    return {"object": "list", "data": list(held.values())}
+
+
+def _permission(app: App, cid: str, pid: str) -> dict[str, Any]:
+    """Raises ApiError 404 ``permission_not_found``."""
+    found = next((p for p in permissions(app, cid)["data"] if p["id"] == pid), None)
+    if found is None:
+        raise ApiError(404, f"no permission request '{pid}' in conversation '{public_id(cid)}'",
+                       code="permission_not_found", param="permission")
+    return found
+
+
+def _text(body: dict[str, Any], name: str, limit: int) -> str | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, str) or len(value) > limit):
+        raise ApiError(400, f"invalid request: {name} must be a string of at most {limit} characters or null",
+                       param=name)
+    return value
+
+
+async def request_permission(app: App, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/permissions`` ``{tool_call_id?, tool?, arguments?, reason?}``: a
+    ``permission_request`` event; the new request, ``pending``.
+
+    Raises:
+        ApiError: 404; 400 a bad field; 413 too large; 429 ``too_many_pending_permissions``.
+    """
+    conversation_log(app, cid)
+    _only(body, _PERMISSION_FIELDS)
+    tool_call_id, tool = _text(body, "tool_call_id", 256), _text(body, "tool", 256)
+    why = _text(body, "reason", MAX_PERMISSION_TEXT)
+    arguments = body.get("arguments")
+    check_loggable(arguments, "arguments")
+    if size_of(arguments) > app.config.max_message_bytes:
+        raise ApiError(413, f"arguments take more than {app.config.max_message_bytes} bytes (--max-message-bytes)",
+                       code="message_too_large", param="arguments")
+    store = app.conversations
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        pending = sum(p["status"] == "pending" for p in permissions(app, cid)["data"])
+        if pending >= MAX_PENDING_PERMISSIONS:
+            raise ApiError(429, f"conversation '{public_id(cid)}' has {pending} permission requests pending; "
+                           f"the limit is {MAX_PENDING_PERMISSIONS}: answer some first",
+                           code="too_many_pending_permissions")
+        check_room(app, cid, [], events=1)
+        pid = "perm-" + uuid.uuid4().hex
+        try:
+            await store.log_event(cid, body_permission_request(permission=pid, tool_call_id=tool_call_id, tool=tool,
+                                                               arguments=arguments, reason=why))
+        except ValueError as exc:  # what the log cannot hold
+            raise ApiError(400, f"invalid request: {exc}") from None
+    return _permission(app, cid, pid)
+
+
+async def respond_permission(app: App, cid: str, pid: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /v1/sessions/{id}/permissions/{pid}`` ``{allow, note?}``: a ``permission_response``
+    event; the answered request.
+
+    Raises:
+        ApiError: 404 the conversation or ``permission_not_found``; 400 a bad field; 409
+            ``already_answered``.
+    """
+    conversation_log(app, cid)
+    _only(body, frozenset({"allow", "note"}))
+    allow = body.get("allow")
+    if not isinstance(allow, bool):
+        raise ApiError(400, "invalid request: allow must be a boolean", param="allow")
+    note = _text(body, "note", MAX_PERMISSION_TEXT)
+    store = app.conversations
+    async with store.ordered(cid):
+        conversation_log(app, cid)
+        if _permission(app, cid, pid)["status"] != "pending":
+            raise ApiError(409, f"permission request '{pid}' was answered already", code="already_answered",
+                           param="permission")
+        check_room(app, cid, [], events=1)
+        try:
+            await store.log_event(cid, body_permission_response(permission=pid, allow=allow, note=note))
+        except ValueError as exc:
+            raise ApiError(400, f"invalid request: {exc}", param="note") from None
+    return _permission(app, cid, pid)
 
 
 TOOL_OUTCOMES = frozenset({"failed", "cancelled"})
@@ -518,7 +685,11 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
     m = _ROUTE.fullmatch(scope["path"])
     if m is None:
         return False
-    method, (cid, tail) = scope["method"], m.groups()
+    method, (cid, tail, item, action) = scope["method"], m.groups()
+    if item is not None:  # …/tool_calls/{call_id}/cancel, …/permissions/{pid}
+        if (tail, action) not in (("/tool_calls", "/cancel"), ("/permissions", None)):
+            return False
+        tail += "/cancel" if action else "/answer"
     if method == "POST":
         check_log(app)  # every POST here writes the log: a full disk refuses it typed (507)
     if cid is None:
@@ -530,7 +701,9 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         await send_json(send, 201, info)
         return True
     wanted = {"/messages": "POST", "/generate": "POST", "/fork": "POST", "/events": "GET", "/rebase": "POST",
-              "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST"}.get(tail or "")
+              "/trim": "POST", "/subscribe": "GET", "/tool_calls": "GET", "/tool_results": "POST",
+              "/tool_calls/cancel": "POST", "/permissions/answer": "POST", "/pin": "POST",
+              "/permissions": method if method in ("GET", "POST") else "POST"}.get(tail or "")
     if tail is None and method in ("PATCH", "DELETE"):
         if method == "PATCH":
             check_log(app)
@@ -585,6 +758,30 @@ async def route_conversations(app: App, scope: dict[str, Any], receive: Receive,
         await _subscribe(app, scope, send, cid)
     elif tail == "/tool_calls":
         await send_json(send, 200, tool_calls(app, cid))
+    elif tail == "/tool_calls/cancel":
+        assert item is not None
+        body = await _optional_json(scope, receive)
+        with _whole():
+            done = await tool_cancel(app, cid, item, body)
+        await send_json(send, 200, done)
+    elif tail == "/pin":
+        body = await read_json(scope, receive)
+        with _whole():
+            done = await pin_conversation(app, cid, body)
+        await send_json(send, 200, done)
+    elif tail == "/permissions" and method == "GET":
+        await send_json(send, 200, permissions(app, cid))
+    elif tail == "/permissions":
+        body = await _optional_json(scope, receive)
+        with _whole():
+            done = await request_permission(app, cid, body)
+        await send_json(send, 201, done)
+    elif tail == "/permissions/answer":
+        assert item is not None
+        body = await read_json(scope, receive)
+        with _whole():
+            done = await respond_permission(app, cid, item, body)
+        await send_json(send, 200, done)
     elif tail == "/tool_results":
         body = await read_json(scope, receive)
         with _whole():

@@ -156,7 +156,8 @@ async def api_ps(app: App, scope: dict[str, Any], receive: Receive, send: Send, 
     for n, m in sorted(reg.loaded.items()):
         if not principal_of(scope).may_use(n):
             continue
-        at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s)
+        at = expires_at_wall(m, default=reg.default, idle_timeout_s=reg.idle_timeout_s,
+                             pinned_until=reg.pinned_until(n, time.time()))
         if at <= time.time() and not (m.holds or m.actor.session_tasks):
             continue  # its last request has ended: it goes as soon as its scheduler has settled
         models.append({**_entry(n, m, facts.get(n)), "size": m.size, "size_vram": 0, "context_length": m.n_ctx,

@@ -44,7 +44,13 @@ conversation as ``GET /v1/sessions/{id}`` describes it):
 * ``{"op":"meta","session":C,"body":{title?, archived?, qos?, expected_version?}}``: ``{"op":"meta","session":C,"info"}``.
 * ``{"op":"tool_calls","session":C}``: ``{"op":"tool_calls","session":C,"data":[calls]}``;
   ``{"op":"tool_result","session":C,"body":{tool_call_id, content | outcome, note?}}``:
-  ``{"op":"tool_result","session":C,"events":[ids]}``.
+  ``{"op":"tool_result","session":C,"events":[ids]}``;
+  ``{"op":"tool_cancel","session":C,"body":{tool_call_id}}``: ``{"op":"tool_cancel","session":C,
+  "tool_call_id","status":"cancel_requested","event"}``;
+  ``{"op":"permission_request","session":C,"body":{tool_call_id?, tool?, arguments?, reason?}}`` and
+  ``{"op":"permission_response","session":C,"body":{permission, allow, note?}}``: ``{"op":…,"session":C,
+  "permission"}``; ``{"op":"permissions","session":C}``: ``{"op":"permissions","session":C,"data"}``;
+  ``{"op":"pin","session":C,"body":{ttl_s}}``: ``{"op":"pin","session":C,"pinned_until"}``.
 * ``{"op":"subscribe","session":C,"after":N?}`` where ``C`` is a conversation (``after`` an
   event id, default -1: from its start): ``subscribed``, then ``event {session, event}``,
   ``provisional {session, turn, text}`` and, last, ``ended {session, reason}`` (``lagged``,
@@ -111,7 +117,8 @@ from ._guard import RateLimited
 from ._principal import principal_of
 from ._conversations import (
     append_messages, conversation_info, conversation_tree, create_conversation, events_page, fork_conversation,
-    own_conversation, patch_meta, purge_conversation, rebase_conversation, tool_calls, tool_result,
+    own_conversation, patch_meta, permissions, pin_conversation, purge_conversation, rebase_conversation, request_permission,
+    respond_permission, tool_calls, tool_cancel, tool_result,
     trim_conversation,
 )
 from ._watch import watch
@@ -461,6 +468,43 @@ class _Socket:
         done = await tool_result(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
         await self._emit(_with_ref({"op": "tool_result", "session": sid, "events": done["events"]}, ref))
 
+    async def _op_tool_cancel(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        body = _body_of(msg)
+        call_id = body.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ApiError(400, "invalid message: body.tool_call_id must be a string", code="invalid_message",
+                           param="tool_call_id")
+        done = await tool_cancel(self.app, own_conversation(self.app, self.scope, sid), call_id,
+                                 {k: v for k, v in body.items() if k != "tool_call_id"})
+        await self._emit(_with_ref({"op": "tool_cancel", "session": sid, "tool_call_id": call_id,
+                                    "status": done["status"], "event": done["event"]}, ref))
+
+    async def _op_permission_request(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await request_permission(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "permission_request", "session": sid, "permission": done}, ref))
+
+    async def _op_permission_response(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        body = dict(_body_of(msg))
+        pid = body.pop("permission", None)
+        if not isinstance(pid, str) or not pid:
+            raise ApiError(400, "invalid message: body.permission must name a permission request",
+                           code="invalid_message", param="permission")
+        done = await respond_permission(self.app, own_conversation(self.app, self.scope, sid), pid, body)
+        await self._emit(_with_ref({"op": "permission_response", "session": sid, "permission": done}, ref))
+
+    async def _op_pin(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        done = await pin_conversation(self.app, own_conversation(self.app, self.scope, sid), _body_of(msg))
+        await self._emit(_with_ref({"op": "pin", "session": sid, "pinned_until": done["pinned_until"]}, ref))
+
+    async def _op_permissions(self, msg: dict[str, Any], ref: Any) -> None:
+        sid = _session_of(msg)
+        listed = permissions(self.app, own_conversation(self.app, self.scope, sid))
+        await self._emit(_with_ref({"op": "permissions", "session": sid, "data": listed["data"]}, ref))
+
     def _watch(self, sid: str, cid: str, after: Any, ref: Any) -> None:
         """Subscribe to conversation ``cid`` (called ``sid``) from event cursor ``after``."""
         if isinstance(after, bool) or not isinstance(after, int) or after < -1:
@@ -633,6 +677,11 @@ _OPS: dict[str, Callable[[_Socket, dict[str, Any], Any], Awaitable[None]]] = {
     "meta": _Socket._op_meta,
     "tool_calls": _Socket._op_tool_calls,
     "tool_result": _Socket._op_tool_result,
+    "tool_cancel": _Socket._op_tool_cancel,
+    "permission_request": _Socket._op_permission_request,
+    "permission_response": _Socket._op_permission_response,
+    "permissions": _Socket._op_permissions,
+    "pin": _Socket._op_pin,
 }
 
 

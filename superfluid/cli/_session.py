@@ -25,7 +25,8 @@ from ._errors import USAGE, CliError, HelpFormatter, suggest
 __all__ = ["add_session_parser", "run_session"]
 
 # Body fields that hold what a user or a model wrote; left out of an export unless --include-content.
-_CONTENT = frozenset({"tokens", "text", "message", "system", "tools", "template_kwargs", "title"})
+_CONTENT = frozenset({"tokens", "text", "message", "system", "tools", "template_kwargs", "title", "tool", "arguments",
+                      "reason", "note"})
 _CONTENT_PARAMS = frozenset({"stops", "stop", "grammar", "logit_bias"})
 
 

@@ -4,7 +4,10 @@ A model is *in use* while an HTTP request holds it (from resolving its name to
 the response's end), while its scheduler has anything of a request (a job
 queued or running, a reserved place, a tokenize or embedding pending), or
 while a session task of it runs (a resumable stream's TTL watcher, a
-conversation turn). Once it is idle, its keep-alive counts from the moment it
+conversation turn), or while a conversation naming it is pinned (``POST
+/v1/sessions/{id}/pin``: a pinned conversation holds its model until the pin's
+deadline, a wall-clock time kept in the log, so it holds across a restart; the
+registry's ``pinned_until``). Once it is idle, its keep-alive counts from the moment it
 was last in use:
 
 * a ``keep_alive`` a request gave it (Ollama ``/api/chat``, ``/api/generate``):
@@ -24,6 +27,7 @@ their keep-alive.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -32,7 +36,7 @@ import trio
 from ..serving._keepalive import FOREVER, Expiring, expires_at_wall, keep_alive_of, parse_keep_alive
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
 __all__ = ["FOREVER", "Lifetimes", "expires_at_wall", "parse_keep_alive"]
 
@@ -44,6 +48,7 @@ POLL_MAX_S = 5.0         # ... and at least this often
 class _Registry(Protocol):
     default: str | None
     idle_timeout_s: float
+    pinned_until: Callable[[str, float], float]
 
     @property
     def loaded(self) -> dict[str, Any]: ...
@@ -68,16 +73,20 @@ class Lifetimes:
 
     def due(self, models: Iterable[Expiring], now: float) -> tuple[list[Expiring], float]:
         """The models to unload now, and when to look next (``FOREVER``: only when woken).
-        An in-use model's idle time starts over (its ``last_used`` becomes ``now``)."""
+        An in-use or pinned model's idle time starts over (its ``last_used`` becomes ``now``)."""
         expired: list[Expiring] = []
         deadline = FOREVER
+        wall = time.time()
+        pinned_until = getattr(self.registry, "pinned_until", None)
         for model in models:
             ttl = self._ttl(model)
             if ttl == FOREVER:
                 continue
-            if model.in_use:
+            pinned = (pinned_until(model.name, wall) - wall) if pinned_until is not None else 0.0
+            if model.in_use or pinned > 0:  # a pinned conversation holds its model: looked at again as it ends
                 model.last_used = now
-                deadline = min(deadline, now + min(max(ttl / 4, POLL_MIN_S), POLL_MAX_S))
+                poll = min(max(ttl / 4, POLL_MIN_S), POLL_MAX_S)
+                deadline = min(deadline, now + (poll if model.in_use or pinned > poll else max(pinned, POLL_MIN_S)))
             elif now >= model.last_used + ttl:
                 expired.append(model)
             else:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,6 +105,10 @@ class _Loading:
     error: BaseException | None = None
 
 
+def _unpinned(name: str, now: float) -> float:
+    return 0.0
+
+
 class ModelRegistry:
     def __init__(self, config: ServeConfig, metrics: Metrics,
                  committer: Committer | None = None, cpu: CpuYield | None = None) -> None:
@@ -129,6 +134,7 @@ class ModelRegistry:
             self.known.setdefault(source.name, source)
         self.aliases: dict[str, str] = dict(config.aliases)
         self.idle_timeout_s = config.idle_timeout_s
+        self.pinned_until: Callable[[str, float], float] = _unpinned  # conversations' pins (pins())
         self.lifetimes = Lifetimes(self)
         metrics.refresh(self._fleet_gauges)
 
@@ -168,12 +174,18 @@ class ModelRegistry:
             model.keep_alive_s = seconds
             self.lifetimes.wake()
 
+    def pins(self, pinned_until: Callable[[str, float], float]) -> None:
+        """Conversations' pins hold models (``daemon/_lifetime.py``); look at expiries again."""
+        self.pinned_until = pinned_until
+        self.lifetimes.wake()
+
     async def expire(self, name: str, model: ServedModel) -> bool:
         """Unload ``model`` (its keep-alive ran out) if it is still loaded and still idle.
         Unlike :meth:`unload` it may leave no model loaded, and the default keeps its name.
         Returns once its actor (and worker) has ended."""
         async with self._lock:
-            if self.loaded.get(name) is not model or model.in_use:
+            now = time.time()
+            if self.loaded.get(name) is not model or model.in_use or self.pinned_until(name, now) > now:
                 return False
             del self.loaded[name]
             idle = trio.current_time() - model.last_used

@@ -34,13 +34,14 @@ from types import MappingProxyType
 from typing import Any
 
 from ..proto._wal import (
-    CANCELLED, CONVERSATION, CREATED, FINISHED, FORK, GENERATED, MESSAGE, META, PROMPT, PURGED, TURN, TURN_END,
+    CANCELLED, CONVERSATION, CREATED, FINISHED, FORK, GENERATED, MESSAGE, META, PERMISSION_REQUEST, PERMISSION_RESPONSE, PIN, PROMPT, PURGED, TOOL_CANCEL, TURN, TURN_END,
     WalRecord,
 )
 
 __all__ = ["SessionLog"]
 
-_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED, CONVERSATION, MESSAGE, TURN, TURN_END, FORK, META, PURGED)
+_KINDS = (CREATED, PROMPT, GENERATED, FINISHED, CANCELLED, CONVERSATION, MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL,
+          PERMISSION_REQUEST, PERMISSION_RESPONSE, PIN)
 _KIND_CODE = {kind: code for code, kind in enumerate(_KINDS)}
 _KIND_MASK = 0x3F
 _NO_TEXT = 0x80  # flag on a PROMPT kind code: its text was None
@@ -189,7 +190,7 @@ class SessionLog:
     __slots__ = (
         "_extras", "_index", "_prompt_len", "_prompt_text", "_text", "_text_len", "conversation", "created", "epoch",
         "error", "finish", "first_seq", "first_ts", "fork", "generated_tokens", "last_event_id", "last_seq",
-        "last_ts", "meta", "open_turn", "prompt_tokens", "session",
+        "last_ts", "meta", "open_turn", "pin", "prompt_tokens", "session",
     )
 
     def __init__(self, session: str) -> None:
@@ -199,6 +200,7 @@ class SessionLog:
         self.open_turn = -1
         self.fork: dict[str, Any] | None = None
         self.meta: dict[str, Any] | None = None
+        self.pin = 0  # a conversation's latest ``pin`` deadline (unix ms) after its latest ``fork`` marker
         self.prompt_tokens = array("I")
         self.generated_tokens = array("I")
         self.finish: str | None = None
@@ -372,8 +374,11 @@ class SessionLog:
                     at = min(at, next(iter(body["edits"][0].values()))["from"] - 1)
                 self.fork = {"source": body["source"], "at": at, "event": record.event_id}
                 self.meta = None
+                self.pin = 0
             elif kind == META:
                 self.meta = extra
+            elif kind == PIN:
+                self.pin = body["deadline"]
             elif kind == PURGED:
                 self.finish = "purged"
                 self.open_turn = -1  # nobody lands a purged conversation's turn

@@ -29,6 +29,17 @@ it never ends (compaction bounds how many are kept). Bodies:
 * ``purged{mode}``: the conversation is deleted (``cascade`` or ``reroot``,
   how its descendants went); it takes no more events, answers as unknown and
   is dropped by the next compaction.
+* ``tool_cancel{call_id}``: a client asked that the open tool call
+  ``call_id`` be cancelled; the call stays open until a ``tool`` message
+  answers it (an outcome ``cancelled``, or its result).
+* ``permission_request{permission, tool_call_id, tool, arguments, reason}``: a
+  client asks a person (another client) to allow a tool call; ``permission`` (``perm-…``)
+  names it, the rest is optional and free-form (``arguments`` any plain value).
+* ``permission_response{permission, allow, note}``: the request is answered
+  (each request once; the API checks that).
+* ``pin{deadline}``: until ``deadline`` (unix milliseconds; 0: unpinned) the
+  conversation holds its model loaded (no idle unload). A ``fork`` marker
+  ends a pin its copies carry.
 
 The order rules (one open turn at a time, nothing but its end while it is
 open) are the journal's; this module checks each body alone.
@@ -43,8 +54,9 @@ from ._wal_fields import MAX_INT, error_field, int_field, map_field, opt_str, pl
 
 __all__ = [
     "CONVERSATION", "CONVERSATION_EVENTS", "FORK", "MESSAGE", "MESSAGE_ROLES", "META", "PURGED", "PURGE_MODES",
-    "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_purged", "body_turn",
-    "body_turn_end", "open_turn_after", "validate_conversation_body",
+    "PERMISSION_REQUEST", "PERMISSION_RESPONSE", "PIN", "TOOL_CANCEL", "TURN", "TURN_END", "body_conversation", "body_fork", "body_message", "body_meta", "body_permission_request",
+    "body_permission_response", "body_pin", "body_purged", "body_tool_cancel",
+    "body_turn", "body_turn_end", "open_turn_after", "validate_conversation_body",
 ]
 
 CONVERSATION: Final = "conversation"
@@ -54,7 +66,12 @@ TURN_END: Final = "turn_end"
 FORK: Final = "fork"
 META: Final = "meta"
 PURGED: Final = "purged"
-CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED})
+TOOL_CANCEL: Final = "tool_cancel"
+PERMISSION_REQUEST: Final = "permission_request"
+PERMISSION_RESPONSE: Final = "permission_response"
+PIN: Final = "pin"
+CONVERSATION_EVENTS: Final = frozenset({MESSAGE, TURN, TURN_END, FORK, META, PURGED, TOOL_CANCEL, PERMISSION_REQUEST,
+                                        PERMISSION_RESPONSE, PIN})
 PURGE_MODES: Final = frozenset({"cascade", "reroot"})
 EDIT_KINDS: Final = frozenset({"drop", "replace"})
 MAX_TITLE: Final = 1024
@@ -104,6 +121,28 @@ def body_meta(*, version: int, title: str | None = None, archived: bool = False,
 def body_purged(*, mode: str) -> dict[str, Any]:
     """The conversation is deleted; ``mode`` says how its descendants went."""
     return validate_conversation_body({"type": PURGED, "mode": mode})
+
+
+def body_tool_cancel(*, call_id: str) -> dict[str, Any]:
+    """A client asked that open tool call ``call_id`` be cancelled."""
+    return validate_conversation_body({"type": TOOL_CANCEL, "call_id": call_id})
+
+
+def body_permission_request(*, permission: str, tool_call_id: str | None = None, tool: str | None = None,
+                            arguments: Any = None, reason: str | None = None) -> dict[str, Any]:
+    """A client asks that a tool call be allowed; ``permission`` names the request."""
+    return validate_conversation_body({"type": PERMISSION_REQUEST, "permission": permission, "tool_call_id": tool_call_id,
+                                       "tool": tool, "arguments": arguments, "reason": reason})
+
+
+def body_permission_response(*, permission: str, allow: bool, note: str | None = None) -> dict[str, Any]:
+    """Permission request ``permission`` is answered."""
+    return validate_conversation_body({"type": PERMISSION_RESPONSE, "permission": permission, "allow": allow, "note": note})
+
+
+def body_pin(*, deadline: int) -> dict[str, Any]:
+    """The conversation holds its model until ``deadline`` (unix ms; 0: unpinned)."""
+    return validate_conversation_body({"type": PIN, "deadline": deadline})
 
 
 def _edits(value: object) -> list[dict[str, Any]]:
@@ -196,6 +235,22 @@ def validate_conversation_body(body: Mapping[str, Any]) -> dict[str, Any]:
         if body["mode"] not in PURGE_MODES:
             raise ValueError(f"purged.mode must be one of {sorted(PURGE_MODES)}")
         return {"type": PURGED, "mode": body["mode"]}
+    if kind == PERMISSION_REQUEST:
+        return {"type": PERMISSION_REQUEST, "permission": _session_id("permission_request.permission", body["permission"]),
+                "tool_call_id": opt_str("permission_request.tool_call_id", body.get("tool_call_id")),
+                "tool": opt_str("permission_request.tool", body.get("tool")),
+                "arguments": plain(body.get("arguments")),
+                "reason": opt_str("permission_request.reason", body.get("reason"))}
+    if kind == PERMISSION_RESPONSE:
+        if type(body["allow"]) is not bool:
+            raise ValueError("permission_response.allow must be a boolean")
+        return {"type": PERMISSION_RESPONSE, "permission": _session_id("permission_response.permission",
+                                                                            body["permission"]),
+                "allow": body["allow"], "note": opt_str("permission_response.note", body.get("note"))}
+    if kind == PIN:
+        return {"type": PIN, "deadline": int_field("pin.deadline", body["deadline"])}
+    if kind == TOOL_CANCEL:
+        return {"type": TOOL_CANCEL, "call_id": _session_id("tool_cancel.call_id", body["call_id"])}
     raise ValueError(f"unknown event type {kind!r}")
 
 

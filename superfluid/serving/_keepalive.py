@@ -72,12 +72,14 @@ def keep_alive_of(model: Expiring, *, default: str | None, idle_timeout_s: float
     return idle_timeout_s
 
 
-def expires_at_wall(model: Expiring, *, default: str | None, idle_timeout_s: float) -> float:
+def expires_at_wall(model: Expiring, *, default: str | None, idle_timeout_s: float,
+                    pinned_until: float = 0.0) -> float:
     """The wall-clock time (``time.time()`` scale) ``model`` would be unloaded at if no
-    request came; in use, its keep-alive from now. ``FOREVER`` if never."""
+    request came; in use, its keep-alive from now; pinned by a conversation until
+    ``pinned_until`` (wall time), its keep-alive from then. ``FOREVER`` if never."""
     ttl = keep_alive_of(model, default=default, idle_timeout_s=idle_timeout_s)
     if ttl == FOREVER:
         return FOREVER
     now = trio.current_time()
     since = now if model.in_use else model.last_used
-    return time.time() + (since + ttl - now)
+    return max(time.time() + (since + ttl - now), pinned_until + ttl)

@@ -8,6 +8,8 @@ for typing, would close a package cycle (the layers contract in pyproject.toml).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import TYPE_CHECKING, Protocol
 
 from ..models._gguf import MemoryNeed, format_bytes
@@ -48,6 +50,7 @@ class Registry(Protocol):
     aliases: dict[str, str]            # --alias NAME=MODEL
     default: str | None                # the model a request naming none gets
     idle_timeout_s: float              # --idle-timeout (serving/_keepalive.py)
+    pinned_until: Callable[[str, float], float]  # (model, now) -> until when a pinned conversation holds it (pins())
 
     def resolve_alias(self, name: str) -> str:
         """The model an ``--alias`` name stands for, or the known model a Hugging Face name
@@ -93,4 +96,9 @@ class Registry(Protocol):
 
     def keep_alive(self, model: ServedModel, seconds: float | None) -> None:
         """A request's ``keep_alive`` for ``model`` (None: ``--idle-timeout``)."""
+        ...
+
+    def pins(self, pinned_until: Callable[[str, float], float]) -> None:
+        """Conversations pin models: ``pinned_until(name, time.time())`` is the wall time until
+        which one holds model ``name`` loaded (0: none). Called again when a pin changes."""
         ...

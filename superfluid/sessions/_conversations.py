@@ -30,7 +30,7 @@ import trio
 
 from ..proto._wal_conversation import open_turn_after
 from ..proto._wal import (
-    CONVERSATION, MESSAGE, META, PURGED, TURN, TURN_END, body_fork, body_message, body_meta, body_purged,
+    CONVERSATION, MESSAGE, META, PIN, PURGED, TURN, TURN_END, body_fork, body_message, body_meta, body_purged,
     body_turn, body_turn_end,
 )
 
@@ -260,6 +260,7 @@ class ConversationStore:
         self._preparing: set[str] = set()       # conversations whose turn is being rendered and logged
         self._sizes: dict[str, int] = {}        # bytes of each conversation's logged bodies, once asked
         self._watchers: dict[str, set[Watcher]] = {}
+        self._pinned: set[str] | None = None    # conversations that logged a pin (built from the log once asked)
 
     @staticmethod
     def new_id() -> str:
@@ -291,6 +292,24 @@ class ConversationStore:
             return None, None
         source = slog.fork["source"]
         return (source, slog.fork["at"]) if self.get(source) is not None else (None, None)
+
+    def pinned(self, cid: str, now: float) -> float | None:
+        """Until when (unix seconds) conversation ``cid`` is pinned, or None (not pinned, or the pin ran out)."""
+        slog = self.get(cid)
+        return slog.pin / 1000 if slog is not None and slog.pin / 1000 > now else None
+
+    def pinned_until(self, model: str, now: float) -> float:
+        """Until when (unix seconds) a conversation of ``model`` pins it loaded; 0 if none does."""
+        if self._pinned is None:
+            self._pinned = {sid for sid, slog in self.journal.sessions.items() if slog.pin}
+        until = 0.0
+        for cid in list(self._pinned):
+            held = self.pinned(cid, now)
+            if held is None:
+                self._pinned.discard(cid)
+            elif self.journal.sessions[cid].conversation["model"] == model:  # type: ignore[index]
+                until = max(until, held)
+        return until
 
     def conversations(self, tenant: str) -> list[str]:
         """The ids of ``tenant``'s conversations (not purged), oldest first."""
@@ -348,6 +367,8 @@ class ConversationStore:
         for rec in records:
             if rec.session in self._sizes:
                 self._sizes[rec.session] += size_of(rec.body)
+            if rec.body["type"] == PIN and self._pinned is not None:
+                self._pinned.add(rec.session)
         self._publish(records)
         return records
 
@@ -505,6 +526,15 @@ class ConversationStore:
         marker = body_fork(source=cid, at=records[-1].event_id, edits=edits)
         bodies = rebased(records, marker["edits"])
         return self._grew(await self.journal.append_many([*((new, b) for b in bodies), (new, marker)]))
+
+    async def log_event(self, cid: str, body: dict[str, Any]) -> WalRecord:
+        """Log one event of the conversation's ledger (``tool_cancel``, ``permission_request``,
+        ``permission_response``, ``pin``); the caller holds :meth:`ordered`.
+
+        Raises:
+            SessionStateError: ``cid`` is gone.
+        """
+        return self._grew([await self.journal.append(cid, body)])[0]
 
     async def set_meta(self, updates: dict[str, dict[str, Any]]) -> list[WalRecord]:
         """Log each conversation's new metadata (``{cid: whole meta}``) in one durable write;
