@@ -1,4 +1,5 @@
-"""Fill-in-the-middle, and llama-server's own routes: ``/infill``, ``/completion``, ``/tokenize``, ``/detokenize``.
+"""Fill-in-the-middle, and llama-server's own routes: ``/infill``, ``/completion``, ``/tokenize``, ``/detokenize``,
+``/slots``.
 
 A FIM prompt is built from the model's own marker tokens (the worker reports them:
 ``info.extra.fim``, from GGUF ``tokenizer.ggml.fim_*_token_id`` or the vocabulary),
@@ -23,6 +24,7 @@ import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import attrs
 import trio
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["DEFAULT_FIM_TOKENS", "FimTokens", "MAX_DETOKENIZE", "MAX_EXTRA_CHUNKS", "completion", "detokenize",
-           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "tokenize_route"]
+           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "slot_rows", "slots_route", "tokenize_route"]
 
 MAX_DETOKENIZE = 1 << 20         # ids in one /detokenize (a prompt's worth; the body limits allow about that)
 MAX_EXTRA_CHUNKS = 256           # input_extra entries (llama.vscode sends at most a few dozen)
@@ -409,3 +411,52 @@ async def detokenize(app: App, scope: dict[str, Any], receive: Receive, send: Se
         except Unavailable as exc:
             raise ApiError(503, str(exc), code=exc.code) from None
     await send_json(send, 200, {"content": b"".join(p for _t, p in pairs).decode("utf-8", "replace")})
+
+
+def slot_rows(model: ServedModel) -> list[dict[str, Any]]:
+    """``model``'s lanes as llama-server lists its slots (``GET /slots``): one row per lane
+    (``--max-batch`` per node), the running jobs first in admission order, then the idle lanes.
+    A slot's ``id`` is its place in this list: the daemon's lane numbers are not reused, so
+    there is no fixed slot a job lives in. Prompts and outputs are never shown."""
+    rows: list[dict[str, Any]] = []
+    n_ctx = model.n_ctx
+    for actor in model.actors:
+        sched = actor.scheduler
+        jobs = [job for _lane, job in sorted(sched.running.items())]
+        for i in range(max(sched.config.planner.max_batch, len(jobs))):
+            job = jobs[i] if i < len(jobs) else None
+            decoded = 0 if job is None else job.n_generated
+            rows.append({
+                "id": len(rows), "id_task": -1 if job is None else job.id, "n_ctx": n_ctx,
+                "speculative": False, "is_processing": job is not None, "model": model.name,
+                "params": {} if job is None else {"n_predict": job.max_new, "temperature": job.sampling.temperature},
+                "next_token": {"has_next_token": job is not None, "has_new_line": False,
+                               "n_remain": -1 if job is None else max(0, job.max_new - decoded),
+                               "n_decoded": decoded, "stopping_word": ""},
+            })
+    return rows
+
+
+async def slots_route(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``GET /slots`` (llama-server's): a JSON array of the lanes of ``?model=`` (a loaded model;
+    404 otherwise), or of every loaded model the key may use, each row naming its ``model``.
+    ``?fail_on_no_slot=1`` answers 503 ``no_slot_available`` when every listed lane is busy."""
+    if scope["method"] not in ("GET", "HEAD"):
+        raise ApiError(405, f"method {scope['method']} not allowed on /slots")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    principal = principal_of(scope)
+    name = (query.get("model") or [""])[0]
+    if name:
+        resolved = app.registry.resolve_alias(name)
+        principal.check_model(resolved)
+        model = app.registry.loaded.get(resolved)
+        if model is None:
+            raise ApiError(404, f"model '{name}' is not loaded", code="model_not_found")
+        models = [model]
+    else:
+        models = [m for m in list(app.registry.loaded.values()) if principal.may_use(m.name)]
+    rows = [row for model in models for row in slot_rows(model)]
+    if (query.get("fail_on_no_slot") or ["0"])[0] in ("1", "true") and not any(
+            not row["is_processing"] for row in rows):
+        raise ApiError(503, "no slot available", code="no_slot_available")
+    await send_json(send, 200, rows)
