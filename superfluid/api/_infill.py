@@ -21,6 +21,7 @@ a piece is a token's bytes, shown as text when they are UTF-8, else as their val
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -30,10 +31,10 @@ import attrs
 import trio
 
 from ..chat import ReplyParser
-from ..proto import encode_sse_json
-from ..sched import QosClass, Unavailable
+from ..proto import SLOT_ACTIONS, SLOT_FILE, encode_sse_json
+from ..sched import QosClass, Unavailable, cache_partition
 from ._chat import Reply, qos_of, require_grammar
-from ._http import ApiError, Receive, Send, header, send_json
+from ._http import ApiError, Receive, Send, header, read_json, send_json
 from ._lane import Follower, open_lane, prepare, prompt_limit, tokenize, wait_admitted
 from ._params import integer, sampling_from, stops_from
 from ._principal import QOS, principal_of
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["DEFAULT_FIM_TOKENS", "FimTokens", "MAX_DETOKENIZE", "MAX_EXTRA_CHUNKS", "completion", "detokenize",
-           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "slot_rows", "slots_route", "tokenize_route"]
+           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "slot_action_route", "slot_rows", "slots_route", "tokenize_route"]
 
 MAX_DETOKENIZE = 1 << 20         # ids in one /detokenize (a prompt's worth; the body limits allow about that)
 MAX_EXTRA_CHUNKS = 256           # input_extra entries (llama.vscode sends at most a few dozen)
@@ -460,3 +461,53 @@ async def slots_route(app: App, scope: dict[str, Any], receive: Receive, send: S
             not row["is_processing"] for row in rows):
         raise ApiError(503, "no slot available", code="no_slot_available")
     await send_json(send, 200, rows)
+
+
+_SLOT_PATH = re.compile(r"/slots/(\d{1,6})")
+
+
+async def slot_action_route(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> bool:
+    """``POST /slots/{id}?action=save|restore|erase`` (llama-server's; admin-only when keys are set:
+    api/_guard.py), on KV sequence ``id`` of ``?model=`` (or the default). ``save`` and ``restore``
+    take ``{"filename"}``, a plain name (``[A-Za-z0-9._-]{1,128}``) in ``<sessions>/park/slots/``
+    (``--park``); the worker checks a restored file as a park (worker/_executor.py ``slot_action``).
+    False if the request is not for this route."""
+    m = _SLOT_PATH.fullmatch(scope["path"])
+    if m is None:
+        return False
+    if scope["method"] != "POST":
+        raise ApiError(405, f"method {scope['method']} not allowed on {scope['path']}")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    action = (query.get("action") or [""])[0]
+    if action not in SLOT_ACTIONS:
+        raise ApiError(400, "action must be save, restore or erase", code="invalid_action", param="action")
+    body = await read_json(scope, receive) if action != "erase" else {}
+    filename = body.get("filename", "")
+    if action != "erase" and (not isinstance(filename, str) or not SLOT_FILE.fullmatch(filename)
+                              or filename in (".", "..")):
+        raise ApiError(400, "filename must be a plain name: 1-128 of A-Z a-z 0-9 . _ -", code="invalid_filename",
+                       param="filename")
+    model = await app.resolve_model((query.get("model") or [""])[0] or app.registry.default)
+    if model.group is not None:
+        raise ApiError(501, "slot actions are not served for a fleet model", code="slots_unavailable")
+    partition = partition_of(scope)
+    seq = int(m.group(1))
+    t0 = trio.current_time()
+    try:
+        done = await model.actor.scheduler.slot(action, seq, filename=filename,
+                                                cache_salt=cache_partition(partition.tenant, partition.cache_salt))
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), code=exc.code) from None
+    if done.status:
+        raise ApiError(done.status, done.message or done.error, code=done.error)
+    ms = round((trio.current_time() - t0) * 1000, 3)
+    if action == "save":
+        out = {"id_slot": seq, "filename": filename, "n_saved": done.tokens, "n_written": done.nbytes,
+               "timings": {"save_ms": ms}}
+    elif action == "restore":
+        out = {"id_slot": seq, "filename": filename, "n_restored": done.tokens, "n_read": done.nbytes,
+               "timings": {"restore_ms": ms}}
+    else:
+        out = {"id_slot": seq, "n_erased": done.tokens}
+    await send_json(send, 200, out)
+    return True

@@ -61,6 +61,8 @@ from ..proto import (
     Tick,
     TickDone,
     Tokenize,
+    SlotAction,
+    SlotDone,
     Tokenized,
     WorkerLink,
     embedded_pieces,
@@ -362,6 +364,11 @@ class _Worker:
                     if op.priority >= AGENT_PRIORITY:
                         self.agents.add(op.lane)
                 self.send(Admitted(lane=op.lane, cached=lane.cached), lanes=())
+        elif isinstance(op, SlotAction):   # between steps: the sequence's KV is still
+            status, error, message, tokens, nbytes = self.executor.slot_action(
+                op.action, op.seq, op.filename, op.cache_salt)
+            self.send(SlotDone(req=op.req, tokens=tokens, nbytes=nbytes, status=status, error=error,
+                               message=message), lanes=())
         elif isinstance(op, Cancel) and self.executor.cancel(op.lane, publish=op.publish):
             self._ended(op.lane)
             self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]), lanes=(op.lane,))
