@@ -190,3 +190,38 @@ def test_the_worker_refuses_a_slot_file_name_that_is_a_path(tmp_path: Path) -> N
             assert ex.slot_action(action, 0, name, "")[:2] == (400, "invalid_filename"), (action, name)
     assert not (tmp_path / "escape").exists()
     assert ex.slot_action("save", 0, "ok.bin", "")[0] == 0
+
+
+@pytest.mark.real
+async def test_real_model_a_saved_slot_restored_in_a_fresh_daemon_continues_the_same(tmp_path: Path) -> None:
+    """SmolLM2 on llama.cpp: a slot saved by one daemon and restored into a fresh one (llama.cpp's
+    per-sequence state, read back from disk) serves the prompt as cached KV with the same greedy text."""
+    import attrs
+
+    from .conftest import REAL_GGUF
+    from .test_real_daemon import real_config
+
+    config = attrs.evolve(real_config(REAL_GGUF, "smol", max_batch=1, max_context=1024),
+                          sessions=tmp_path / "s", park=True, park_budget_gb=0.5)
+    prompt = "Here is a short story about a lighthouse keeper and the sea. " * 30   # exact mode reuses whole cells
+
+    async def complete(c: Any) -> tuple[str, int]:
+        r = await c.post("/v1/completions", json={"model": "smol", "prompt": prompt, "max_tokens": 16,
+                                                  "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["text"], (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    with trio.fail_after(120):
+        async with open_daemon(config) as d:
+            cold, _ = await complete(d.client)
+            r = await _slot(d.client, 0, "save", "smol.slot")
+            assert r.status_code == 200 and r.json()["n_saved"] > 256, r.text
+        fresh = tmp_path / "s2" / "park" / "slots"   # another sessions directory: no park of the turn itself
+        fresh.mkdir(parents=True)
+        (fresh / "smol.slot").write_bytes((tmp_path / "s" / "park" / "slots" / "smol.slot").read_bytes())
+        async with open_daemon(attrs.evolve(config, sessions=tmp_path / "s2")) as d:
+            r = await _slot(d.client, 0, "restore", "smol.slot")
+            assert r.status_code == 200, r.text
+            warm, cached = await complete(d.client)
+            assert cached > 256 and warm == cold
