@@ -631,6 +631,10 @@ MUTATIONS = (
              "        if n < len(entry.tokens):\n            self.engine.seq_rm(seq, n, -1)\n        park.resumed(",
              "        park.resumed(",
              ("fuzz/test_fuzz_daemon.py::test_a_turn_restored_from_a_park_after_a_daemon_restart_gives_the_reference_text",)),
+    Mutation("a running lane's slot is not restored over", "superfluid/worker/_executor.py",
+             "        if slot.owner is not None:\n            return 409, \"slot_busy\", f\"slot {seq} is running a generation\", 0, 0\n        try:\n",
+             "        try:\n",
+             ("tests/test_slots.py::test_a_running_lanes_slot_saves_its_kv_so_far_and_is_not_restored_over_or_erased",)),
     # ---- stop strings (SPEC.md §1: matched in the worker and in the core) ----
     Mutation("the worker ends a lane at the token completing a stop", "superfluid/worker/_executor.py",
              "        if ln.stops is not None and ln.stops.feed(piece):\n",

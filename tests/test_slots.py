@@ -225,3 +225,23 @@ async def test_real_model_a_saved_slot_restored_in_a_fresh_daemon_continues_the_
             assert r.status_code == 200, r.text
             warm, cached = await complete(d.client)
             assert cached > 256 and warm == cold
+
+
+def test_a_running_lanes_slot_saves_its_kv_so_far_and_is_not_restored_over_or_erased(tmp_path: Path) -> None:
+    from superfluid.proto import Admit, Sampling
+
+    from .test_park import executor, store
+
+    ex = executor(store(tmp_path), n_seq=2)
+    prompt = list(range(1, 60))
+    ex.admit(Admit(lane=0, tokens=prompt, n_prompt=len(prompt), max_new=50, sampling=Sampling(temperature=0.0)))
+    ex.step(prefill_budget=512)
+    ex.step(prefill_budget=512)
+    [lane] = ex.lanes.values()
+    status, _, _, tokens, nbytes = ex.slot_action("save", lane.seq, "live.bin", "")
+    assert status == 0 and tokens == lane.n_past > len(prompt) - 1 and nbytes > 0
+    for action in ("restore", "erase"):
+        assert ex.slot_action(action, lane.seq, "live.bin", "")[:2] == (409, "slot_busy"), action
+    other = 1 - lane.seq
+    assert ex.slot_action("restore", other, "live.bin", "")[:4] == (0, "", "", tokens)
+    assert ex.slots[other].held == lane.tokens[:tokens]
