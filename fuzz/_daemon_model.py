@@ -99,6 +99,7 @@ FD_SLACK = 4
 FREEZE_MIN_AGE_S = 3.0        # FreezeWorker leaves younger workers alone (they may still be loading)
 METRICS_POLL_S = 0.01         # how often the max_batch invariant samples /metrics
 math_inf = float("inf")
+PARK_BUDGET_GB = 0.05         # --park's directory budget for the daemon under test (evictions happen too)
 SHARED_PREFIX = " the model reads every token and the worker keeps the cache" * 100  # ~1100 tokens
 
 
@@ -119,6 +120,7 @@ class Target:
     hang_timeout_s: float = HANG_TIMEOUT_S
     resume_ttl_s: float = RESUME_TTL_S
     shared_prefix: str = SHARED_PREFIX
+    park: bool = False                # the daemon under test (not the reference) runs with --park
 
     def served(self, model: str) -> str:
         return self.models[MODELS.index(model)]
@@ -135,6 +137,7 @@ class Target:
             "--max-batch", str(self.ref_max_batch if reference else self.max_batch),
             "--hang-timeout", str(self.hang_timeout_s), "--resume-ttl", str(self.resume_ttl_s),
             "--log-level", "WARNING", *self.flags,
+            *(("--park", "--park-budget-gb", str(PARK_BUDGET_GB)) if self.park and not reference else ()),
         ]
 
     def model_of_worker(self, cmdline: list[str]) -> str | None:
@@ -147,9 +150,12 @@ class Target:
         return MODELS[self.models.index(served)] if served in self.models else None
 
 
+# --park: a finished shared-prefix turn (~1100 tokens) is parked; after a daemon kill (its KV and
+# host cache gone) the next turn on that prefix restores it from disk, and its text is still
+# compared with the reference daemon's (which never parks)
 MOCK = Target(
     name="mock", runtime="mock", specs=(f"mock?{OPTS}", f"mock?name=m2&{OPTS}"), models=MODELS,
-    ref_specs=("mock?step_ms=0&prefill_us=0",),
+    ref_specs=("mock?step_ms=0&prefill_us=0",), park=True,
 )
 
 
@@ -579,6 +585,7 @@ class Stats:
     daemon_kills: int = 0
     worker_kills: int = 0
     unlogged_ends: int = 0            # sessions left unfinished in the log at the end (strict_sessions)
+    park_resumes: int = 0             # admissions restored from a parked artifact (--park), summed over daemons
 
     def add(self, other: Stats) -> None:
         for field in attrs.fields(Stats):
@@ -818,7 +825,21 @@ class Harness:
                 self.spawn(req, self.do_stop, tr)
                 await trio.lowlevel.checkpoint()
 
+    async def count_park_resumes(self) -> None:
+        """Add the daemon's ``superfluid_resumes_total`` to the stats before it goes (a restarted
+        daemon counts from 0). A daemon that does not answer in time adds nothing."""
+        if not self.target.park:
+            return
+        with trio.move_on_after(2):
+            try:
+                async with self.new_client() as client:   # (the harness's own may be closed by now)
+                    text = (await client.get("/metrics")).text
+            except httpx.HTTPError:
+                return
+            self.stats.park_resumes += int(metric_sum(text, "superfluid_resumes_total") or 0)
+
     async def kill_daemon(self) -> None:
+        await self.count_park_resumes()
         self.killing = True
         self.stats.daemon_kills += 1
         old = self.daemon.pid
@@ -1201,6 +1222,7 @@ class Harness:
 
         d = self.daemon
         assert d.proc is not None
+        await self.count_park_resumes()
         self.killing = True  # the daemon is meant to go now
         d.proc.send_signal(signal.SIGTERM)
         with trio.move_on_after(30):

@@ -154,7 +154,28 @@ def test_daemon_invariants_hold_under_any_sequence() -> None:
     assert ran >= SEQUENCES, f"ran {ran} sequences, expected {SEQUENCES}"
     print(f"\ndaemon fuzz: {ran} sequences, {_TOTALS.steps - start.steps} steps, "
           f"{_TOTALS.completed - start.completed} completed ({_TOTALS.streams_completed - start.streams_completed} "
-          f"streams), {_TOTALS.tokens_compared - start.tokens_compared} tokens compared")
+          f"streams), {_TOTALS.tokens_compared - start.tokens_compared} tokens compared, "
+          f"{_TOTALS.park_resumes - start.park_resumes} turns restored from parks")
+
+
+# --park across a restart: shared-prefix turns finish and are parked; the daemon is SIGKILLed (its
+# KV and host cache gone, the parks on disk); the same prefix's next turns restore from the parks,
+# and their text must still be the reference daemon's (which never parks), as must a resumed session's.
+PARK_RESTART = [
+    [Start(n=2, model="mock", route="chat", stream=True, prompt=0, shared=True, max_tokens=40), Sleep(800),
+     KillDaemon(),
+     Start(n=2, model="mock", route="chat", stream=False, prompt=0, shared=True, max_tokens=40),
+     Start(n=1, model="mock", route="completion", stream=True, resumable=True, prompt=1, shared=True,
+           max_tokens=150, ignore_eos=True, disconnect=3), Sleep(300), Resume(2, None, 0)],
+]
+
+
+def test_a_turn_restored_from_a_park_after_a_daemon_restart_gives_the_reference_text() -> None:
+    """The fuzzer's daemon runs with ``--park``: after a restart, turns on a parked prefix are restored
+    from disk (counted) and every text is checked against the reference as always."""
+    harness = run_batch(PARK_RESTART)
+    assert harness.stats.park_resumes >= 1, harness.stats
+    assert harness.stats.completed >= 4 and not (harness.stats.lost or harness.stats.mismatched), harness.stats
 
 
 # The shortest batch that shows it: two resumable streams whose clients leave after two events,

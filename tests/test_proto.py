@@ -30,6 +30,8 @@ from superfluid.proto import (
     Admitted,
     Cancel,
     Embed,
+    SlotAction,
+    SlotDone,
     Embedded,
     Emit,
     Event,
@@ -171,6 +173,10 @@ MESSAGES = [
     Telemetry(values={"kv_used": 10.0, "tok_s": 31.5}),
     Embed(req=3, inputs=[(1, 2), (3,)], normalize=False),
     Embedded(req=3, dim=1, vectors=[b"\0\0\x80?", b"\0\0\0\0"]),
+    SlotAction(req=4, action="save", seq=1, filename="a.bin", cache_salt="p"),
+    SlotAction(req=4, action="erase", seq=0),
+    SlotDone(req=4, tokens=120, nbytes=4096),
+    SlotDone(req=4, status=409, error="slot_foreign", message="another model"),
 ]
 
 

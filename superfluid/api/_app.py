@@ -30,7 +30,7 @@ from ._ollama import (api_chat, api_copy, api_delete, api_generate, api_ps, api_
 from ._embed import ollama_embed, ollama_embeddings, openai_embeddings
 from ._responses import responses, route_responses
 from ._infill import completion as llama_completion
-from ._infill import detokenize, infill, tokenize_route
+from ._infill import detokenize, infill, slot_action_route, slots_route, tokenize_route
 from ._ui import route_ui
 
 from ..sessions._batches import BatchStore
@@ -81,6 +81,7 @@ _GET_JSON: dict[str, Handler] = {
     "/api/tags": api_tags,
     "/api/ps": api_ps,
     "/api/delete": api_delete,
+    "/slots": slots_route,                # llama-server's slot list (api/_infill.py)
 }
 
 
@@ -339,6 +340,8 @@ class App:
                 await send_json(send, 200, conversation_tree(self, scope, include_archived=archived))
             else:
                 await send_json(send, 200, list_sessions(self, scope))
+            return
+        if await slot_action_route(self, scope, receive, send):   # POST /slots/{id} (llama-server's)
             return
         if await route_responses(self, scope, receive, send):
             return

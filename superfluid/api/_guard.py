@@ -77,6 +77,7 @@ _PREFLIGHT_MAX_AGE = b"600"
 _RATE_EXEMPT = frozenset({"/health", "/metrics", "/v1/metrics", "/ui/lanes"})  # the page's live view polls the last two
 _ADMIN_ANY_METHOD = frozenset({"/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete"})
 _MODEL_PATH = re.compile(r"/v1/models/.+")
+_SLOT_PATH = re.compile(r"/slots/[^/]+")   # llama-server's slot actions: another lane's KV, files on disk
 
 MAX_BUCKETS = 4096  # rate-limit buckets kept; the least recently used beyond this are dropped
 
@@ -329,7 +330,8 @@ class Guard:
     @staticmethod
     def _is_admin_route(method: str, path: str) -> bool:
         return (path in _ADMIN_ANY_METHOD or (method == "POST" and path in ("/v1/models/load", "/v1/models/unload"))
-                or (method == "DELETE" and _MODEL_PATH.fullmatch(path) is not None))
+                or (method == "DELETE" and _MODEL_PATH.fullmatch(path) is not None)
+                or (method == "POST" and _SLOT_PATH.fullmatch(path) is not None))
 
     def cors(self, scope: dict[str, Any], send: Send) -> Send:
         """``send`` adding ``Access-Control-Allow-Origin`` (and ``Vary``,

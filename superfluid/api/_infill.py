@@ -1,4 +1,5 @@
-"""Fill-in-the-middle, and llama-server's own routes: ``/infill``, ``/completion``, ``/tokenize``, ``/detokenize``.
+"""Fill-in-the-middle, and llama-server's own routes: ``/infill``, ``/completion``, ``/tokenize``, ``/detokenize``,
+``/slots``.
 
 A FIM prompt is built from the model's own marker tokens (the worker reports them:
 ``info.extra.fim``, from GGUF ``tokenizer.ggml.fim_*_token_id`` or the vocabulary),
@@ -20,18 +21,20 @@ a piece is a token's bytes, shown as text when they are UTF-8, else as their val
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import attrs
 import trio
 
 from ..chat import ReplyParser
-from ..proto import encode_sse_json
-from ..sched import QosClass, Unavailable
+from ..proto import SLOT_ACTIONS, SLOT_FILE, encode_sse_json
+from ..sched import QosClass, Unavailable, cache_partition
 from ._chat import Reply, qos_of, require_grammar
-from ._http import ApiError, Receive, Send, header, send_json
+from ._http import ApiError, Receive, Send, header, read_json, send_json
 from ._lane import Follower, open_lane, prepare, prompt_limit, tokenize, wait_admitted
 from ._params import integer, sampling_from, stops_from
 from ._principal import QOS, principal_of
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
     from ._host import App
 
 __all__ = ["DEFAULT_FIM_TOKENS", "FimTokens", "MAX_DETOKENIZE", "MAX_EXTRA_CHUNKS", "completion", "detokenize",
-           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "tokenize_route"]
+           "fim_prompt", "fim_qos", "fim_tokens", "grammar_of", "infill", "open_token_reply", "slot_action_route", "slot_rows", "slots_route", "tokenize_route"]
 
 MAX_DETOKENIZE = 1 << 20         # ids in one /detokenize (a prompt's worth; the body limits allow about that)
 MAX_EXTRA_CHUNKS = 256           # input_extra entries (llama.vscode sends at most a few dozen)
@@ -409,3 +412,102 @@ async def detokenize(app: App, scope: dict[str, Any], receive: Receive, send: Se
         except Unavailable as exc:
             raise ApiError(503, str(exc), code=exc.code) from None
     await send_json(send, 200, {"content": b"".join(p for _t, p in pairs).decode("utf-8", "replace")})
+
+
+def slot_rows(model: ServedModel) -> list[dict[str, Any]]:
+    """``model``'s lanes as llama-server lists its slots (``GET /slots``): one row per lane
+    (``--max-batch`` per node), the running jobs first in admission order, then the idle lanes.
+    A slot's ``id`` is its place in this list: the daemon's lane numbers are not reused, so
+    there is no fixed slot a job lives in. Prompts and outputs are never shown."""
+    rows: list[dict[str, Any]] = []
+    n_ctx = model.n_ctx
+    for actor in model.actors:
+        sched = actor.scheduler
+        jobs = [job for _lane, job in sorted(sched.running.items())]
+        for i in range(max(sched.config.planner.max_batch, len(jobs))):
+            job = jobs[i] if i < len(jobs) else None
+            decoded = 0 if job is None else job.n_generated
+            rows.append({
+                "id": len(rows), "id_task": -1 if job is None else job.id, "n_ctx": n_ctx,
+                "speculative": False, "is_processing": job is not None, "model": model.name,
+                "params": {} if job is None else {"n_predict": job.max_new, "temperature": job.sampling.temperature},
+                "next_token": {"has_next_token": job is not None, "has_new_line": False,
+                               "n_remain": -1 if job is None else max(0, job.max_new - decoded),
+                               "n_decoded": decoded, "stopping_word": ""},
+            })
+    return rows
+
+
+async def slots_route(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
+    """``GET /slots`` (llama-server's): a JSON array of the lanes of ``?model=`` (a loaded model;
+    404 otherwise), or of every loaded model the key may use, each row naming its ``model``.
+    ``?fail_on_no_slot=1`` answers 503 ``no_slot_available`` when every listed lane is busy."""
+    if scope["method"] not in ("GET", "HEAD"):
+        raise ApiError(405, f"method {scope['method']} not allowed on /slots")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    principal = principal_of(scope)
+    name = (query.get("model") or [""])[0]
+    if name:
+        resolved = app.registry.resolve_alias(name)
+        principal.check_model(resolved)
+        model = app.registry.loaded.get(resolved)
+        if model is None:
+            raise ApiError(404, f"model '{name}' is not loaded", code="model_not_found")
+        models = [model]
+    else:
+        models = [m for m in list(app.registry.loaded.values()) if principal.may_use(m.name)]
+    rows = [row for model in models for row in slot_rows(model)]
+    if (query.get("fail_on_no_slot") or ["0"])[0] in ("1", "true") and not any(
+            not row["is_processing"] for row in rows):
+        raise ApiError(503, "no slot available", code="no_slot_available")
+    await send_json(send, 200, rows)
+
+
+_SLOT_PATH = re.compile(r"/slots/(\d{1,6})")
+
+
+async def slot_action_route(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> bool:
+    """``POST /slots/{id}?action=save|restore|erase`` (llama-server's; admin-only when keys are set:
+    api/_guard.py), on KV sequence ``id`` of ``?model=`` (or the default). ``save`` and ``restore``
+    take ``{"filename"}``, a plain name (``[A-Za-z0-9._-]{1,128}``) in ``<sessions>/park/slots/``
+    (``--park``); the worker checks a restored file as a park (worker/_executor.py ``slot_action``).
+    False if the request is not for this route."""
+    m = _SLOT_PATH.fullmatch(scope["path"])
+    if m is None:
+        return False
+    if scope["method"] != "POST":
+        raise ApiError(405, f"method {scope['method']} not allowed on {scope['path']}")
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    action = (query.get("action") or [""])[0]
+    if action not in SLOT_ACTIONS:
+        raise ApiError(400, "action must be save, restore or erase", code="invalid_action", param="action")
+    body = await read_json(scope, receive) if action != "erase" else {}
+    filename = body.get("filename", "")
+    if action != "erase" and (not isinstance(filename, str) or not SLOT_FILE.fullmatch(filename)
+                              or filename in (".", "..")):
+        raise ApiError(400, "filename must be a plain name: 1-128 of A-Z a-z 0-9 . _ -", code="invalid_filename",
+                       param="filename")
+    model = await app.resolve_model((query.get("model") or [""])[0] or app.registry.default)
+    if model.group is not None:
+        raise ApiError(501, "slot actions are not served for a fleet model", code="slots_unavailable")
+    partition = partition_of(scope)
+    seq = int(m.group(1))
+    t0 = trio.current_time()
+    try:
+        done = await model.actor.scheduler.slot(action, seq, filename=filename,
+                                                cache_salt=cache_partition(partition.tenant, partition.cache_salt))
+    except Unavailable as exc:
+        raise ApiError(503, str(exc), code=exc.code) from None
+    if done.status:
+        raise ApiError(done.status, done.message or done.error, code=done.error)
+    ms = round((trio.current_time() - t0) * 1000, 3)
+    if action == "save":
+        out = {"id_slot": seq, "filename": filename, "n_saved": done.tokens, "n_written": done.nbytes,
+               "timings": {"save_ms": ms}}
+    elif action == "restore":
+        out = {"id_slot": seq, "filename": filename, "n_restored": done.tokens, "n_read": done.nbytes,
+               "timings": {"restore_ms": ms}}
+    else:
+        out = {"id_slot": seq, "n_erased": done.tokens}
+    await send_json(send, 200, out)
+    return True

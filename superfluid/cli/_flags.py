@@ -41,6 +41,7 @@ nonneg_int = _checked(int, lambda n: n >= 0, "must be 0 or more")
 positive_float = _checked(float, lambda n: n > 0, "must be more than 0")
 nonneg_float = _checked(float, lambda n: n >= 0, "must be 0 or more")
 fraction = _checked(float, lambda n: 0 < n <= 1, "must be a fraction in (0, 1]")
+kv_bits = _checked(int, lambda n: n in (16, 8), "must be 16 or 8")
 port = _checked(int, lambda n: 0 <= n <= 65535, "must be a TCP port, 0 to 65535 (0: any free port)")
 
 

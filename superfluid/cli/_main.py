@@ -23,7 +23,7 @@ from .. import __version__
 from ..journal import JournalLocked, WalCorrupt
 from ..nursery import WorkerDied, WorkerLoadFailed
 from ._errors import USAGE, CliError, HelpFormatter, Parser
-from ._flags import in_range, nonneg_float, nonneg_int, port, positive_float, positive_int
+from ._flags import in_range, kv_bits, nonneg_float, nonneg_int, port, positive_float, positive_int
 from ..sched import PlannerConfig, QosClass, parse_qos
 from ..proto import MAX_DRAFT_DEPTH, SPEC_DIRECTIVES, SpecConfig
 from ..models._hub import PullError
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--park-budget-gb", type=positive_float, default=D.PARK_BUDGET_GB,
                    help=f"GiB the park directory may hold, least recently used evicted first "
                         f"(default {D.PARK_BUDGET_GB:g})")
+    s.add_argument("--kv-bits", type=kv_bits, default=16,
+                   help="llama.cpp: bits per K and V cache value, 16 (f16) or 8 (q8_0: half the KV memory, with "
+                        "flash attention; a parked state restores only into the width it was saved with; not "
+                        "with --deterministic; default 16)")
     s.add_argument("--stream-interval-ms", type=nonneg_int, default=D.STREAM_INTERVAL_MS,
                    help="generated tokens of interactive and completion requests wait in the worker at most "
                         "this long to share one chunk; a first token and a last one never wait "
@@ -450,10 +454,17 @@ def _check_model_format(spec: str) -> None:
 
 
 def _check_limits(args: argparse.Namespace, sources: tuple[ModelSource, ...]) -> str | None:
-    """A mistake in --model-dir or --max-models, in one line; None if there is none."""
+    """A mistake in --model-dir, --max-models or --kv-bits, in one line; None if there is none."""
     for directory in args.model_dirs:
         if not directory.is_dir():
             return f"--model-dir {directory}: not a directory"
+    bits = getattr(args, "kv_bits", 16)
+    if bits != 16:
+        if getattr(args, "deterministic", False):
+            return f"--kv-bits {bits}: a quantised KV needs flash attention, which --deterministic turns off"
+        for s in sources:
+            if s.runtime != "llamacpp":
+                return f"--kv-bits {bits}: model {s.name!r} runs on {s.runtime}, whose KV cache is 16-bit only"
     if args.max_models < max(1, len(sources)):
         return f"--max-models {args.max_models}: must be at least 1 and the {len(sources)} models given at startup"
     from ..daemon._registry import model_dir_names
@@ -570,7 +581,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_conversation_events=args.max_conversation_events, files_quota_gb=args.files_quota_gb,
         files_max_bytes=args.files_max_bytes,
         max_prompt_bytes=args.max_prompt_bytes, body_timeout_s=args.body_timeout,
-        ws_idle_timeout_s=args.ws_idle_timeout, socket=args.socket, max_queue=args.max_queue, deterministic=args.deterministic,
+        ws_idle_timeout_s=args.ws_idle_timeout, socket=args.socket, max_queue=args.max_queue, deterministic=args.deterministic, kv_bits=args.kv_bits,
         model_dirs=tuple(args.model_dirs), max_models=args.max_models, idle_timeout_s=args.idle_timeout,
         aliases=tuple(args.aliases), pooling=args.pooling or "", check_memory=not args.no_memory_check,
         speculate=args.speculate, spec_gates=_speculation(args), chat_templates=chat_templates, **fleet,

@@ -349,6 +349,7 @@ class ModelRegistry:
                           park_budget_mb=int(cfg.park_budget_gb * 1024),
                           stream_interval_ms=cfg.stream_interval_ms,
                           agent_stream_interval_ms=cfg.agent_stream_interval_ms, deterministic=cfg.deterministic,
+                          kv_bits=cfg.kv_bits,
                           pooling=cfg.pooling, start_timeout_s=cfg.worker_start_timeout_s,
                           speculate=cfg.speculate, spec_gates=cfg.spec_gates,
                           command=source.worker or _worker(source.runtime))

@@ -81,6 +81,7 @@ class WorkerSpec:
     stream_interval_ms: int = D.STREAM_INTERVAL_MS
     agent_stream_interval_ms: int = D.AGENT_STREAM_INTERVAL_MS
     deterministic: bool = False
+    kv_bits: int = 16           # --kv-bits: the KV cache's width (8: llama.cpp's q8_0 K and V)
     pooling: str = ""           # embeddings: mean|cls|last ("": the model's own, else mean)
     speculate: str = "off"      # off|auto|prompt-lookup (the worker resolves it for its model)
     spec_gates: SpecConfig = attrs.field(factory=SpecConfig)
@@ -107,6 +108,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
              "--agent-stream-interval-ms", str(spec.agent_stream_interval_ms)]
     if spec.deterministic:
         argv.append("--deterministic")
+    if spec.kv_bits != 16:
+        argv += ["--kv-bits", str(spec.kv_bits)]
     if spec.pooling:
         argv += ["--pooling", spec.pooling]
     if spec.speculate != "off":

@@ -8,6 +8,8 @@ from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteProtocolError as RemoteProtocolError
 from ._events import FINISH_REASONS as FINISH_REASONS
 from ._events import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._events import SLOT_ACTIONS as SLOT_ACTIONS
+from ._events import SLOT_FILE as SLOT_FILE
 from ._events import TOKENIZED_PIECE as TOKENIZED_PIECE
 from ._events import Admit as Admit
 from ._events import Admitted as Admitted
@@ -28,6 +30,8 @@ from ._events import Shutdown as Shutdown
 from ._events import Telemetry as Telemetry
 from ._events import Tick as Tick
 from ._events import TickDone as TickDone
+from ._events import SlotAction as SlotAction
+from ._events import SlotDone as SlotDone
 from ._events import Tokenize as Tokenize
 from ._events import Tokenized as Tokenized
 from ._events import from_wire as from_wire

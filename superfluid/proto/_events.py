@@ -14,6 +14,7 @@ every message that does not use it exactly as before.
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Callable
 import typing
@@ -43,7 +44,11 @@ __all__ = [
     "Interrupt",
     "LoadFailed",
     "Sampling",
+    "SLOT_ACTIONS",
+    "SLOT_FILE",
     "Shutdown",
+    "SlotAction",
+    "SlotDone",
     "Telemetry",
     "Tick",
     "TickDone",
@@ -59,6 +64,8 @@ PROTOCOL_VERSION = 1
 TOKENIZED_PIECE = 1 << 16  # token ids in one Tokenized frame
 DROPPABLE_BASE = 0x80
 MAX_LOGPROBS = 20
+SLOT_ACTIONS = frozenset({"save", "restore", "erase"})   # POST /slots/{id}?action=
+SLOT_FILE = re.compile(r"[A-Za-z0-9._-]{1,128}")        # a slot file's name (save, restore): never a path
 FINISH_REASONS = frozenset({"eos", "length", "context", "stop", "cancelled", "error"})   # stop: Admit.stops
 
 
@@ -242,6 +249,22 @@ class Cancel(Event):
 
 
 @attrs.frozen(kw_only=True)
+class SlotAction(Event):
+    """llama-server's slot actions on KV sequence ``seq`` (``POST /slots/{id}``): ``save``
+    writes what it holds (a running lane's KV so far, else its cached sequence's) to the park
+    directory's ``slots/<filename>``; ``restore`` imports such a file into the free ``seq``
+    (checked as a park is: this model, build and KV type, and ``cache_salt``); ``erase``
+    drops the free ``seq``'s cached tokens. Answered by exactly one :class:`SlotDone`."""
+
+    code: ClassVar[int] = 0x13
+    req: int = attrs.field(validator=_nonneg)
+    action: str = attrs.field(validator=attrs.validators.in_(SLOT_ACTIONS))
+    seq: int = attrs.field(validator=_nonneg)
+    filename: str = ""
+    cache_salt: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class Shutdown(Event):
     code: ClassVar[int] = 0x0F
 
@@ -398,6 +421,21 @@ class Fault(Event):
     message: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class SlotDone(Event):
+    """The answer to a :class:`SlotAction`: the tokens saved, restored or erased and the
+    file's bytes; or ``status`` (an HTTP status: 400, 404, 409, 501) and ``error`` (a
+    typed code) with ``message``."""
+
+    code: ClassVar[int] = 0x14
+    req: int = attrs.field(validator=_nonneg)
+    tokens: int = attrs.field(default=0, validator=_nonneg)
+    nbytes: int = attrs.field(default=0, validator=_nonneg)
+    status: int = attrs.field(default=0, validator=_nonneg)
+    error: str = ""
+    message: str = ""
+
+
 FAULT_BUG = "bug"
 
 
@@ -409,12 +447,14 @@ class Telemetry(Event):
     values: dict[str, float] = attrs.field(factory=dict)
 
 
+_CLASSES: tuple[type[Event], ...] = (
+    Hello, Tokenize, Admit, Tick, Interrupt, Cancel, Shutdown, Embed, SlotAction,
+    HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded, SlotDone,
+)
+assert len({cls.code for cls in _CLASSES}) == len(_CLASSES), "two link messages share a code"
 _REGISTRY: dict[int, type[Event]] = {
     cls.code: cls
-    for cls in (
-        Hello, Tokenize, Admit, Tick, Interrupt, Cancel, Shutdown, Embed,
-        HelloAck, LoadFailed, Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded,
-    )
+    for cls in _CLASSES
 }
 _HINTS: dict[type[Any], dict[str, Any]] = {
     cls: typing.get_type_hints(cls) for cls in (*_REGISTRY.values(), Sampling)

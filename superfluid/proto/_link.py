@@ -14,7 +14,8 @@ import attrs
 
 from ._errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ._events import (
-    Admit, Admitted, Cancel, Embed, Embedded, Emit, Event, Fault, Tick, TickDone, Tokenize, Tokenized, from_wire, to_wire,
+    Admit, Admitted, Cancel, Embed, Embedded, Emit, Event, Fault, SlotAction, SlotDone, Tick, TickDone, Tokenize, Tokenized,
+    from_wire, to_wire,
 )
 from ._frames import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame
 from ._state import CLOSED, CLOSING, DAEMON, ERROR, IDLE, TRANSITIONS, WORKER, _Sentinel
@@ -162,6 +163,14 @@ class WorkerLink:
                 raise error(f"answer to unknown embed request {event.req}")
             if not event.more:
                 self._pending_embed.discard(event.req)
+        elif isinstance(event, SlotAction):   # shares the tokenizes' ids (sched/_core.py)
+            if event.req in self._pending_tokenize:
+                raise error(f"slot request {event.req} is already pending")
+            self._pending_tokenize.add(event.req)
+        elif isinstance(event, SlotDone):
+            if event.req not in self._pending_tokenize:
+                raise error(f"answer to unknown slot request {event.req}")
+            self._pending_tokenize.discard(event.req)
         elif isinstance(event, Tick):
             if self._ticks_in_flight >= MAX_TICKS_IN_FLIGHT:
                 raise error(f"{MAX_TICKS_IN_FLIGHT} ticks are already in flight")

@@ -31,6 +31,8 @@ from ._events import (
     Telemetry,
     Tick,
     TickDone,
+    SlotAction,
+    SlotDone,
     Tokenize,
     Tokenized,
 )
@@ -56,8 +58,8 @@ CLOSING: Final = _Sentinel("CLOSING")
 CLOSED: Final = _Sentinel("CLOSED")
 ERROR: Final = _Sentinel("ERROR")
 
-_READY_FROM_DAEMON = (Tokenize, Admit, Tick, Interrupt, Cancel, Embed)
-_READY_FROM_WORKER = (Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded)
+_READY_FROM_DAEMON = (Tokenize, Admit, Tick, Interrupt, Cancel, Embed, SlotAction)
+_READY_FROM_WORKER = (Tokenized, Admitted, Emit, TickDone, Fault, Telemetry, Embedded, SlotDone)
 
 TRANSITIONS: Final[dict[tuple[_Sentinel, _Sentinel, type[Event]], _Sentinel]] = {
     (IDLE, DAEMON, Hello): HELLO_SENT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._job import Job as Job
 from ._job import JobError as JobError
 from ._job import JobState as JobState
+from ._job import cache_partition as cache_partition
 from ._loop import EmbedRefused as EmbedRefused
 from ._loop import InjectedBug as InjectedBug
 from ._loop import LinkHandle as LinkHandle

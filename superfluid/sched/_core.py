@@ -37,6 +37,8 @@ from ..proto import (
     Embedded,
     Emit,
     Fault,
+    SlotAction,
+    SlotDone,
     Telemetry,
     Tick,
     TickDone,
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EmbedRefused", "EmbedRequest", "InjectedBug", "MetricsSink", "Queue", "QueueFull", "Reply", "Reserve",
-    "Round", "SchedulerConfig", "SchedulerCore", "TokenizeRequest", "Unavailable",
+    "Round", "SchedulerConfig", "SchedulerCore", "SlotRequest", "TokenizeRequest", "Unavailable",
 ]
 
 log = logging.getLogger("superfluid.sched")
@@ -158,12 +160,25 @@ class EmbedRequest:
     klass: QosClass = QosClass.COMPLETION
 
 
-Command = Reserve | Queue | TokenizeRequest | EmbedRequest
+@attrs.frozen(eq=False)
+class SlotRequest:
+    """A slot action (``POST /slots/{id}``) for the worker; the reply is its ``SlotDone``.
+    It goes with the tokenizes (their ids, their cap on what the worker holds, their retry)."""
+
+    action: str
+    seq: int
+    filename: str
+    cache_salt: str
+    reply: Reply
+    klass: QosClass = QosClass.INTERACTIVE
+
+
+Command = Reserve | Queue | TokenizeRequest | EmbedRequest | SlotRequest
 
 
 @attrs.define(eq=False)
 class _Pending:
-    command: TokenizeRequest | EmbedRequest
+    command: TokenizeRequest | EmbedRequest | SlotRequest
     sent: bool = False
     attempts: int = 0
     parts: list[Any] = attrs.field(factory=list)  # the answer's pieces so far (Tokenized.more)
@@ -323,7 +338,7 @@ class SchedulerCore:
             self._send_tokenizes()
         return pending
 
-    def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize | Embed:
+    def _tokenize_frame(self, req: int, pending: _Pending) -> Tokenize | Embed | SlotAction:
         """The frame of a pending tokenize or embed request (they share ids and retries)."""
         pending.sent = True
         self._tokenize_sent += 1
@@ -331,6 +346,9 @@ class SchedulerCore:
         cmd = pending.command
         if isinstance(cmd, EmbedRequest):
             return Embed(req=req, inputs=cmd.inputs, normalize=cmd.normalize)
+        if isinstance(cmd, SlotRequest):
+            return SlotAction(req=req, action=cmd.action, seq=cmd.seq, filename=cmd.filename,
+                              cache_salt=cmd.cache_salt)
         return Tokenize(req=req, segments=cmd.segments, add_special=cmd.add_special, ids=cmd.ids,
                         pieces=cmd.pieces)
 
@@ -435,7 +453,7 @@ class SchedulerCore:
         self._gauges()
 
     @_writes
-    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest]:
+    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest | SlotRequest]:
         """Everything waiting here, taken out for another scheduler of the same model (a
         fleet node that is gone: SPEC.md §14). Called between workers (``worker_lost``
         has put the running jobs back in their queues): the queued jobs, in class order
@@ -453,7 +471,7 @@ class SchedulerCore:
         for job in moved:
             job.view = job.queue_view = None
             job.held_since = None
-        out: list[Job | TokenizeRequest | EmbedRequest] = [*moved]
+        out: list[Job | TokenizeRequest | EmbedRequest | SlotRequest] = [*moved]
         out += [pending.command for pending in self._tokenize.values()]
         self._tokenize.clear()
         self._tokenize_sent = 0
@@ -752,6 +770,12 @@ class SchedulerCore:
                     self._tokenize_done(event.req)
                     pending.command.reply.set((event.dim, pending.parts))
                     self._note_cpu()
+        elif isinstance(event, SlotDone):
+            pending = self._tokenize.get(event.req)
+            if pending is not None:
+                self._tokenize_done(event.req)
+                pending.command.reply.set(event)
+                self._note_cpu()
         elif isinstance(event, Tokenized):
             pending = self._tokenize.get(event.req)
             if pending is not None:

@@ -54,6 +54,7 @@ from ._core import (
     Round,
     SchedulerConfig,
     SchedulerCore,
+    SlotRequest,
     TokenizeRequest,
     Unavailable,
 )
@@ -149,7 +150,7 @@ class Scheduler:
         self.inbox_send, self._inbox = trio.open_memory_channel[Any](INBOX_SIZE)
         self._events_send, self._events = trio.open_memory_channel[tuple[int, Any]](EVENTS_SIZE)
         self._stops: dict[int, Job] = {}
-        self._adopted: list[Job | TokenizeRequest | EmbedRequest] = []   # from a gone node's scheduler (adopt)
+        self._adopted: list[Job | TokenizeRequest | EmbedRequest | SlotRequest] = []   # from a gone node's scheduler (adopt)
         self._bell = trio.Event()
         self._commit_send, self._commit_recv = trio.open_memory_channel[Round](COMMIT_QUEUE + DRAIN_BATCH)
         self._results_send, self._results = trio.open_memory_channel[tuple[list[Round], JobError | None]](
@@ -220,7 +221,7 @@ class Scheduler:
             self._stops[job.id] = job
             self._ring()
 
-    def adopt(self, moved: list[Job | TokenizeRequest | EmbedRequest]) -> None:
+    def adopt(self, moved: list[Job | TokenizeRequest | EmbedRequest | SlotRequest]) -> None:
         """Take jobs and tokenizes another scheduler of this model gave up (its fleet node is
         gone: :meth:`SchedulerCore.evacuate`). A plain method like :meth:`stop`: it never
         waits and is never dropped; the actor applies them on its next turn, after stops. A
@@ -283,6 +284,17 @@ class Scheduler:
         await self._command(EmbedRequest([list(t) for t in inputs], normalize, reply))
         dim, vectors = await reply.wait()
         return dim, vectors
+
+    async def slot(self, action: str, seq: int, *, filename: str = "", cache_salt: str = "") -> Any:
+        """A slot action (``save``/``restore``/``erase``) on the worker's KV sequence ``seq``:
+        its :class:`~superfluid.proto.SlotDone`. Sent as a tokenize is (the next worker if one dies).
+
+        Raises:
+            Unavailable: no worker could take the request.
+        """
+        reply = _Reply()
+        await self._command(SlotRequest(action, seq, filename, cache_salt, reply))
+        return await reply.wait()
 
     # -- what the worker's reader calls -----------------------------------------------------
 
@@ -394,7 +406,7 @@ class Scheduler:
             else:
                 self.core.apply(item, now)
 
-    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest]:
+    def evacuate(self) -> list[Job | TokenizeRequest | EmbedRequest | SlotRequest]:
         """The actor's side of :meth:`SchedulerCore.evacuate` (between workers)."""
         return self.core.evacuate()
 

@@ -96,6 +96,7 @@ class ServeConfig:
     body_timeout_s: float = D.BODY_TIMEOUT_S  # a request body not complete within this is answered 408
     ws_idle_timeout_s: float = D.WS_IDLE_TIMEOUT_S  # an idle WebSocket (no message, nothing to follow) is closed
     max_queue: int = D.MAX_QUEUE  # queued jobs per QoS class per model; more is answered 429
+    kv_bits: int = 16                     # --kv-bits: llama.cpp's K and V cache width (8: q8_0)
     deterministic: bool = False           # llama.cpp: batch-, chunk-, cache- and restart-invariant output (SPEC.md)
     model_dirs: tuple[Path, ...] = ()     # --model-dir: every *.gguf in them may be loaded over HTTP
     max_models: int = D.MAX_MODELS  # models (so worker processes) loaded at once

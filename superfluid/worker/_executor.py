@@ -71,7 +71,7 @@ from typing import Any
 import attrs
 
 from ..chat import StopScan
-from ..proto import Admit, Sampling
+from ..proto import SLOT_FILE, Admit, Sampling
 from ._engine import BatchRow, Engine, LaneSampler, StepAborted
 from ._hostcache import HOST_MIN_TOKENS, HostCache, common_prefix
 from ._park import ParkRefused, ParkStore
@@ -658,6 +658,67 @@ class Executor:
             self.engine.seq_rm(seq, n, -1)
         park.resumed(n, self._timer() - t0)
         return n
+
+    def slot_action(self, action: str, seq: int, filename: str, salt: str) -> tuple[int, str, str, int, int]:
+        """llama-server's slot actions on sequence ``seq`` (``SlotAction``), between steps:
+        ``(status, error, message, tokens, bytes)``, status 0 when done. ``save`` writes what
+        ``seq`` holds (a running lane's KV so far, else its cached tokens) under the salt it
+        was computed with; ``restore`` imports a saved file into free ``seq`` for ``salt``
+        (refused ``slot_foreign`` if another model, build, KV type or tenant made it);
+        ``erase`` drops free ``seq``'s cached tokens."""
+        if not 0 <= seq < len(self.slots):
+            return 404, "slot_not_found", f"no slot {seq}: this model has {len(self.slots)}", 0, 0
+        slot = self.slots[seq]
+        if action == "erase":
+            if slot.owner is not None:
+                return 409, "slot_busy", f"slot {seq} is running a generation", 0, 0
+            n = len(slot.held)
+            self.engine.seq_rm(seq, 0, -1)
+            self._set_held(seq, [])
+            return 0, "", "", n, 0
+        park = self.park
+        if park is None:
+            return 501, "slots_unavailable", "slot files need --park (the runtime's KV as bytes on disk)", 0, 0
+        if not SLOT_FILE.fullmatch(filename) or filename in (".", ".."):
+            return 400, "invalid_filename", "filename must be 1-128 of A-Z a-z 0-9 . _ -", 0, 0
+        if action == "save":
+            view, n = slot.view()
+            tokens = list(view[:n])
+            if not tokens:
+                return 400, "slot_empty", f"slot {seq} holds no tokens", 0, 0
+            data = self.engine.seq_export(seq)
+            if not data:
+                return 501, "slots_unavailable", "the runtime exported no state", 0, 0
+            try:
+                nbytes = park.save_named(filename, tokens, slot.salt, data)
+            except OSError as exc:
+                return 500, "slot_write_failed", str(exc), 0, 0
+            return 0, "", "", len(tokens), nbytes
+        if slot.owner is not None:
+            return 409, "slot_busy", f"slot {seq} is running a generation", 0, 0
+        try:
+            tokens, data = park.load_named(filename, salt)
+        except ParkRefused as exc:
+            if exc.reason == "missing":
+                return 404, "slot_file_not_found", f"no slot file {filename!r}", 0, 0
+            if exc.reason == "foreign":
+                return 409, "slot_foreign", (f"{filename!r} was saved by another model, runtime build, "
+                                             "KV type or tenant"), 0, 0
+            return 400, "slot_file_invalid", f"{filename!r}: {exc}", 0, 0
+        if len(tokens) >= self.info.n_ctx_seq:
+            return 400, "slot_file_invalid", f"{len(tokens)} tokens do not fit the window", 0, 0
+        self.engine.seq_rm(seq, 0, -1)
+        self._set_held(seq, [])
+        self._make_room(len(tokens))
+        if not self.engine.seq_import(seq, data):
+            self.engine.seq_rm(seq, 0, -1)
+            return 400, "slot_file_invalid", f"the runtime refused {filename!r}", 0, 0
+        slot.salt = salt
+        slot.exact = len(tokens) if self.exact else _Slot.exact
+        self._clock += 1
+        slot.last_use = self._clock
+        self._set_held(seq, tokens)
+        return 0, "", "", len(tokens), len(data)
 
     def cancel(self, lane_tag: int, *, publish: bool) -> bool:
         lane = self.lanes.pop(lane_tag, None)

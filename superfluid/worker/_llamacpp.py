@@ -225,8 +225,17 @@ def _needs_shared_pool(model: Any, *, deterministic: bool = False) -> bool:
 
 
 def _context_params(*, shared: bool, n_seq: int, max_batch: int, n_ctx_seq: int, threads: int,
-                    deterministic: bool = False) -> Any:
+                    deterministic: bool = False, kv_bits: int = 16) -> Any:
     cp = L.llama_context_default_params()
+    if kv_bits == 8:
+        if deterministic:
+            raise ValueError("--kv-bits 8 needs flash attention, which deterministic mode turns off")
+        # q8_0 K and V: llama.cpp quantises V only with flash attention (else the context fails)
+        cp.type_k = L.GGML_TYPE_Q8_0
+        cp.type_v = L.GGML_TYPE_Q8_0
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif kv_bits != 16:
+        raise ValueError(f"kv_bits must be 16 or 8, not {kv_bits}")
     if deterministic:
         # flash attention's CPU kernel takes a tiled path for 64+ query rows and splits the KV
         # among threads for a single query over 512+ cells: both change a row's rounding
@@ -268,7 +277,7 @@ def _load_model(path: str, *, deterministic: bool = False) -> Any:
 
 class LlamaEngine:
     def __init__(self, model_path: str, *, max_batch: int, max_context: int, threads: int,
-                 deterministic: bool = False, pooling: str = "") -> None:
+                 deterministic: bool = False, pooling: str = "", kv_bits: int = 16) -> None:
         if max_batch < 1 or max_context < 2:
             raise ValueError("max_batch must be >= 1 and max_context >= 2")
         if pooling and pooling not in _POOLING:
@@ -284,6 +293,7 @@ class LlamaEngine:
         self._abort_cb = L.ggml_abort_callback(self._poll_abort)   # kept alive here: C holds the pointer
         self._pooling = pooling
         self._deterministic = deterministic
+        self._kv_bits = kv_bits
         self._model = _load_model(model_path, deterministic=deterministic)
         try:
             self._setup(model_path, max_batch, max_context, threads or (os.cpu_count() or 2))
@@ -303,7 +313,7 @@ class LlamaEngine:
                              f"{L.llama_max_parallel_sequences()}")
         shared = _needs_shared_pool(model, deterministic=self._deterministic)
         cp = _context_params(shared=shared, n_seq=n_seq, max_batch=max_batch, n_ctx_seq=n_ctx_seq, threads=threads,
-                             deterministic=self._deterministic)
+                             deterministic=self._deterministic, kv_bits=self._kv_bits)
         self._kv_type = f"{int(cp.type_k)}/{int(cp.type_v)}"   # ggml types of K and V (a parked state's shape)
         self._ctx = L.llama_init_from_model(model, cp)
         if not self._ctx:
@@ -766,7 +776,7 @@ class _LaneSampler:
 
 
 def open_engine(model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False, pooling: str = "") -> LlamaEngine:
+                deterministic: bool = False, pooling: str = "", kv_bits: int = 16) -> LlamaEngine:
     """The registry's entry point (``superfluid.runtime._registry``): every engine module has one."""
     return LlamaEngine(model, max_batch=max_batch, max_context=max_context, threads=threads,
-                       deterministic=deterministic, pooling=pooling)
+                       deterministic=deterministic, pooling=pooling, kv_bits=kv_bits)

@@ -61,6 +61,8 @@ from ..proto import (
     Tick,
     TickDone,
     Tokenize,
+    SlotAction,
+    SlotDone,
     Tokenized,
     WorkerLink,
     embedded_pieces,
@@ -119,15 +121,20 @@ DUE = _Due()
 
 
 def load_engine(runtime: str, model: str, *, max_batch: int, max_context: int, threads: int,
-                deterministic: bool = False, pooling: str = "", basert_lib: str | None = None) -> Engine:
-    """Import the runtime's engine module (the registry names it) and open the model with it."""
+                deterministic: bool = False, pooling: str = "", basert_lib: str | None = None,
+                kv_bits: int = 16) -> Engine:
+    """Import the runtime's engine module (the registry names it) and open the model with it.
+    ``kv_bits`` other than 16 is llama.cpp's only (a quantised KV cache); another runtime refuses it."""
     info = registry.get(runtime)
     if info.engine is None:
         raise ValueError(f"runtime {info.id} has no engine in this build")
+    if kv_bits != 16 and info.id != "llamacpp":
+        raise ValueError(f"--kv-bits {kv_bits}: the {info.id} runtime's KV cache is 16-bit only")
     module = importlib.import_module(info.engine)
     return module.open_engine(model, max_batch=max_batch, max_context=max_context, threads=threads,  # type: ignore[no-any-return]
                               deterministic=deterministic, **({'lib': basert_lib} if basert_lib else {}),
-                              **({'pooling': pooling} if pooling else {}))
+                              **({'pooling': pooling} if pooling else {}),
+                              **({'kv_bits': kv_bits} if kv_bits != 16 else {}))
 
 
 class _Worker:
@@ -362,6 +369,11 @@ class _Worker:
                     if op.priority >= AGENT_PRIORITY:
                         self.agents.add(op.lane)
                 self.send(Admitted(lane=op.lane, cached=lane.cached), lanes=())
+        elif isinstance(op, SlotAction):   # between steps: the sequence's KV is still
+            status, error, message, tokens, nbytes = self.executor.slot_action(
+                op.action, op.seq, op.filename, op.cache_salt)
+            self.send(SlotDone(req=op.req, tokens=tokens, nbytes=nbytes, status=status, error=error,
+                               message=message), lanes=())
         elif isinstance(op, Cancel) and self.executor.cancel(op.lane, publish=op.publish):
             self._ended(op.lane)
             self.send(Emit(items=[[op.lane, -1, b"", "cancelled", None]]), lanes=(op.lane,))
@@ -594,7 +606,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
             lambda: load_engine(args.runtime, args.model, max_batch=args.max_batch,
                                 max_context=args.max_context, threads=args.threads,
                                 deterministic=args.deterministic, pooling=args.pooling,
-                                basert_lib=args.basert_lib)
+                                basert_lib=args.basert_lib, kv_bits=args.kv_bits)
         )
     except Exception as exc:  # noqa: BLE001 - boundary: any load failure is reported, typed, then exit 3
         failed = LoadFailed(message=f"{type(exc).__name__}: {exc}")
@@ -719,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=D.MAX_CONTEXT)
     parser.add_argument("--threads", type=int, default=D.THREADS)
     parser.add_argument("--host-cache-mb", type=int, default=0)  # off unless the daemon asks
+    parser.add_argument("--kv-bits", type=int, choices=(16, 8), default=16)   # 8: q8_0 K and V (llama.cpp)
     parser.add_argument("--park-dir", default="")          # --park: finished sequences' KV on disk here
     parser.add_argument("--park-budget-mb", type=int, default=0)
     parser.add_argument("--stream-interval-ms", type=int, default=D.STREAM_INTERVAL_MS)

@@ -58,6 +58,7 @@ PARK_MIN_TOKENS = 256          # a shorter sequence prefills faster than it park
 MAX_HEADER = 64 << 20          # a header longer than this is not ours
 QUEUE_ITEMS = 4                # parks waiting for the writer; more are dropped
 SUFFIX = ".park"
+SLOTS = "slots"                # llama-server's slot files, named by the client (POST /slots/{id})
 TMP_STALE_S = 600.0            # a temporary file this old is a crashed writer's
 _LEN = struct.Struct("<I")
 
@@ -261,6 +262,46 @@ class ParkStore:
             pass
         return payload
 
+    # -- llama-server's slot files (POST /slots/{id}?action=save|restore) ------------------
+
+    def save_named(self, name: str, tokens: list[int], salt: str, data: Any) -> int:
+        """Write ``data`` (the state of ``tokens``) to ``slots/<name>`` now, in the park format
+        (this worker's identity, ``salt``'s key); the bytes written. Outside the budget and
+        the index: a client names and keeps these files."""
+        memoryview(data)   # TypeError: no bytes to write (the caller checked the runtime parks)
+        slots = self.dir / SLOTS
+        make_private_dir(slots)
+        return self._write(park_digest(salt, self.identity, tokens), salt_key(salt), list(tokens), data,
+                           path=slots / name)
+
+    def load_named(self, name: str, salt: str) -> tuple[list[int], bytearray]:
+        """Read and check ``slots/<name>`` for a sequence of ``salt``: (tokens, state bytes).
+
+        Raises:
+            ParkRefused: ``missing``, ``torn``, ``checksum``, or ``foreign`` (another model,
+                build, KV type or tenant). The file is the client's: it is never deleted here.
+        """
+        path = self.dir / SLOTS / name
+        try:
+            with open(path, "rb") as f:
+                header, offset = _parse_header(f, path)
+                want = int(header.get("payload_bytes", -1))
+                f.seek(offset)
+                payload = bytearray(max(0, want))
+                got = f.readinto(payload) if want > 0 else 0
+        except FileNotFoundError:
+            raise ParkRefused("missing") from None
+        except OSError as exc:
+            raise ParkRefused("torn", str(exc)) from None
+        tokens = header.get("tokens")
+        if not isinstance(tokens, list) or park_digest(salt, self.identity, tokens) != header.get("digest"):
+            raise ParkRefused("foreign")
+        if want < 0 or got != want:
+            raise ParkRefused("torn", f"payload of {got} bytes, header says {want}")
+        if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+            raise ParkRefused("checksum")
+        return tokens, payload
+
     def refuse(self, entry: ParkEntry, reason: str) -> None:
         """Count a fallback and forget ``entry`` (its file deleted unless it was missing)."""
         with self._lock:
@@ -342,14 +383,14 @@ class ParkStore:
             if self.on_change is not None:
                 self.on_change()
 
-    def _write(self, digest: str, key: str, tokens: list[int], data: Any) -> int:
+    def _write(self, digest: str, key: str, tokens: list[int], data: Any, *, path: Path | None = None) -> int:
         view = memoryview(data).cast("B")
         header = json.dumps({
             "version": VERSION, "digest": digest, "salt": key, "identity": self.identity, "tokens": tokens,
             "payload_bytes": len(view), "payload_sha256": hashlib.sha256(view).hexdigest(),
         }, separators=(",", ":")).encode()
-        path = self.dir / (digest + SUFFIX)
-        tmp = self.dir / f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp"
+        path = path or self.dir / (digest + SUFFIX)
+        tmp = path.parent / f".{digest}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -361,7 +402,7 @@ class ParkStore:
         except BaseException:
             _unlink(tmp)
             raise
-        fsync_dir(self.dir)
+        fsync_dir(path.parent)
         return len(MAGIC) + _LEN.size + len(header) + len(view)
 
     def _evict(self) -> None:
