@@ -268,9 +268,14 @@ async def test_credentials_never_reach_a_worker(nursery: trio.Nursery, monkeypat
 def test_cli_limit_mistakes_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from superfluid.cli._main import main
 
-    assert main(["serve", "mock", "--max-models", "0"]) == 2
+    with pytest.raises(SystemExit) as exc:   # 0 is refused as the flag is parsed (cli/_flags.py)
+        main(["serve", "mock", "--max-models", "0"])
+    assert exc.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "--max-models" in line and "must be 1 or more" in line
+    assert main(["serve", "mock", "--model", "mock?name=b", "--max-models", "1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "superfluid: --max-models 0: must be at least 1 and the 1 models given at startup"]
+        "superfluid: --max-models 1: must be at least 1 and the 2 models given at startup"]
     assert main(["serve", "mock", "--model-dir", str(tmp_path / "nowhere")]) == 2
     assert capsys.readouterr().err.splitlines() == [f"superfluid: --model-dir {tmp_path / 'nowhere'}: not a directory"]
 
