@@ -27,6 +27,9 @@ from superfluid.proto import (
     Fault,
     Interrupt,
     Sampling,
+    SlotAction,
+    SlotDone,
+    Telemetry,
     Tick,
     TickDone,
     Tokenize,
@@ -45,6 +48,7 @@ from superfluid.sched._core import (
     QueueFull,
     Reserve,
     SchedulerCore,
+    SlotRequest,
     TokenizeRequest,
     Unavailable,
 )
@@ -820,3 +824,33 @@ def test_a_token_that_completes_a_stop_ends_its_job_there_and_cancels_a_lane_the
     core.committed([rnd], None, 2.5)
     assert a.finish == b.finish == "stop" and a.tokens == [5, 6] and b.tokens == [7, 8]
     assert core.emit([Emit(items=[[la, 9, b"z", None, None]])], 3.0) is None   # the cancelled lane's tail
+
+
+def test_park_counts_from_ticks_and_telemetry_become_counter_steps_and_restart_with_a_worker() -> None:
+    """The worker's park counts are cumulative per worker generation (SPEC.md §5 "Park metrics"):
+    the core turns them into counter steps, from a tick's ``park`` or a writer's ``Telemetry``,
+    and a new worker's counts start again from zero."""
+    core = _core()
+    core.new_worker()
+    core.tick_done(TickDone(seq=1, park={"parks": 2, "resumes": 1, "bytes": 100, "fallbacks": {"torn": 1}}))
+    core.handle(Telemetry(values={"park.parks": 3, "park.bytes": 150, "park.fallback.torn": 2}))
+    core.handle(Telemetry(values={"tokens_per_s": 5.0}))   # no park counts: nothing changes
+    assert core.park["parks"] == 3 and core._park_seen["fallback:torn"] == 2.0
+    core.new_worker()
+    core.tick_done(TickDone(seq=2, park={"parks": 1, "fallbacks": {}}))
+    assert core._park_seen["parks"] == 1.0 and core.park["parks"] == 1
+    core.tick_done(TickDone(seq=3, park={"parks": 0, "fallbacks": {"torn": 0}}))   # went back: a fresh count
+    assert core._park_seen["parks"] == 0.0
+
+
+def test_a_slot_action_goes_with_the_tokenizes_and_its_answer_is_the_reply() -> None:
+    core = _core()
+    core.set_worker(True)
+    reply = Reply()
+    core.apply(SlotRequest("save", 0, "a.bin", "", reply), 0.0)
+    [frame] = core.take_frames()
+    assert isinstance(frame, SlotAction) and (frame.action, frame.seq, frame.filename) == ("save", 0, "a.bin")
+    core.handle(SlotDone(req=frame.req + 1000, tokens=1))   # no such request: ignored
+    assert reply.answered == 0
+    core.handle(SlotDone(req=frame.req, tokens=7, nbytes=70))
+    assert reply.answered == 1 and reply.value.tokens == 7 and not core.tokenizes_pending
