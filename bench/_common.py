@@ -11,6 +11,7 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import signal
@@ -221,3 +222,15 @@ def write_doc(doc: Path, section: str, begin: str, end: str) -> None:
         at = min(found) if found else -1
         text = text + "\n" + block if at < 0 else text[:at + 1] + block + "\n" + text[at + 1:]
     doc.write_text(text)
+
+
+def log_header(rev: str, args: Any, load: float) -> dict[str, Any]:
+    """The first record of a bench's JSON-lines log: the commit, the arguments (paths as text;
+    not the output and render ones), when, the CPU and the load it started under."""
+    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                if x.startswith("model name")), "?")
+    return {"kind": "header", "commit": rev,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                     if k not in ("out", "render", "doc")},
+            "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
+            "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}

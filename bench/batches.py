@@ -221,13 +221,8 @@ def main() -> int:
     rev = commit()
     out = args.out or ROOT / "bench-results" / rev / f"batches_{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), "?")
     with open(out, "w") as log:
-        log.write(json.dumps({"kind": "header", "commit": rev, "args": {k: v for k, v in vars(args).items()
-                                                                        if k not in ("out", "render", "doc")},
-                              "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
-                              "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}) + "\n")
+        log.write(json.dumps(_common.log_header(rev, args, load)) + "\n")
         run(args, log)
         log.write(json.dumps({"kind": "footer", "ended": f"{datetime.datetime.now(datetime.UTC):%H:%M:%S} UTC"}) + "\n")
     print(f"log: {out}", file=sys.stderr)

@@ -40,6 +40,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, Server, commit, free_port, model_file, stream_request, superfluid_argv, write_doc  # noqa: E402
+from _common import log_header  # noqa: E402
 
 from superfluid.suite._client import metric_sum  # noqa: E402
 from superfluid.suite._corpus import document  # noqa: E402
@@ -198,14 +199,8 @@ def main() -> int:
     rev = commit()
     out = args.out or ROOT / "bench-results" / rev / f"park_{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), "?")
     with open(out, "w") as log:
-        log.write(json.dumps({"kind": "header", "commit": rev, "args": {k: str(v) if isinstance(v, Path) else v
-                                                                        for k, v in vars(args).items()
-                                                                        if k not in ("out", "render", "doc")},
-                              "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
-                              "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}) + "\n")
+        log.write(json.dumps(log_header(rev, args, load)) + "\n")
         for rnd in range(args.rounds):
             order = [("no-park", []), ("park", ["--park"])]
             for name, extra in (order if rnd % 2 == 0 else order[::-1]):
