@@ -105,11 +105,15 @@ def test_committed_tokens_are_replayed_one_per_round() -> None:
 
 def test_only_whole_prompt_cells_are_reused() -> None:
     """A second request reuses the first one's whole prompt cells, never its
-    partial last cell or its generated tokens (computed in another shape)."""
+    partial last cell or its generated tokens (computed in another shape); the
+    same whole prompt again takes it all with its last step's logits (a tail hit)."""
     ex, eng = _executor()
     _run(ex, [_admit(0, PROMPT, max_new=4)], iter([512] * 100))
     eng.rows.clear()
     lane = ex.admit(_admit(1, PROMPT, max_new=4))
+    assert lane.cached == len(PROMPT) and lane.primed is not None
+    ex.cancel(1, publish=True)
+    lane = ex.admit(_admit(1, PROMPT[:-1], max_new=4))   # no tail for it: whole cells only
     assert lane.cached == 3 * GRID
     longer = ex.admit(_admit(2, PROMPT + [WORD0 + 1] * GRID, max_new=4))
     assert longer.cached == 3 * GRID
@@ -159,8 +163,9 @@ def test_default_prompt_cells_end_on_the_grid_and_the_last_one_goes_alone() -> N
 
 def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host_memory() -> None:
     """A finished lane keeps its whole prompt cells (not its generated tokens, decoded in another
-    shape); a copy from a running lane and a host-memory import are cut to whole cells too, and
-    none reaches into the new prompt's last step."""
+    shape), and its whole prompt with its last step's logits (a tail: the same prompt again takes
+    it all); a copy from a running lane and a host-memory import are cut to whole cells, and none
+    reaches into the new prompt's last step."""
     ex, _eng = _grid_executor(host=64 << 20)
 
     def drain() -> None:
@@ -168,9 +173,10 @@ def test_default_reuse_keeps_only_whole_prompt_cells_from_a_slot_a_copy_and_host
             ex.step(prefill_budget=2048)
 
     _run(ex, [_admit(0, LONG, max_new=4)], iter([2048] * 100))
-    assert max(len(slot.tokens) for slot in ex.slots) == 9 * GRID
+    assert max(len(slot.tokens) for slot in ex.slots) == len(LONG)
+    assert max(slot.exact for slot in ex.slots if slot.held) == 9 * GRID
     warm = ex.admit(_admit(1, LONG, max_new=4))
-    assert warm.cached == 8 * GRID   # its last step is cells 8 and 9
+    assert warm.cached == len(LONG)   # a tail hit
     follow = ex.admit(_admit(2, LONG + [WORD0 + 7] * 40, max_new=4))   # copied from lane 1's sequence
     assert follow.cached == 8 * GRID and follow.seq != warm.seq
     drain()

@@ -672,9 +672,16 @@ def _grid_ex(n_seq: int = 2, host: int = 0) -> tuple[Executor, _StepRecorder]:
     return ex, engine
 
 
-def _last_prompt_step(eng: _StepRecorder, seq: int, end: int) -> list[tuple[int, int, int]]:
-    """The pass that computed ``seq``'s last prompt token (its logits gave the first draw)."""
-    return next(step for step in reversed(eng.steps) if any(s == seq and p + n == end for s, p, n in step))
+def _last_prompt_step(eng: _StepRecorder, seq: int, end: int) -> list[tuple[int, int, int]] | None:
+    """The pass that computed ``seq``'s last prompt token (its logits gave the first draw), or
+    None if no pass did (a tail hit: the kept logits gave it)."""
+    return next((step for step in reversed(eng.steps) if any(s == seq and p + n == end for s, p, n in step)), None)
+
+
+def _drop_tails(ex: Executor) -> None:
+    """Forget every kept last-step logits (as ``TAIL_BYTES`` drops the oldest)."""
+    for seq in list(ex._tails):
+        ex._set_tail(seq, None)
 
 
 def _serve(ex: Executor, eng: _StepRecorder, prompt: list[int], lane: int, budget: int = 2048
@@ -708,7 +715,13 @@ def test_a_prompts_last_step_has_one_shape_cold_warm_and_after_a_longer_prompt(e
     ex2, eng2 = _grid_ex()
     _cached, small, rows_small = _serve(ex2, eng2, prompt, 0, budget=7)
     assert small == [(small[0][0], start, end - start)] and rows_small == rows
+    # warm: the same prompt again draws from its kept KV and last-step logits (a tail hit), no pass
+    # (a one-token prompt has no prefill step: its token is a decode row, and nothing is kept)
     warm, step, rows_warm = _serve(ex, eng, prompt, 1)
+    assert (warm, step is None) == ((end, True) if end > 1 else (0, False)) and rows_warm == rows
+    # without them (dropped for room) it computes the last step in the one shape
+    _drop_tails(ex)
+    warm, step, rows_warm = _serve(ex, eng, prompt, 2)
     assert warm == start and step == [(step[0][0], start, end - start)] and rows_warm == rows
     # the cache holds more than the prompt (a longer prompt that contains it): still cut at the step
     ex3, eng3 = _grid_ex()
@@ -748,3 +761,4 @@ def test_deterministic_mode_keeps_its_last_cell_alone() -> None:
     for lane, cached in ((0, 0), (1, 3 * GRID)):
         got, step, _rows = _serve(ex, engine, prompt, lane)
         assert got == cached and step == [(step[0][0], 3 * GRID, 20)]
+        _drop_tails(ex)

@@ -172,9 +172,32 @@ def test_prefix_cache_reuses_finished_sequence(smol: Any) -> None:
     first = admit(ex, 0, toks)
     assert first.cached == 0
     out1 = tokens_of(drain(ex)[0])
+    # the same prompt again: its KV and its last step's logits were kept (a tail), nothing computed
     second = admit(ex, 1, toks)
-    assert second.cached == whole_cells(len(toks)) > 0
-    assert tokens_of(drain(ex)[1]) == out1   # its last step computed alone, as the cold one's was
+    assert second.cached == len(toks) and second.primed is not None
+    assert tokens_of(drain(ex)[1]) == out1
+    # without the tail (dropped for room): the whole cells, its last step computed alone as cold
+    for seq in list(ex._tails):
+        ex._set_tail(seq, None)
+    third = admit(ex, 2, toks)
+    assert third.cached == whole_cells(len(toks)) > 0
+    assert tokens_of(drain(ex)[2]) == out1
+
+
+def test_seeded_sampling_from_kept_logits_draws_as_from_the_context(smol: Any) -> None:
+    """A tail hit's first token is drawn from kept logits through the chain (``_sample_kept``),
+    not from the context: seeded sampling gives the cold lane's tokens."""
+    ex = fresh(smol)
+    toks = prompt(smol, " ".join(PROMPTS * 4))
+    for seed in (1, 2, 3):
+        cold = admit(ex, 10 * seed, toks, max_new=6, **{**SEEDED, "seed": seed})
+        assert cold.primed is None
+        out_cold = tokens_of(drain(ex)[10 * seed])
+        warm = admit(ex, 10 * seed + 1, toks, max_new=6, **{**SEEDED, "seed": seed})
+        assert warm.primed is not None
+        assert tokens_of(drain(ex)[10 * seed + 1]) == out_cold, seed
+        for s in list(ex._tails):
+            ex._set_tail(s, None)
 
 
 def test_prefix_copied_from_running_lane(smol: Any) -> None:
@@ -347,7 +370,7 @@ def test_a_demoted_prefix_copied_back_continues_identically(smol: Any) -> None:
     drain(ex)
     assert ex.stats["demoted"] == 1
     back = admit(ex, 2, first, max_new=6)
-    assert back.cached == whole_cells(len(first))
+    assert back.cached == len(first)   # the demoted copy carries its tail (the same KV)
     assert tokens_of(drain(ex)[2]) == reference_out
 
 

@@ -179,8 +179,9 @@ async def test_a_conversation_sent_alone_gets_one_reply_cold_warm_after_others_a
             assert cold.cached == 0
             ref = cold.text
             assert len(ref) > 100, ref
+            # warm: the whole prompt's KV and its last step's logits were kept (a tail): nothing computed
             warm = await _chat(c, messages, "w1")
-            assert warm.cached == whole
+            assert warm.cached == len(prompt)
             assert warm.text == ref
             head = await _chat(c, messages, "w1", resumable=True, stop_after=HEAD_EVENTS)
             assert head.session and head.text and ref.startswith(head.text)
@@ -203,10 +204,11 @@ async def test_a_conversation_sent_alone_gets_one_reply_cold_warm_after_others_a
                     if piece:
                         rest.append(piece)
             assert head.text + "".join(rest) == ref
+            # the resumed copy kept whole cells (its last step drew no token: it was committed)
             again = await _chat(c, messages, "w1")
-            assert again.text == ref
+            assert again.cached == whole and again.text == ref
             warm_again = await _chat(c, messages, "w1")
-            assert warm_again.cached == whole and warm_again.text == ref
+            assert warm_again.cached == len(prompt) and warm_again.text == ref
             others = {}
             for shared in (10, 63):
                 salt = f"w{shared}"

@@ -89,6 +89,7 @@ DEMOTE_MIN = 256  # a cached prefix this long moves to a spare sequence rather t
 STATE_COPY_MAX = 384
 PARK_GAIN = 64  # a parked artifact is read only when it covers this many more prompt tokens than the cache
 GRID = 64       # exact mode: prompt prefill chunk boundaries are the multiples of this position
+TAIL_BYTES = 64 << 20   # exact mode: the kept last-step logits, all sequences together (oldest dropped)
 
 
 @attrs.define(eq=False)
@@ -107,6 +108,10 @@ class Lane:
     replay: bool = False   # exact mode: tokens after the prompt are decoded one per round
     spec: LaneSpec | None = None   # drafting state, if this lane may speculate
     stops: StopScan | None = None  # its stop strings over what it generated (Admit.stops)
+    # exact mode: the logits its prompt's last step gave (kept with its KV when it ends: a tail)
+    tail: Any = attrs.field(default=None, repr=False)
+    # the logits its first token is drawn from with no pass (admitted on a tail hit, not drawn yet)
+    primed: Any = attrs.field(default=None, repr=False)
 
     @property
     def prefill_end(self) -> int:
@@ -127,8 +132,8 @@ class Lane:
 
     @property
     def decoding(self) -> bool:
-        """The next step for this lane is a one-token decode row."""
-        return not self.prefilling and self.pending >= 1
+        """The next step for this lane is a one-token decode row (or, primed, a draw with no row)."""
+        return not self.prefilling and (self.pending >= 1 or self.primed is not None)
 
 
 @attrs.define
@@ -148,6 +153,8 @@ class _Slot:
     last_use: int = 0
     salt: str = ""                                   # the cache partition its KV was computed under
     exact: int = 1 << 62                             # exact mode: leading tokens in whole prompt cells
+    tail: Any = None                                 # exact mode: ``held`` is one whole prompt and these
+                                                     # are the logits its last step gave (a tail hit)
 
     @property
     def tokens(self) -> list[int]:
@@ -240,6 +247,14 @@ class Executor:
         if speculate is not None and (deterministic or engine.drafts is not True):
             raise ValueError("prompt-lookup needs a non-deterministic executor over an engine that drafts")
         self.gates = None if speculate is None else Gates(speculate, *([clock] if clock else []))
+        # exact mode over one KV stream per sequence: a finished prompt's last-step logits, kept
+        # with its whole KV so the same prompt again draws its first token with no pass (a tail
+        # hit); seq -> bytes, oldest first, within TAIL_BYTES
+        keep = getattr(engine, "keep_logits", None)
+        self._keep: Callable[[Any], Any] | None = keep if self.exact and not self.shared else None
+        self._tails: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._tail_bytes = 0
+        self._primed: list[int] = []   # lanes admitted on a tail hit, their first draw not made
 
     # -- lanes ---------------------------------------------------------------
 
@@ -258,28 +273,37 @@ class Executor:
         if len(tokens) >= self.info.n_ctx_seq:
             raise ValueError(f"{len(tokens)} tokens do not fit the {self.info.n_ctx_seq}-token window")
         replay = self.exact and self.gates is None
-        seq, matched, src = self._pick_slot(tokens, msg.cache_salt)
-        # exact mode reuses nothing of the prompt's last step, so a warm lane computes it in the
-        # cold one's shape (deterministic mode's whole-cell matches stop before its last cell,
-        # its last step)
-        grid_steps = self.exact and not self.deterministic
-        reuse = last_step(msg.n_prompt if replay else len(tokens)) if grid_steps else len(tokens) - 1
-        if grid_steps:
-            matched, src = self._whole_cells(tokens, msg.cache_salt, seq, matched, src, reuse)
+        # the same whole prompt again, its KV and last-step logits kept: nothing to compute
+        hit = self._tail_hit(tokens, msg.n_prompt, msg.cache_salt) if replay or len(tokens) == msg.n_prompt else None
+        if hit is None:
+            tail = None
+            seq, matched, src = self._pick_slot(tokens, msg.cache_salt)
+            # exact mode reuses nothing of the prompt's last step, so a warm lane computes it in the
+            # cold one's shape (deterministic mode's whole-cell matches stop before its last cell,
+            # its last step)
+            grid_steps = self.exact and not self.deterministic
+            reuse = last_step(msg.n_prompt if replay else len(tokens)) if grid_steps else len(tokens) - 1
+            if grid_steps:
+                matched, src = self._whole_cells(tokens, msg.cache_salt, seq, matched, src, reuse)
+        else:
+            seq, matched, src = hit, msg.n_prompt, None
+            tail = self.slots[hit].tail
+            self._recent_live.push(len(self._live))   # (as _pick_slot counts every admission)
         slot = self.slots[seq]
         sampler = self.engine.new_sampler(self._lane_sampling(msg), tokens[msg.n_prompt:])
-        self._preserve(seq, keep=0 if src is not None else matched, src=src)
-        imported = self._import(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
-        if imported is None and self.park is not None:
-            imported = self._restore(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
-        if imported is not None:
-            matched = imported
-        elif src is not None and src != seq:
-            self._copy(src, seq, matched)
-        elif matched < slot.size:
-            if not self.engine.seq_rm(seq, matched, -1):
-                self.engine.seq_rm(seq, 0, -1)
-                matched = 0
+        if hit is None:
+            self._preserve(seq, keep=0 if src is not None else matched, src=src)
+            imported = self._import(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
+            if imported is None and self.park is not None:
+                imported = self._restore(seq, tokens, msg.cache_salt, better_than=matched, limit=reuse)
+            if imported is not None:
+                matched = imported
+            elif src is not None and src != seq:
+                self._copy(src, seq, matched)
+            elif matched < slot.size:
+                if not self.engine.seq_rm(seq, matched, -1):
+                    self.engine.seq_rm(seq, 0, -1)
+                    matched = 0
         slot.held = []
         slot.salt = msg.cache_salt
         if self.index is not None:
@@ -291,7 +315,10 @@ class Executor:
             n_past=matched,
             cached=min(matched, msg.n_prompt), replay=replay,
             spec=LaneSpec() if self._may_draft(self._capped(msg.sampling)) else None, stops=self._stop_scan(msg),
+            tail=tail, primed=tail if tail is not None and len(tokens) == msg.n_prompt else None,
         )
+        if lane.primed is not None:
+            self._primed.append(msg.lane)
         if self.gates is not None:
             self.gates.admitted()
         self._own(seq, msg.lane, lane)
@@ -465,6 +492,41 @@ class Executor:
         """``n`` rounded down to whole grid cells."""
         return n // GRID * GRID
 
+    # -- tails: a whole prompt's KV and its last-step logits ---------------------------
+
+    def _tail_hit(self, tokens: list[int], n_prompt: int, salt: str) -> int | None:
+        """Exact mode: the free sequence holding exactly ``tokens[:n_prompt]`` under ``salt``
+        with the logits its last step gave (newest first), or None. That KV and those logits
+        are what a cold lane computes for this prompt (its cells and last step in their one
+        shape), so a lane seeded from them draws what the cold lane draws."""
+        if not self._tails or not n_prompt:
+            return None
+        last = tokens[n_prompt - 1]
+        for seq in reversed(self._tails):
+            slot = self.slots[seq]
+            held = slot.held
+            if (len(held) == n_prompt and held[-1] == last and slot.salt == salt and slot.owner is None
+                    and held == tokens[:n_prompt]):
+                return seq
+        return None
+
+    def _set_tail(self, seq: int, logits: Any) -> None:
+        """``seq``'s kept last-step logits are now ``logits`` (None: it has none); the oldest
+        others go while all of them pass ``TAIL_BYTES``."""
+        size = self._tails.pop(seq, None)
+        if size is not None:
+            self._tail_bytes -= size
+        self.slots[seq].tail = logits
+        if logits is None:
+            return
+        size = int(getattr(logits, "nbytes", 1))
+        self._tails[seq] = size
+        self._tail_bytes += size
+        while self._tail_bytes > TAIL_BYTES and len(self._tails) > 1:
+            old, size = self._tails.popitem(last=False)
+            self.slots[old].tail = None
+            self._tail_bytes -= size
+
     def _whole_cells(self, tokens: list[int], salt: str, seq: int, matched: int,
                      src: int | None, limit: int) -> tuple[int, int | None]:
         """Exact mode over the prefix index: the pick's reuse cut back to the whole
@@ -514,6 +576,7 @@ class Executor:
                 slots[spare].held, slots[spare].last_use = list(slot.held), slot.last_use
                 slots[spare].salt = slot.salt
                 slots[spare].exact = slot.exact
+                self._set_tail(spare, slot.tail)   # the whole stream was copied: the same KV
                 if self.index is not None:
                     self.index.copy(seq, spare)
                 self._note_free(spare)
@@ -736,14 +799,17 @@ class Executor:
         self._clock += 1
         slot.last_use = self._clock
         keep = lane.n_past
+        tail = lane.tail if publish and lane.n_past >= lane.n_prompt else None
         if publish and self.exact:
-            # keep whole prompt cells only: later tokens were computed in another shape
-            keep = min(keep, slot.exact)
+            # keep whole prompt cells only (later tokens were computed in another shape), or the
+            # whole prompt with the logits its last step gave (a tail)
+            keep = min(keep, slot.exact) if tail is None else lane.n_prompt
             if keep < lane.n_past and (self.shared or not self.engine.seq_rm(lane.seq, keep, -1)):
                 publish = False  # a shared pool cannot drop a suffix
+        self._set_tail(lane.seq, tail if publish else None)
         if publish:
             slot.held = lane.tokens[:keep]
-            slot.exact = len(slot.held) if self.exact else _Slot.exact
+            slot.exact = min(len(slot.held), slot.exact) if self.exact else _Slot.exact
             if finished and self.park is not None and self.park.wants(slot.held, slot.salt):
                 t0 = self._timer()
                 data = self.engine.seq_export(lane.seq)
@@ -761,6 +827,7 @@ class Executor:
         """Lane ``tag`` owns free ``seq`` (``lane`` None: a test's stand-in holding ``held``)."""
         slot = self.slots[seq]
         slot.owner, slot.lane = tag, lane
+        self._set_tail(seq, None)   # the lane's KV is its own now (a tail hit's lane carries the tail)
         self._free.pop(bisect.bisect_left(self._free, seq))
         self._free_set.discard(seq)
         self._live.add(seq)
@@ -775,6 +842,7 @@ class Executor:
     def _set_held(self, seq: int, tokens: list[int]) -> None:
         """Free ``seq`` now holds ``tokens``."""
         self.slots[seq].held = tokens
+        self._set_tail(seq, None)
         if self.index is not None:
             self.index.set(seq, tokens, len(tokens), self.slots[seq].salt)
         if self.slots[seq].owner is None:
@@ -856,6 +924,15 @@ class Executor:
         more prompts); the two alternate while both have work.
         """
         res = StepResult()
+        if self._primed:
+            # lanes admitted on a tail hit draw their first token from the kept logits, no pass
+            for tag in self._primed:
+                ln = self.lanes.get(tag)
+                if ln is not None and ln.primed is not None:
+                    out, ln.primed = ln.primed, None
+                    self._sample_into(res, ln, out)
+            self._primed.clear()
+            return self._settle(res)
         place = {lane: i for i, lane in enumerate(order)}   # (order.index per lane: O(lanes²) a step)
         prefill_lanes = sorted(
             (ln for ln in self.lanes.values() if ln.prefilling),
@@ -935,6 +1012,9 @@ class Executor:
             res.aborted = True
             return res
         self.stats["steps"] += 1
+        # a lone prompt's last step (any one's in deterministic mode, where rows do not depend on
+        # their neighbours) gave the logits a cold lane gets: kept as the lane's tail
+        keep = self._keep if self.deterministic or len(rows) == 1 else None
         for row, ln, out, decoding in zip(rows, owners, outs, is_decode, strict=True):
             ln.n_past += len(row.tokens)
             self._grew(ln)
@@ -943,6 +1023,8 @@ class Executor:
             else:
                 res.prefill_tokens += len(row.tokens)
             if row.want_logits:
+                if keep is not None and not decoding and ln.n_past == ln.n_prompt == len(ln.tokens):
+                    ln.tail = keep(out)
                 self._sample_into(res, ln, out)
         return self._settle(res)
 

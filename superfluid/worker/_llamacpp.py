@@ -443,12 +443,20 @@ class LlamaEngine:
             b.logits[i] = start + i >= n_body
         b.n_tokens = end - start
 
-    def logits(self, out: int) -> np.ndarray:
-        """The raw logits of batch index ``out`` of the last decode (a view)."""
+    def logits(self, out: Any) -> np.ndarray:
+        """The raw logits of batch index ``out`` of the last decode (a view), or ``out`` itself
+        when it is logits kept by :meth:`keep_logits`."""
+        if isinstance(out, np.ndarray):
+            return out
         ptr = L.llama_get_logits_ith(self._ctx, out)
         if not ptr:
             raise RuntimeError(f"no logits at batch index {out}")
         return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def keep_logits(self, out: int) -> np.ndarray:
+        """A copy of batch index ``out``'s logits that outlives the next decode; a sampler draws
+        from it as from ``out`` (the executor's tails: a prompt's last-step logits, kept)."""
+        return self.logits(out).copy()
 
     # -- sampling ----------------------------------------------------------------
 
@@ -755,8 +763,28 @@ class _LaneSampler:
             return token
         if not self._greedy:
             self._reseed(k)
-        token = int(L.llama_sampler_sample(self._chain, self._engine._ctx, out))
+        if isinstance(out, np.ndarray):
+            token = self._sample_kept(out)
+        else:
+            token = int(L.llama_sampler_sample(self._chain, self._engine._ctx, out))
         self._drawn = token
+        return token
+
+    def _sample_kept(self, logits: np.ndarray) -> int:
+        """``llama_sampler_sample`` over kept logits: every token a candidate with its logit, the
+        chain applied, its pick accepted (what llama.cpp does over a context's logits)."""
+        n = len(logits)
+        cand = (L.llama_token_data * n)()
+        view = np.ctypeslib.as_array(cand)   # fields id, logit, p
+        view["id"] = np.arange(n, dtype=np.int32)
+        view["logit"] = logits
+        view["p"] = 0.0
+        arr = L.llama_token_data_array(data=cand, size=n, selected=-1, sorted=False)
+        L.llama_sampler_apply(self._chain, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size:
+            raise RuntimeError(f"the sampler chain selected {arr.selected} of {arr.size} candidates")
+        token = int(arr.data[arr.selected].id)
+        L.llama_sampler_accept(self._chain, token)
         return token
 
     def logprobs(self, out: Any, token: int, n: int) -> list[Any]:

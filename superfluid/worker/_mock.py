@@ -292,6 +292,10 @@ class MockEngine:
             time.sleep(min(left, ABORT_POLL_S) if abort is not None else left)
         return outs
 
+    def keep_logits(self, out: Any) -> Any:
+        """A row's "logits" kept past the next decode: the mock's are its context, immutable."""
+        return out
+
     def new_sampler(self, sampling: Sampling, history: list[int]) -> _MockSampler:
         if sampling.grammar:
             raise ValueError("the mock runtime cannot apply a grammar")
