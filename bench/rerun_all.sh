@@ -35,7 +35,7 @@ for part in $parts; do
             printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "superfluid_args": ["--deterministic"], "models": {"gguf": "%s", "small_gguf": "%s"}}\n' \
                 "$(hostname)" "$server" "$(dirname "$server")" "$model" "$small" > "$box"
             # exits 1 when any cell fails (a peer's fail is a result, not an error of this script)
-            $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
+            $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small --repeat 3 \
                 --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log" || true
             $PY -m superfluid.suite compare "$out/suite" > docs/suite-results.md ;;
         suite-mlx)
@@ -48,7 +48,7 @@ for part in $parts; do
             box=$out/box-mlx.json
             printf '{"box": "%s", "superfluid_args": ["--deterministic"], "models": {"mlx": "%s", "small_gguf": "%s", "mlx_server_model": "%s"}, "mlx_server_env": {"LD_PRELOAD": "%s"}}\n' \
                 "$(hostname)" "$mlx" "$small" "$f32" "$blas" > "$box"
-            $PY -m superfluid.suite run --systems superfluid-mlx,mlx-lm-server --scale small \
+            $PY -m superfluid.suite run --systems superfluid-mlx,mlx-lm-server --scale small --repeat 3 \
                 --box "$box" --out "$out/suite-mlx" 2>&1 | tee "$out/suite-mlx.log" || true
             $PY -m superfluid.suite compare "$out/suite-mlx" > docs/suite-results-mlx.md ;;
         throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
