@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Re-run every published comparison at HEAD on a quiet machine, one after another, into
 # bench-results/<commit>/ (one log per benchmark; each prints its own markdown table naming the
-# commit), then regenerate docs/suite-results.md from the suite's result files.
+# commit), then regenerate docs/suite-results.md from the suite's result files (each suite cell run
+# 3 times, the verdict the majority). The tables in docs/benchmarks.md that the benches render from
+# their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
+# tests/test_docs_generated.py fails when a committed table differs from its log.
 #
 #     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled qos logcost determinism monitor
 #
@@ -35,9 +38,11 @@ for part in $parts; do
             printf '{"box": "%s", "llama_server": "%s", "llama_lib": "%s", "llama_args": ["-t", "2"], "superfluid_args": ["--deterministic"], "models": {"gguf": "%s", "small_gguf": "%s"}}\n' \
                 "$(hostname)" "$server" "$(dirname "$server")" "$model" "$small" > "$box"
             # exits 1 when any cell fails (a peer's fail is a result, not an error of this script)
-            $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small \
+            $PY -m superfluid.suite run --systems superfluid-llamacpp,llama-server --scale small --repeat 3 \
                 --box "$box" --out "$out/suite" 2>&1 | tee "$out/suite.log" || true
-            $PY -m superfluid.suite compare "$out/suite" > docs/suite-results.md ;;
+            # notes: the setup in words, bench-results/<commit>/suite-notes.md where someone wrote it
+            notes=(); [ -f "$out/suite-notes.md" ] && notes=(--notes "$out/suite-notes.md")
+            $PY -m superfluid.suite compare "$out/suite" "${notes[@]}" > docs/suite-results.md ;;
         suite-mlx)
             # the MLX pair: ours on the MLX test directory (4-bit, run as f32 over OpenBLAS on a Linux
             # CPU) vs mlx_lm.server on its f32 copy with the same OpenBLAS; Gemma as ours' companion
@@ -48,9 +53,10 @@ for part in $parts; do
             box=$out/box-mlx.json
             printf '{"box": "%s", "superfluid_args": ["--deterministic"], "models": {"mlx": "%s", "small_gguf": "%s", "mlx_server_model": "%s"}, "mlx_server_env": {"LD_PRELOAD": "%s"}}\n' \
                 "$(hostname)" "$mlx" "$small" "$f32" "$blas" > "$box"
-            $PY -m superfluid.suite run --systems superfluid-mlx,mlx-lm-server --scale small \
+            $PY -m superfluid.suite run --systems superfluid-mlx,mlx-lm-server --scale small --repeat 3 \
                 --box "$box" --out "$out/suite-mlx" 2>&1 | tee "$out/suite-mlx.log" || true
-            $PY -m superfluid.suite compare "$out/suite-mlx" > docs/suite-results-mlx.md ;;
+            notes=(); [ -f "$out/suite-mlx-notes.md" ] && notes=(--notes "$out/suite-mlx-notes.md")
+            $PY -m superfluid.suite compare "$out/suite-mlx" "${notes[@]}" > docs/suite-results-mlx.md ;;
         throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
         sampled) $PY bench/throughput.py --model "$model" --llama-server "$server" --temperature 0.8 --seed 1 \
                      2>&1 | tee "$out/throughput-sampled.log" ;;

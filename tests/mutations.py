@@ -69,6 +69,8 @@ F = "tests/test_fleet.py::"
 BT = "tests/test_batches.py::"
 UI = "tests/test_ui.py::"
 UB = "tests/test_ui_browser.py::"
+DG = "tests/test_docs_generated.py::"
+SS = "tests/test_suite_scoring.py::"
 
 MUTATIONS = (
     # ---- code that is not being refactored: proto, journal, worker, policy, api checks, runtime, chat ----
@@ -794,6 +796,55 @@ MUTATIONS = (
              "not 0 <= ttl <= MAX_PIN_S:\n",
              "not 0 <= ttl:\n",
              (R + "test_a_pinned_conversation_holds_its_model_past_the_idle_timeout_and_after_a_restart",)),
+    # ---- issue #42: published numbers from their logs, and the suite's scoring ----
+    Mutation("a committed table equals its bench's render of its log", "bench/park.py",
+             "f\"{r['ttft2']:.2f} | {int(r['superfluid_resume_tokens_total'])} | \"",
+             "f\"{r['ttft2']:.3f} | {int(r['superfluid_resume_tokens_total'])} | \"",
+             (DG + "test_a_generated_block_equals_its_generators_render_of_its_committed_log",)),
+    Mutation("a suite page equals compare over its result directories", "superfluid/suite/_compare.py",
+             "    said = \" \".join(str(d) for d in dirs) + ",
+             "    said = \" \".join(Path(d).name for d in dirs) + ",
+             (DG + "test_a_suite_page_equals_compare_over_its_committed_result_directories",)),
+    Mutation("the suite's headline is scored on the scenarios both systems ran", "superfluid/suite/_compare.py",
+             "    both = [s for s in scenarios if all(verdicts.get((s, col)) in RAN for col in columns)]\n",
+             "    both = [s for s in scenarios if any(verdicts.get((s, col)) in RAN for col in columns)]\n",
+             (SS + "test_the_headline_is_scored_on_the_scenarios_both_systems_ran",
+              SS + "test_an_error_counts_as_ran_and_not_passed_in_the_headline")),
+    Mutation("the suite counts inconclusive apart from fail", "superfluid/suite/_compare.py",
+             "        counts = {k: mine.count(k) for k in (\"pass\", \"fail\", \"inconclusive\", \"error\", \"unsupported\")}\n",
+             "        counts = {k: mine.count(k) for k in (\"pass\", \"fail\", \"inconclusive\", \"error\", \"unsupported\")}\n"
+             "        counts.update(fail=counts[\"fail\"] + counts[\"inconclusive\"], inconclusive=0)\n",
+             (SS + "test_inconclusive_is_reported_apart_from_fail",)),
+    Mutation("tool_session needs 10 of 12 turns with a valid call", "superfluid/suite/_conditions.py",
+             "    if calls_ok < need:\n",
+             "    if calls_ok < 1:\n",
+             (SS + "test_tool_session_needs_10_of_12_turns_with_a_valid_call_and_the_asked_arguments",)),
+    Mutation("tool_session judges a call's arguments against the turn", "superfluid/suite/_behaviour.py",
+             "    return isinstance(args, dict) and args.get(\"account\") == account\n",
+             "    return isinstance(args, dict)\n",
+             (SS + "test_a_calls_arguments_are_judged_against_what_the_turn_asked",
+              SS + "test_tool_session_fails_a_server_whose_calls_or_answers_are_wrong")),
+    Mutation("tool_session judges the answers", "superfluid/suite/_conditions.py",
+             "    if answers_ok < need:\n",
+             "    if False:\n",
+             (SS + "test_tool_session_needs_10_of_12_turns_with_a_valid_call_and_the_asked_arguments",
+              SS + "test_tool_session_fails_a_server_whose_calls_or_answers_are_wrong")),
+    Mutation("kv_exhaustion: a typed refusal is no pass", "superfluid/suite/_conditions.py",
+             "    if refused:\n",
+             "    if False:\n",
+             (SS + "test_kv_exhaustion_passes_only_when_every_request_completes",)),
+    Mutation("a repeated cell's verdict is the majority of its runs", "superfluid/suite/_conditions.py",
+             "        if 2 * verdicts.count(v) > len(verdicts):\n",
+             "        if verdicts.count(v):\n",
+             (SS + "test_majority_of_runs", SS + "test_repeat_runs_each_cell_n_times_and_takes_the_majority")),
+    Mutation("--repeat runs each cell N times", "superfluid/suite/_runner.py",
+             "            while len(runs) < opts.repeat:\n",
+             "            for _ in range(min(1, opts.repeat - len(runs))):\n",
+             (SS + "test_repeat_runs_each_cell_n_times_and_takes_the_majority",)),
+    Mutation("compare re-judges recorded runs under the current rules", "superfluid/suite/_compare.py",
+             "    judged = [rejudge({**r, \"scenario\": cell[\"scenario\"]}) for r in runs]\n",
+             "    judged = [(r.get(\"verdict\", \"error\"), str(r.get(\"reason\") or \"\")) for r in runs]\n",
+             (SS + "test_compare_rejudges_every_run_under_the_current_rules",)),
 )
 
 

@@ -129,13 +129,16 @@ def test_scores_are_passes_over_applicable_cells(tmp_path: Path) -> None:
         res.update(scenario=scenario, system="peer")
         (tmp_path / f"{scenario}--peer.json").write_text(json.dumps(res))
     text = compare([tmp_path])
-    assert "| **passes / applicable** | 3/6 (2 n/a) |" in text
+    assert "| **passes / applicable** (own total) | 3/6 |" in text
+    assert "| fail / inconclusive / error / n/a | 3 / 0 / 0 / 2 |" in text
     n = fixture("tool_session--pass")
     n.update(parsed=0, emitted=0)
     res = result("tool_session", n, "no calls")
     res.update(scenario="tool_session", system="peer")
     (tmp_path / "tool_session--peer.json").write_text(json.dumps(res))
-    assert "| **passes / applicable** | 3/6 (2 n/a, 1 inconclusive) |" in compare([tmp_path])  # a fail became inconclusive
+    text = compare([tmp_path])
+    assert "| **passes / applicable** (own total) | 3/6 |" in text
+    assert "| fail / inconclusive / error / n/a | 2 / 1 / 0 / 2 |" in text  # a fail became inconclusive
 
 
 def test_a_tool_session_without_a_single_call_is_inconclusive() -> None:
@@ -156,7 +159,8 @@ def test_result_and_compare_render_a_grid(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"box": "t", "scale": "quick", "systems": ["ours", "theirs"]}))
     text = compare([tmp_path])
     assert "| worker_kill | pass | **FAIL** |" in text
-    assert "| **passes / applicable** | 8/8 | 0/8 |" in text
+    assert "| **passes on the 8 scenarios both ran** | 8/8 | 0/8 |" in text
+    assert "| **passes / applicable** (own total) | 8/8 | 0/8 |" in text
     assert text.count("Pass condition:") == 8
     assert "  - why: " in text
 
@@ -388,7 +392,8 @@ def test_compare_shows_feature_rows_and_the_commits_the_cells_ran_on(tmp_path: P
     assert "All 3 cells ran at commit `abc1234`." in text
     assert "| agents_interactive: with QoS headers | pass |  |" in text
     assert "| daemon_restart: resume by id | pass | n/a |" in text
-    assert "| **passes / applicable** | 2/2 | 0/0 (1 n/a) |" in text  # feature rows are not in the totals
+    assert "| **passes / applicable** (own total) | 2/2 | 0/0 |" in text  # feature rows are not in the totals
+    assert "| fail / inconclusive / error / n/a | 0 / 0 / 0 / 0 | 0 / 0 / 0 / 1 |" in text
     res.update(rev="def5678-dirty")
     (tmp_path / "daemon_restart--theirs.json").write_text(json.dumps(res))
     assert "**Mixed commits**: `abc1234` (2 cells), `def5678-dirty` (1 cell)" in compare([tmp_path])

@@ -60,5 +60,6 @@ def test_quick_run_passes_all_eight_then_resumes_and_compares(tmp_path: Path) ->
     assert "| scenario | superfluid-mock |" in report.stdout
     assert all(f"## {s}" in report.stdout for s in EIGHT)
     assert f"All 8 cells ran at commit `{manifest['revs'][0]}`" in report.stdout
-    assert "| **passes / applicable** | 7/8 (1 inconclusive) |" in report.stdout
+    assert "| **passes / applicable** (own total) | 7/8 |" in report.stdout
+    assert "| fail / inconclusive / error / n/a | 0 / 1 / 0 / 0 |" in report.stdout
     assert "| daemon_restart: resume by id | pass |" in report.stdout

@@ -46,8 +46,12 @@ def _leaked(text: str) -> bool:
 
 
 def _args_ok(call: dict[str, Any], account: str) -> bool:
+    """The call is to the declared tool, its arguments parse as JSON and name the account the turn asked about."""
+    fn = call.get("function") or {}
+    if fn.get("name") != LOOKUP_TOOL["function"]["name"]:
+        return False
     try:
-        args = json.loads(call.get("function", {}).get("arguments") or "")
+        args = json.loads(fn.get("arguments") or "")
     except ValueError:
         return False
     return isinstance(args, dict) and args.get("account") == account
@@ -58,7 +62,8 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
     rng = random.Random(20240611)
     s: dict[str, Any] = {"turns": sz["turns"], "turns_done": 0, "errors": 0, "first_error": None, "leaks": 0,
                          "emitted": 0, "parsed": 0, "bad_args": 0, "no_call": 0, "answers_correct": 0,
-                         "answers_checked": 0, "forced": True, "forced_refused": None, "answer_calls": 0}
+                         "answers_checked": 0, "forced": True, "forced_refused": None, "answer_calls": 0,
+                         "calls_ok": 0, "answers_ok": 0}
     rows: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = [{"role": "system", "content": TOOL_SYSTEM}]
 
@@ -102,7 +107,9 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
                 continue
             s["emitted"] += 1
             s["parsed"] += 1
-            s["bad_args"] += int(not _args_ok(first.tool_calls[0], account))
+            call_ok = _args_ok(first.tool_calls[0], account)
+            s["bad_args"] += int(not call_ok)
+            s["calls_ok"] += int(call_ok)
             calls, results = [], []
             for k, call in enumerate(first.tool_calls):
                 call_id = call.get("id") or f"call_{turn}_{k}"
@@ -123,7 +130,9 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
                 s["parsed"] += 1
                 s["answer_calls"] += 1
             s["answers_checked"] += 1
-            s["answers_correct"] += int(results[0]["content"] in answer.content)
+            quoted = results[0]["content"] in answer.content
+            s["answers_correct"] += int(quoted)
+            s["answers_ok"] += int(call_ok and quoted and not answer.tool_calls)  # this turn right end to end
             s["leaks"] += int(_leaked(answer.content))
             messages.append({"role": "assistant", "content": answer.content})
             s["turns_done"] += 1
@@ -137,7 +146,8 @@ async def tool_session(ctx: Context) -> dict[str, Any]:
         final_prompt_tokens=rows[-1]["prompt"] if rows else None,
     )
     forced = "forced tool_choice" if s["forced"] else "tool_choice auto (forcing refused)"
-    headline = (f"{s['turns_done']}/{s['turns']} turns, {forced}; {s['parsed']} parsed calls, {s['no_call']} no-call, "
+    headline = (f"{s['turns_done']}/{s['turns']} turns, {forced}; {s['parsed']} parsed calls, {s['calls_ok']} with "
+                f"the asked arguments, {s['answers_ok']} answers quoting the code, {s['no_call']} no-call, "
                 f"{s['leaks']} leaks, {s['errors']} errors; cached ratio {s['cached_ratio']}")
     return result("tool_session", s, headline)
 

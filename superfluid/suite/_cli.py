@@ -4,7 +4,7 @@
 
     python -m superfluid.suite run --systems superfluid-mock[,llama-server,...]
         [--box BOX.json] [--url URL] [--scenarios a,b] [--scale quick|small|full]
-        [--out DIR] [--cooldown S]
+        [--out DIR] [--cooldown S] [--repeat N]
     python -m superfluid.suite compare DIR [DIR ...] [--notes SETUP.md] > docs/suite-results.md
     python -m superfluid.suite systems [--box BOX.json]
     python -m superfluid.suite conditions
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sizes: full (published), small (SmolLM2-135M on 2 cores), quick (CI, mock runtime)")
     r.add_argument("--out", type=Path, help="result directory (default suite-results/<date>-<box>-<scale>)")
     r.add_argument("--cooldown", type=float, default=None, help="idle seconds between cells (default by scale)")
+    r.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each cell N times; its verdict is the majority, every run listed (the published "
+                        "run uses 3; default 1)")
     c = sub.add_parser("compare", help="Markdown grid and per-scenario sections from result directories")
     c.add_argument("dirs", nargs="+", type=Path)
     c.add_argument("--notes", type=Path, help="Markdown to put under the header (the setup: box, models, flags); "
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"--notes: {exc}", file=sys.stderr)
             return 2
-        sys.stdout.write(compare(args.dirs, notes=notes))
+        sys.stdout.write(compare(args.dirs, notes=notes, notes_file=args.notes))
         return 0
     if args.command == "systems":
         return _show_systems(args.box, args.scale)
@@ -111,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     elif not systems:
         print("--systems is required (or --url)", file=sys.stderr)
         return 2
+    if args.repeat < 1:
+        print("--repeat must be at least 1", file=sys.stderr)
+        return 2
     opts = RunOptions(systems=systems, scenarios=args.scenarios, scale=args.scale, out=args.out, box=args.box,
-                      url=args.url, cooldown_s=args.cooldown)
+                      url=args.url, cooldown_s=args.cooldown, repeat=args.repeat)
     try:
         bad = trio.run(run, opts)
     except ValueError as exc:

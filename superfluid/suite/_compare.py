@@ -3,12 +3,20 @@ regenerated, never edited by hand).
 
 The commit(s) the cells ran on (each cell records its own; older cells fall
 back to their directory's manifest), flagged when they differ; a manifest
-bullet per directory; a grid (scenario x system: ``pass``,
-``**FAIL**``, ``n/a``, ``error``, ``inconclusive``) with passes over applicable
-cells per system (``n/a`` is not applicable and is counted beside); the feature
+bullet per directory; the headline: each system's passes on the scenarios every
+system ran (a pass, a fail or an error for each: not ``n/a``, not
+``inconclusive``), so systems are scored on one denominator; a grid (scenario x
+system: ``pass``, ``**FAIL**``, ``n/a``, ``error``, ``inconclusive``) with that
+row, each system's own total (passes over applicable cells) beside it, and its
+fails, inconclusives, errors and ``n/a`` counted apart; the feature
 rows (reported beside the scored grid, never in its totals: ``agents_interactive``
 with QoS headers, ``daemon_restart`` resume by id); then one section per scenario: its pass condition, and per system the mark, the
-headline, the one-line reason when it did not pass, and the result file.
+headline, the one-line reason when it did not pass, the runs where a cell ran
+more than once (its verdict is their majority) and the result file.
+
+Every judged run (pass, fail, inconclusive) is judged again from its recorded
+numbers under the current checks, so a stricter rule applies to old result
+files too; where that changes the recorded verdict the section says so.
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._conditions import CONDITIONS
+from ._conditions import CONDITIONS, majority, rejudge
 
-__all__ = ["MARKS", "cell_commits", "compare", "load_results"]
+__all__ = ["MARKS", "cell_commits", "cell_verdict", "compare", "load_results", "scores"]
 
 MARKS = {"pass": "pass", "fail": "**FAIL**", "unsupported": "n/a", "error": "error", "inconclusive": "inconclusive"}
 _ORDER = list(CONDITIONS)
@@ -102,7 +110,39 @@ def _features(cells: list[dict[str, Any]], columns: list[str]) -> list[str]:
     return out
 
 
-def compare(dirs: list[Path], *, notes: str = "") -> str:
+RAN = ("pass", "fail", "error")  # the system ran the scenario to a verdict (n/a and inconclusive did not)
+
+
+def cell_verdict(cell: dict[str, Any]) -> tuple[str, str, list[str]]:
+    """(verdict, why, each run's verdict) of a cell under the current checks: every run re-judged
+    from its numbers, the verdict their majority (one run: its own)."""
+    runs = cell.get("runs") or [cell]
+    judged = [rejudge({**r, "scenario": cell["scenario"]}) for r in runs]
+    verdicts = [v for v, _ in judged]
+    verdict = majority(verdicts)
+    why = next((w for v, w in judged if v == verdict), "")
+    if verdict == "inconclusive" and "inconclusive" not in verdicts:
+        why = f"no verdict in more than half of {len(runs)} runs ({', '.join(verdicts)})"
+    return verdict, why, verdicts
+
+
+def scores(verdicts: dict[tuple[str, str], str], scenarios: list[str], columns: list[str]) -> dict[str, Any]:
+    """The headline and each column's own counts: ``both`` the scenarios every column ran (a pass,
+    fail or error each), ``headline`` per column passes on those, ``own`` passes over applicable
+    cells, and ``pass``/``fail``/``inconclusive``/``error``/``unsupported`` counted apart."""
+    both = [s for s in scenarios if all(verdicts.get((s, col)) in RAN for col in columns)]
+    out: dict[str, Any] = {"both": both, "columns": {}}
+    for col in columns:
+        mine = [verdicts[(s, col)] for s in scenarios if (s, col) in verdicts]
+        counts = {k: mine.count(k) for k in ("pass", "fail", "inconclusive", "error", "unsupported")}
+        out["columns"][col] = {
+            "headline": (sum(1 for s in both if verdicts[(s, col)] == "pass"), len(both)),
+            "own": (counts["pass"], len(mine) - counts["unsupported"]), **counts,
+        }
+    return out
+
+
+def compare(dirs: list[Path], *, notes: str = "", notes_file: Path | str | None = None) -> str:
     manifests, cells = load_results(dirs)
     columns: list[str] = []
     for c in cells:
@@ -111,41 +151,57 @@ def compare(dirs: list[Path], *, notes: str = "") -> str:
     scenarios = [s for s in _ORDER if any(c["scenario"] == s for c in cells)]
     scenarios += sorted({c["scenario"] for c in cells} - set(scenarios))
     grid = {(c["scenario"], c["_column"]): c for c in cells}
-    dirs_said = " ".join(Path(m["_dir"]).name for m in manifests)
+    judged = {key: cell_verdict(c) for key, c in grid.items()}
+    verdicts = {key: v for key, (v, _, _) in judged.items()}
+    said = " ".join(str(d) for d in dirs) + (f" --notes {notes_file}" if notes_file else "")
     out = ["# Serving-semantics suite", "",
-           f"Generated from result files by `python -m superfluid.suite compare {dirs_said}`; do not edit by hand.",
+           f"Generated from result files by `python -m superfluid.suite compare {said}`; do not edit by hand.",
            "", cell_commits(cells), ""]
     if notes:
         out += [notes.strip(), ""]
     out += [_manifest_line(m) for m in manifests]
+    sc = scores(verdicts, scenarios, columns)
+    both, per = sc["both"], sc["columns"]
+    every = "both systems" if len(columns) == 2 else "every system"
+    if len(columns) > 1:
+        heads = ", ".join(f"{col} **{per[col]['headline'][0]}/{per[col]['headline'][1]}**" for col in columns)
+        owns = ", ".join(f"{col} {per[col]['own'][0]}/{per[col]['own'][1]}" for col in columns)
+        out += ["", f"**On the {len(both)} scenario{'s' * (len(both) != 1)} {every} ran** (a pass, a fail or an "
+                    f"error for each; `n/a` and `inconclusive` cells left out): {heads}. Each system's own total, "
+                    f"passes over the scenarios it could run: {owns}."]
     out += ["", "| scenario | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for s in scenarios:
-        marks = [MARKS.get(grid[(s, col)]["verdict"], "?") if (s, col) in grid else "" for col in columns]
+        marks = [MARKS.get(verdicts[(s, col)], "?") if (s, col) in grid else "" for col in columns]
         out.append(f"| {s} | " + " | ".join(marks) + " |")
-    totals = []
-    for col in columns:
-        mine = [grid[(s, col)] for s in scenarios if (s, col) in grid]
-        passed = sum(1 for c in mine if c["verdict"] == "pass")
-        na = sum(1 for c in mine if c["verdict"] == "unsupported")
-        unsure = sum(1 for c in mine if c["verdict"] == "inconclusive")  # ran, showed nothing: not a pass
-        beside = [f"{na} n/a"] * bool(na) + [f"{unsure} inconclusive"] * bool(unsure)
-        totals.append(f"{passed}/{len(mine) - na}" + (f" ({', '.join(beside)})" if beside else ""))
-    out.append("| **passes / applicable** | " + " | ".join(totals) + " |")
+    if len(columns) > 1:
+        out.append(f"| **passes on the {len(both)} scenarios {'both' if len(columns) == 2 else 'all'} ran** | "
+                   + " | ".join(f"{per[col]['headline'][0]}/{per[col]['headline'][1]}" for col in columns) + " |")
+    out.append("| **passes / applicable** (own total) | "
+               + " | ".join(f"{per[col]['own'][0]}/{per[col]['own'][1]}" for col in columns) + " |")
+    out.append("| fail / inconclusive / error / n/a | " + " | ".join(
+        f"{per[col]['fail']} / {per[col]['inconclusive']} / {per[col]['error']} / {per[col]['unsupported']}"
+        for col in columns) + " |")
     out += _features(cells, columns)
     for s in scenarios:
         out += ["", f"## {s}", ""]
-        condition = next((grid[(s, col)].get("condition") for col in columns
-                          if (s, col) in grid and grid[(s, col)].get("condition")), CONDITIONS.get(s, "?"))
+        condition = CONDITIONS.get(s) or next((grid[(s, col)].get("condition") for col in columns
+                                               if (s, col) in grid and grid[(s, col)].get("condition")), "?")
         out += [f"Pass condition: {condition}.", ""]
         for col in columns:
             c = grid.get((s, col))
             if c is None:
                 continue
-            mark = MARKS.get(c["verdict"], c["verdict"])
+            verdict, why, runs = judged[(s, col)]
+            mark = MARKS.get(verdict, verdict)
             line = f"- **{col}** ({mark}): {c.get('headline') or ''} — `{c['_file']}`"
             out.append(line)
-            if c["verdict"] != "pass" and c.get("reason"):
-                out.append(f"  - why: {c['reason']}")
+            if verdict != "pass" and (why or c.get("reason")):
+                out.append(f"  - why: {why or c['reason']}")
+            recorded = [r.get("verdict") for r in (c.get("runs") or [c])]
+            if recorded != runs:
+                out.append(f"  - re-judged under the current pass condition: recorded {', '.join(map(str, recorded))}")
+            if len(runs) > 1:
+                out.append(f"  - {len(runs)} runs ({', '.join(runs)}): the verdict is their majority")
             for label, f in (c.get("features") or {}).items():
                 out.append(f"  - {label} ({MARKS.get(f['verdict'], f['verdict'])}): {f.get('why') or ''}")
     return "\n".join(out) + "\n"

@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import attrs
 
-__all__ = ["CHECKS", "CONDITIONS", "FEATURES", "Check", "judge", "judge_features", "prefix_prefills", "result",
-           "unsupported"]
+__all__ = ["CHECKS", "CONDITIONS", "FEATURES", "Check", "judge", "judge_features", "majority", "prefix_prefills",
+           "rejudge", "result", "tool_turns_needed", "unsupported"]
 
 OK_OR_TYPED = ("ok", "http", "event")
 CHAT_TTFT_LIMIT_S = 1.0
@@ -22,6 +22,7 @@ AGENT_STALL_LIMIT_S = 30.0
 LANES_FREE_WITHIN_S = 1.0
 PREFIX_PREFILLS_MAX = 2.0
 SHARED_TTFT_RATIO_MAX = 0.5
+TOOL_TURNS_GOOD = (10, 12)  # tool_session: at least 10 of every 12 turns right (issue #42)
 
 
 @attrs.frozen
@@ -142,6 +143,7 @@ def agents_with_qos(n: dict[str, Any]) -> Check | None:
 
 
 def kv_exhaustion(n: dict[str, Any]) -> Check:
+    """Every request completes (queued until it fits, not refused): a typed refusal is no pass."""
     outcomes: dict[str, int] = n.get("outcomes") or {}
     total = sum(outcomes.values())
     if total != n.get("requests"):
@@ -149,10 +151,13 @@ def kv_exhaustion(n: dict[str, Any]) -> Check:
     untyped = {k: v for k, v in outcomes.items() if k not in OK_OR_TYPED and v}
     if untyped:
         return _fail("untyped failures: " + ", ".join(f"{v} {k}" for k, v in sorted(untyped.items())))
+    refused = total - outcomes.get("ok", 0)
+    if refused:
+        return _fail(f"{refused} of {total} requests refused with a typed error instead of queued to completion")
     fresh = n.get("fresh") or {}
     if fresh.get("outcome") != "ok":
         return _fail(f"the fresh request after the burst failed: {_describe(fresh)}")
-    return Check(True, f"{outcomes.get('ok', 0)} ok, {total - outcomes.get('ok', 0)} typed errors; fresh request ok")
+    return Check(True, f"all {total} requests completed (none refused); fresh request ok")
 
 
 def unload_reload(n: dict[str, Any]) -> Check:
@@ -167,6 +172,25 @@ def unload_reload(n: dict[str, Any]) -> Check:
     return Check(True, f"in-flight streams ok or typed; served again ({n.get('reloaded_by')})")
 
 
+def tool_turns_needed(turns: int) -> int:
+    """Turns of ``turns`` that must each carry a valid call with the asked arguments (10 of 12)."""
+    good, of = TOOL_TURNS_GOOD
+    return -(-turns * good // of)
+
+
+def _tool_counts(n: dict[str, Any]) -> tuple[int, int]:
+    """(turns whose forced request returned a valid lookup_code call with the asked account, turns
+    whose answer then quoted the code the tool returned). Older result files have no ``calls_ok``:
+    their first calls are the parsed ones less the calls made instead of an answer, less bad args."""
+    calls_ok = n.get("calls_ok")
+    if calls_ok is None:
+        calls_ok = n.get("parsed", 0) - n.get("answer_calls", 0) - n.get("bad_args", 0)
+    answers_ok = n.get("answers_ok")
+    if answers_ok is None:
+        answers_ok = n.get("answers_correct", 0)
+    return max(0, int(calls_ok)), max(0, int(answers_ok))
+
+
 def tool_session(n: dict[str, Any]) -> Check:
     if n.get("errors", 0):
         return _fail(f"request error at turn {n.get('turns_done', 0) + 1}: {n.get('first_error')}")
@@ -174,12 +198,20 @@ def tool_session(n: dict[str, Any]) -> Check:
         return _fail(f"{n['leaks']} turn(s) leaked tool-call markup into the content")
     if n.get("emitted") != n.get("parsed"):
         return _fail(f"{n.get('emitted')} tool calls emitted but {n.get('parsed')} parsed")
-    if n.get("turns_done") != n.get("turns"):
-        return _fail(f"only {n.get('turns_done')} of {n.get('turns')} turns done within the time budget")
+    turns = n.get("turns") or 0
+    if n.get("turns_done") != turns:
+        return _fail(f"only {n.get('turns_done')} of {turns} turns done within the time budget")
     if not n.get("parsed"):
-        return Check(False, f"{n.get('turns')} turns without a single tool call: nothing about tool calls was "
+        return Check(False, f"{turns} turns without a single tool call: nothing about tool calls was "
                             f"shown", inconclusive=True)
-    return Check(True, f"{n.get('turns')} turns, {n.get('parsed')} parsed calls, no leaks, no errors")
+    need = tool_turns_needed(turns)
+    calls_ok, answers_ok = _tool_counts(n)
+    if calls_ok < need:
+        return _fail(f"{calls_ok} of {turns} turns had a valid call with the asked arguments (needs {need})")
+    if answers_ok < need:
+        return _fail(f"{answers_ok} of {turns} turns' answers quoted the code the tool returned (needs {need})")
+    return Check(True, f"{calls_ok} of {turns} turns with a valid call and the asked arguments, {answers_ok} "
+                       f"answers quoting the returned code (needs {need}); no leaks, no errors")
 
 
 def _disconnect_mode(name: str, m: dict[str, Any]) -> Check:
@@ -270,13 +302,16 @@ CONDITIONS = {
     "agents_interactive": f"the chat succeeds with TTFT <= {CHAT_TTFT_LIMIT_S:g} s, no agent fails and no agent "
                           f"stream stalls > {AGENT_STALL_LIMIT_S:g} s, fewer agents than lanes; every system is "
                           f"judged on the plain pass (no QoS headers); the QoS-header pass is a feature row",
-    "kv_exhaustion": "every request ends ok or with a typed error (HTTP error or SSE error event), none reset, "
-                     "timed out, truncated or malformed; a fresh request afterwards succeeds",
+    "kv_exhaustion": "every request completes (queued until it fits; a typed refusal, HTTP error or SSE error "
+                     "event, is not a pass), none reset, timed out, truncated or malformed; a fresh request "
+                     "afterwards succeeds",
     "unload_reload": "the unload call is accepted, every in-flight stream ends ok or with a typed error, and the "
                      "model serves again",
-    "tool_session": "each turn's first request forces a tool call (tool_choice required); no tool-call markup "
-                    "leaks into content, every emitted call is parsed, every turn is done, no request fails; "
-                    "zero parsed calls is inconclusive",
+    "tool_session": f"each turn's first request forces a tool call (tool_choice required); at least "
+                    f"{TOOL_TURNS_GOOD[0]} of every {TOOL_TURNS_GOOD[1]} turns get a valid lookup_code call with the "
+                    f"account the turn asked about, and as many answers quote the code the tool returned; no "
+                    f"tool-call markup leaks into content, every emitted call is parsed, every turn is done, no "
+                    f"request fails; zero parsed calls is inconclusive",
     "client_disconnect": f"in both modes (stream, non-stream) every request was dropped mid-generation, probes "
                          f"after the drop succeed, and busy lanes reach 0 within {LANES_FREE_WITHIN_S:g} s where "
                          f"observable (else probe TTFT p50 <= 2 x idle + 0.5 s)",
@@ -299,6 +334,30 @@ def judge(scenario: str, numbers: dict[str, Any]) -> Check:
 
 def _verdict(check: Check) -> str:
     return "pass" if check.passed else "inconclusive" if check.inconclusive else "fail"
+
+
+JUDGED = ("pass", "fail", "inconclusive")  # verdicts a check gave (error and unsupported come from the runner)
+
+
+def rejudge(cell: dict[str, Any]) -> tuple[str, str]:
+    """(verdict, why) of one run under the current checks: a judged run's recorded numbers are
+    judged again (a result file is re-judged from itself, so stricter rules apply to old runs);
+    an error or ``unsupported`` stands as recorded."""
+    verdict = cell.get("verdict", "error")
+    numbers = cell.get("numbers")
+    scenario = cell.get("scenario")
+    if verdict not in JUDGED or not numbers or scenario not in CHECKS:
+        return verdict, str(cell.get("reason") or "")
+    check = judge(scenario, numbers)
+    return _verdict(check), "" if check.passed else check.why
+
+
+def majority(verdicts: list[str]) -> str:
+    """The verdict more than half of a cell's runs gave; with none, ``inconclusive`` (the runs disagree)."""
+    for v in dict.fromkeys(verdicts):
+        if 2 * verdicts.count(v) > len(verdicts):
+            return v
+    return "inconclusive"
 
 
 def judge_features(scenario: str, numbers: dict[str, Any]) -> dict[str, dict[str, str]]:

@@ -7,6 +7,12 @@ cell records the commit it ran on (``rev``, ``-dirty`` with uncommitted
 changes) and the manifest lists every commit its cells ran on (``revs``), so a
 resumed run that spans commits is visible in the report.
 ``<out>/.suite.lock`` keeps two drivers out of one directory.
+
+``repeat`` (``--repeat N``) runs each cell N times: the file then lists every run (``runs``:
+each its verdict, headline, reason and numbers) and its verdict is the majority of the runs
+(``inconclusive`` where no verdict has more than half), its headline and numbers those of the
+first run that gave it. The file is rewritten after each run, so a resumed run goes on from the
+runs already recorded.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ import psutil
 import trio
 
 from ._behaviour import client_disconnect, tool_session
+from ._conditions import majority
 from ._corpus import SCALES
 from ._faults import daemon_restart, unload_reload, worker_kill
 from ._load import agents_interactive, kv_exhaustion, shared_prefix
 from ._process import Context, ScenarioError, StartFailed
 from ._systems import attached_spec, load_box, system_spec
 
-__all__ = ["SCENARIOS", "RunOptions", "run"]
+__all__ = ["SCENARIOS", "RunOptions", "combine_runs", "run"]
 
 SCENARIOS: dict[str, Callable[[Context], Awaitable[dict[str, Any]]]] = {
     "worker_kill": worker_kill, "daemon_restart": daemon_restart, "agents_interactive": agents_interactive,
@@ -52,6 +59,30 @@ class RunOptions:
     box: str | None = None
     url: str | None = None
     cooldown_s: float | None = None
+    repeat: int = 1
+
+
+_RUN_KEYS = ("verdict", "headline", "reason", "check", "numbers", "features", "seconds", "therm_after", "finished",
+             "rev", "error", "trace")
+
+
+def combine_runs(runs: list[dict[str, Any]], repeat: int) -> dict[str, Any]:
+    """One cell's file from its runs: with ``repeat`` 1 the run itself; else the majority verdict,
+    the headline, reason and numbers of the first run that gave it, and every run under ``runs``."""
+    if repeat == 1 and len(runs) == 1:
+        return runs[0]
+    verdicts = [r["verdict"] for r in runs]
+    verdict = majority(verdicts)
+    chosen = next((r for r in runs if r["verdict"] == verdict), runs[0])
+    out = {k: v for k, v in chosen.items() if k not in ("runs",)}
+    said = ", ".join(verdicts)
+    out.update(verdict=verdict, repeat=repeat, runs=[{k: r[k] for k in _RUN_KEYS if k in r} for r in runs],
+               headline=f"{chosen.get('headline') or ''} [runs: {said}]")
+    if verdict == "inconclusive" and chosen["verdict"] != "inconclusive":
+        out["reason"] = f"no verdict in more than half of {len(runs)} runs ({said})"
+    elif verdict == "pass":
+        out["reason"] = ""
+    return out
 
 
 def _now() -> str:
@@ -169,7 +200,7 @@ async def run(opts: RunOptions) -> int:
                          **box.versions},
             "systems": list(opts.systems),
             "argv": {name: [str(a) for a in spec.argv] for name, spec in specs.items()},
-            "scenarios": list(opts.scenarios), "url": opts.url,
+            "scenarios": list(opts.scenarios), "url": opts.url, "repeat": opts.repeat,
             "started": manifest.get("started") or _now(), "finished": None,
             "revs": sorted({*manifest.get("revs", []), str(rev)}),  # every commit a cell here ran on
         })
@@ -180,26 +211,32 @@ async def run(opts: RunOptions) -> int:
         for k, (scenario, system) in enumerate(cells):
             path = out / f"{scenario}--{system}.json"
             tag = f"[{scenario} / {system}]"
-            if path.exists():
-                prior = json.loads(path.read_text())
+            prior = json.loads(path.read_text()) if path.exists() else None
+            runs: list[dict[str, Any]] = [] if prior is None else list(prior.get("runs") or [prior])
+            if prior is not None and len(runs) >= opts.repeat:
                 print(f"{tag} done before: {prior.get('verdict')}", flush=True)
                 bad += prior.get("verdict") in ("fail", "error")
                 continue
-            print(f"{tag} start  therm: {thermal()}", flush=True)
-            ctx = Context(spec=specs[system], scale=scale, run_dir=run_dir, url_port=url_port,
-                          note=lambda line: print(line, flush=True))
-            t0 = time.monotonic()
-            res = await _cell(ctx, scenario)
-            res.update(scenario=scenario, system=system, scale=opts.scale, seconds=round(time.monotonic() - t0, 2),
-                       therm_after=thermal(), finished=_now(), rev=rev)
-            res["reason"] = " ".join(str(res.get("reason") or "").split())  # one line, always
-            _write_json(path, res)
-            verdict = res["verdict"]
+            while len(runs) < opts.repeat:
+                which = f" run {len(runs) + 1}/{opts.repeat}" if opts.repeat > 1 else ""
+                print(f"{tag}{which} start  therm: {thermal()}", flush=True)
+                ctx = Context(spec=specs[system], scale=scale, run_dir=run_dir, url_port=url_port,
+                              note=lambda line: print(line, flush=True))
+                t0 = time.monotonic()
+                res = await _cell(ctx, scenario)
+                res.update(scenario=scenario, system=system, scale=opts.scale,
+                           seconds=round(time.monotonic() - t0, 2), therm_after=thermal(), finished=_now(), rev=rev)
+                res["reason"] = " ".join(str(res.get("reason") or "").split())  # one line, always
+                runs.append(res)
+                _write_json(path, combine_runs(runs, opts.repeat))
+                said = res.get("reason") if res["verdict"] in ("fail", "error") else res.get("headline")
+                print(f"{tag}{which} {res['verdict']}: {said}", flush=True)
+                if cooldown and (k < len(cells) - 1 or len(runs) < opts.repeat):
+                    await trio.sleep(cooldown)
+            verdict = combine_runs(runs, opts.repeat)["verdict"]
             bad += verdict in ("fail", "error")
-            said = res.get("reason") if verdict in ("fail", "error") else res.get("headline")
-            print(f"{tag} {verdict}: {said}", flush=True)
-            if cooldown and k < len(cells) - 1:
-                await trio.sleep(cooldown)
+            if opts.repeat > 1:
+                print(f"{tag} {verdict} (majority of {', '.join(r['verdict'] for r in runs)})", flush=True)
         manifest["finished"] = _now()
         _write_json(manifest_path, manifest)
     print(f"SUITE-DONE {out}", flush=True)
