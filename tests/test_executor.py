@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from superfluid.proto import Admit, Sampling
+from superfluid.worker import _executor
 from superfluid.worker._executor import GRID, PREFILL_CHUNK, Executor, counter_seed, last_step
 from superfluid.worker._hostcache import HOST_MIN_TOKENS
 from superfluid.worker._mock import N_VOCAB, WORD0, MockEngine
@@ -750,6 +751,64 @@ def test_a_copy_and_a_host_import_stop_at_the_new_prompts_last_step() -> None:
     cached, step, _rows = _serve(ex, eng, tail, 2)
     assert ex.host.stats["hits"] == 1
     assert cached == last_step(len(tail)) == 4 * GRID and step == [(0, 4 * GRID, GRID + 7)]
+
+
+def test_a_tail_is_kept_only_from_a_lone_last_step_and_only_for_its_salt() -> None:
+    """Exact mode keeps a finished prompt's logits (its tail) only when its last step ran alone,
+    the one shape a lone cold request computes; the same prompt under another cache salt is no
+    tail hit (nor any other reuse)."""
+    prompt = [WORD0 + (i * 7) % 50 for i in range(4 * GRID + 20)]   # (kept aside when overwritten: DEMOTE_MIN)
+    ex, eng = _grid_ex(n_seq=4)
+    ex.max_lanes = 2
+    # two lanes whose last steps share a pass: neither keeps a tail
+    ex.admit(make_admit(0, prompt, max_new=2))
+    ex.admit(make_admit(1, prompt[:GRID] + [WORD0 + 3] * (3 * GRID + 20), max_new=2))
+    drain(ex, budget=4096)
+    assert any(len(step) == 2 and all(p + n == len(prompt) for _s, p, n in step) for step in eng.steps)
+    assert not ex._tails
+    again = ex.admit(make_admit(2, prompt, max_new=2))
+    assert again.cached == last_step(len(prompt)) and again.primed is None
+    drain(ex)
+    # that one ran alone: kept; another salt's identical prompt is no hit
+    assert len(ex._tails) == 1
+    other = ex.admit(attrs.evolve(make_admit(3, prompt, max_new=2), cache_salt="other"))
+    assert other.cached == 0 and other.primed is None
+    drain(ex)
+    hit = ex.admit(make_admit(4, prompt, max_new=2))
+    assert hit.cached == len(prompt) and hit.primed is not None
+
+
+def test_tails_stay_within_their_budget_oldest_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept logits of all sequences stay within ``TAIL_BYTES`` (the mock's count one byte
+    each): the oldest prompt's tail goes, and that prompt reuses whole cells again."""
+    monkeypatch.setattr(_executor, "TAIL_BYTES", 2)
+    ex, _eng = _grid_ex(n_seq=4)
+    # (over DEMOTE_MIN tokens: each next prompt moves the one before to a spare sequence, its tail too)
+    prompts = [[WORD0 + k] + [WORD0 + (i * 7 + k) % 50 for i in range(4 * GRID + 9)] for k in range(4)]
+    for k, p in enumerate(prompts):
+        ex.admit(make_admit(k, p, max_new=2))
+        drain(ex)
+    assert len(ex._tails) == 2 and ex._tail_bytes == 2
+    old = ex.admit(make_admit(10, prompts[0], max_new=2))
+    assert old.cached == last_step(len(prompts[0])) and old.primed is None
+    drain(ex)
+    new = ex.admit(make_admit(11, prompts[3], max_new=2))
+    assert new.cached == len(prompts[3])
+
+
+def test_a_tail_goes_with_its_kv() -> None:
+    """A sequence whose KV is replaced (a slot restore or erase, a host import, a lane taking
+    it) no longer has a tail: kept logits are only ever drawn beside the KV that gave them."""
+    prompt = [WORD0 + (i * 5) % 50 for i in range(2 * GRID + 30)]
+    ex, _eng = _grid_ex(n_seq=2)
+    ex.admit(make_admit(0, prompt, max_new=2))
+    drain(ex)
+    (seq,) = ex._tails
+    assert ex.slots[seq].tail is not None
+    ex._set_held(seq, list(prompt))   # (what a slot restore or import does to the sequence)
+    assert ex.slots[seq].tail is None and not ex._tails
+    again = ex.admit(make_admit(1, prompt, max_new=2))
+    assert again.primed is None
 
 
 def test_deterministic_mode_keeps_its_last_cell_alone() -> None:
