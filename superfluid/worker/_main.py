@@ -380,8 +380,9 @@ class _Worker:
         return False
 
     def park_written(self) -> None:
-        """The park writer thread stored an artifact: its counts go out now as droppable
-        ``Telemetry`` (no held token rows with it), not with a tick the model may never run."""
+        """The park store's index was read (at start) or its writer thread stored an artifact:
+        its counts go out now as droppable ``Telemetry`` (no held token rows with it), not with
+        a tick the model may never run."""
         park = self.executor.park
         if park is None:
             return
@@ -638,6 +639,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
                      agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
     if park is not None:
         park.on_change = worker.park_written
+        worker.park_written()   # what the index found (bytes on disk, refused files) shows before any lane runs
     engine_done = trio.Event()
 
     async def serve_engine() -> None:
