@@ -368,7 +368,7 @@ class _Worker:
                     self.fresh.add(op.lane)
                     if op.priority >= AGENT_PRIORITY:
                         self.agents.add(op.lane)
-                self.send(Admitted(lane=op.lane, cached=lane.cached), lanes=())
+                self.send(Admitted(lane=op.lane, cached=lane.cached, seq=lane.seq), lanes=())
         elif isinstance(op, SlotAction):   # between steps: the sequence's KV is still
             status, error, message, tokens, nbytes = self.executor.slot_action(
                 op.action, op.seq, op.filename, op.cache_salt)
