@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -484,3 +485,66 @@ def test_the_daemon_side_never_imports_mlx(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.real(MLX_DIR)
+async def test_mlx_a_conversation_resumes_from_its_park_after_a_daemon_restart(tmp_path: Path) -> None:
+    """--park on MLX (its KVCache layers' state as bytes, ``_Exported.to_bytes``): a finished
+    turn is parked 0600; after a daemon restart the next turn restores it from disk and, under
+    --deterministic, replies with the text a cold prefill gives."""
+    import attrs
+
+    from superfluid.worker._park import PARK_MIN_TOKENS, SUFFIX
+
+    from .test_daemon import metric
+    from .test_park import LONG_TEXT
+
+    async def chat(c: Any, messages: list[dict[str, str]], salt: str = "") -> tuple[str, int]:
+        r = await c.post("/v1/chat/completions", json={
+            "model": "smol-mlx", "max_tokens": 8, "temperature": 0, "messages": messages,
+            **({"cache_salt": salt} if salt else {})})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = [{"role": "user", "content": LONG_TEXT}]
+    base = attrs.evolve(mlx_config(max_batch=1, deterministic=True), sessions=tmp_path / "cold")
+    async with open_daemon(base) as d:   # the reference: no --park; turn 2 under another salt prefills cold
+        reply, _ = await chat(d.client, first)
+        second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+        reference, cached = await chat(d.client, second, salt="cold")
+        assert cached == 0
+    config = attrs.evolve(base, sessions=tmp_path / "s", park=True, park_budget_gb=0.1)
+    async with open_daemon(config) as d:
+        assert (await chat(d.client, first))[0] == reply
+        with trio.fail_after(60):
+            while await metric(d, "superfluid_parks_total") < 1:
+                await trio.sleep(0.05)
+    [path] = (tmp_path / "s" / "park").glob("*" + SUFFIX)
+    assert path.stat().st_mode & 0o777 == 0o600
+    async with open_daemon(config) as d:   # a daemon restart: an empty KV, the park on disk
+        text, cached = await chat(d.client, second)
+        assert text == reference and cached >= PARK_MIN_TOKENS
+        assert await metric(d, "superfluid_resumes_total") == 1
+        assert await metric(d, "superfluid_park_fallbacks_total") == 0
+
+
+def test_mlx_state_bytes_read_back_as_written_and_nothing_else() -> None:
+    """An MLX export as bytes (a park's or a slot file's payload): each layer's K and V come back
+    with their dtype (bfloat16 too) and values; bytes that are short, longer than their header
+    says or of another format are refused (ValueError: seq_import answers False, the lane prefills)."""
+    mx = pytest.importorskip("mlx.core")
+    from superfluid.worker._mlx import STATE_MAGIC, _Exported
+
+    k = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
+    layers = [(k[..., :3, :], (k * 2)[..., :3, :]), (k.astype(mx.bfloat16)[..., :3, :], k[..., :3, :] - 1)]
+    data = _Exported(layers, 3).to_bytes()
+    assert data.startswith(STATE_MAGIC)
+    back = _Exported.from_bytes(data, mx)
+    assert back.n == 3 and len(back.layers) == 2
+    for (a, b), (c, d) in zip(layers, back.layers, strict=True):
+        assert a.dtype == c.dtype and b.dtype == d.dtype
+        assert mx.array_equal(a, c).item() and mx.array_equal(b, d).item()
+    for bad in (data[:-1], data + b"\0", b"SFPARK\0\1" + data[8:], b""):
+        with pytest.raises(ValueError):
+            _Exported.from_bytes(bad, mx)

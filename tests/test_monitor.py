@@ -106,6 +106,7 @@ async def test_monitor_shows_lanes_and_tokens_q_drains_and_restores_the_terminal
     with tmux(command, tmp_path) as name:
         first = await wait_screen(name, r"lanes 0/8")
         assert "queue: interactive 0  completion 0  agent 0  background 0" in first
+        assert "park:" not in first        # no --park: no park line
         assert alternate_on(name)
         async with trio.open_nursery() as nursery:
             for i in range(3):
@@ -124,6 +125,48 @@ async def test_monitor_shows_lanes_and_tokens_q_drains_and_restores_the_terminal
         log = (tmp_path / "sessions" / "logs" / "serve.log").read_text()
         assert log.count("<-- 200 POST /v1/chat/completions") == 3
         assert oct((tmp_path / "sessions" / "logs" / "serve.log").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_monitor_shows_park_activity_for_a_model_with_park(tmp_path: Path) -> None:
+    """--park: the model has a park line. A torn file the worker's index refused shows as a
+    fallback before any request; a finished conversation shows parked with its bytes on disk;
+    after its worker is killed, the next turn shows resumed with its tokens and restore time."""
+    import psutil
+
+    from superfluid._private import make_private_dir
+    from superfluid.worker._park import PARK_MIN_TOKENS, SUFFIX
+
+    from .test_park import LONG_TEXT, chat
+
+    park = tmp_path / "sessions" / "park"
+    make_private_dir(park)
+    (park / ("0" * 64 + SUFFIX)).write_bytes(b"not a park file")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = (f"{sys.executable} -m superfluid serve --runtime mock 'mock?step_ms=1&prefill_us=5&eos_every=0' "
+               f"--http 127.0.0.1:{port} --sessions {tmp_path / 'sessions'} --park --park-budget-gb 0.01")
+    with tmux(command, tmp_path) as name:
+        await wait_screen(name, r"lanes 0/8")
+        first = await wait_screen(name, r"park: parked 0 ", seconds=10)   # the worker's report as it starts
+        assert re.search(r"park: parked 0  resumed 0 \(0 tokens\)  on disk 0 B  evicted 0  fallbacks: torn 1$",
+                         first, re.M), first
+        messages = [{"role": "user", "content": LONG_TEXT}]
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            reply, _ = await chat(client, messages)
+            await wait_screen(name, r"park: parked 1  resumed 0 \(0 tokens\)  on disk [\d.]+ KiB  evicted 0  "
+                                    r"fallbacks: torn 1$")
+            [worker] = [p for p in psutil.process_iter(["cmdline"])
+                        if any(str(park) == part for part in p.info["cmdline"] or ())]
+            worker.kill()   # a new worker: its KV is empty, its park index read from disk
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
+            _text, cached = await chat(client, messages)
+        assert cached > PARK_MIN_TOKENS
+        shown = await wait_screen(name, r"park: parked \d+  resumed 1 \((\d+) tokens\)  restore avg \d+ ms  on disk")
+        tokens = re.search(r"resumed 1 \((\d+) tokens\)", shown)
+        assert tokens and int(tokens.group(1)) == cached, shown
+        assert re.search(r"respawns 1", shown)
+        press(name, "q")
+        assert "EXIT=0" in await wait_screen(name, r"^TTY=")
 
 
 async def test_monitor_ctrl_c_restores_the_terminal_and_no_tui_logs_plainly(tmp_path: Path) -> None:

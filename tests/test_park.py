@@ -347,6 +347,25 @@ def test_park_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--park-dir" not in worker_argv(WorkerSpec(runtime="mock", model="mock"))
 
 
+def test_a_model_directorys_park_identity_changes_with_its_files(tmp_path: Path) -> None:
+    """An MLX model is a directory: its park identity names each file's size and mtime, so a
+    rewritten weights file makes every park of the old weights foreign."""
+    import argparse
+
+    from superfluid.worker._main import park_identity
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 10)
+    args = argparse.Namespace(model=str(model), runtime="mock", deterministic=False)
+    engine = MockEngine(SPEC, n_seq=1)
+    before = park_identity(args, engine)
+    assert park_identity(args, engine) == before
+    weights.write_bytes(b"b" * 11)   # the directory's own mtime does not change
+    assert park_identity(args, engine) != before
+
+
 @pytest.mark.real
 def test_real_model_a_parked_prompt_restores_with_the_cold_text(tmp_path: Path) -> None:
     """SmolLM2 on llama.cpp (exact mode, llama.cpp's default): a turn restored from the park (llama.cpp's

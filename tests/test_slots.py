@@ -23,7 +23,7 @@ async def test_slots_list_each_lane_busy_or_idle() -> None:
         r = await c.get("/slots")
         assert r.status_code == 200, r.text
         rows = r.json()
-        assert [row["id"] for row in rows] == [0, 1, 2]
+        assert [row["id"] for row in rows] == [0, 1, 2, 3, 4]   # 3 lanes' sequences and 2 spares (n_seq)
         assert not any(row["is_processing"] for row in rows)
         assert all(row["model"] == "mock" and row["n_ctx"] > 0 and row["id_task"] == -1 for row in rows)
         assert (await c.get("/slots", params={"model": "mock"})).json() == rows
@@ -36,11 +36,11 @@ async def test_slots_list_each_lane_busy_or_idle() -> None:
             with trio.fail_after(20):
                 while True:
                     rows = (await c.get("/slots")).json()
-                    if all(row["is_processing"] for row in rows) and all(
-                            row["next_token"]["n_decoded"] > 0 for row in rows):
+                    running = [row for row in rows if row["is_processing"]]
+                    if len(running) == 3 and all(row["next_token"]["n_decoded"] > 0 for row in running):
                         break
                     await trio.sleep(0.05)
-            busy = rows[0]
+            busy = running[0]
             assert busy["id_task"] >= 0 and busy["params"]["n_predict"] == 400
             assert 0 < busy["next_token"]["n_remain"] < 400
             r = await c.get("/slots", params={"fail_on_no_slot": "1"})
@@ -54,7 +54,7 @@ async def test_slots_tell_a_key_only_its_models() -> None:
     async with open_daemon(mock_config(api_keys=keys)) as d:
         assert (await d.client.get("/slots")).status_code == 401
         r = await d.client.get("/slots", headers={"authorization": "Bearer sk-all"})
-        assert len(r.json()) == 4
+        assert len(r.json()) == 6   # n_seq: 4 lanes and 2 spares
         r = await d.client.get("/slots", headers={"authorization": "Bearer sk-none"})
         assert r.json() == []
         r = await d.client.get("/slots", params={"model": "mock"}, headers={"authorization": "Bearer sk-none"})
@@ -76,7 +76,7 @@ async def _completion(c: Any, prompt: str) -> tuple[str, int]:
 async def _save_held(c: Any, filename: str) -> dict[str, Any]:
     """Save whichever slot holds the finished request's tokens (the worker picked the sequence)."""
     saved = []
-    for seq in range(2):
+    for seq in [row["id"] for row in (await c.get("/slots")).json()]:
         r = await _slot(c, seq, "save", filename)
         if r.status_code == 200:
             saved.append(r.json())
@@ -130,6 +130,53 @@ async def test_a_saved_slot_restores_in_a_fresh_daemon_with_the_same_text(tmp_pa
         async with open_daemon(other) as d:   # another model file: its park identity differs
             r = await _slot(d.client, 0, "restore", "keeper.bin")
             assert r.status_code == 409 and r.json()["error"]["code"] == "slot_foreign", r.text
+
+
+async def test_the_ids_get_slots_lists_are_the_ids_slot_actions_take(tmp_path: Path) -> None:
+    """One id space: a slot's ``id`` in GET /slots is the sequence POST /slots/{id} acts on. A
+    finished request's tokens are in exactly one listed slot; saved from it and restored into
+    another listed one (the last: a spare sequence, past the lanes), that slot serves the prompt
+    cached, and a request extending the prompt runs in it: GET shows that id processing, and a
+    restore or an erase of it is 409 slot_busy while the others erase. An id not listed is 404
+    slot_not_found for every action."""
+    config = mock_config("mock?step_ms=20&prefill_us=5", sessions=tmp_path / "s", park=True,
+                         park_budget_gb=0.01, max_batch=2)
+    with trio.fail_after(60):
+        async with open_daemon(config) as d:
+            c = d.client
+            ids = [row["id"] for row in (await c.get("/slots")).json()]
+            assert ids == list(range(len(ids))) and len(ids) > 2   # the lanes' sequences and the spares
+            text, _ = await _completion(c, PROMPT)
+            held = []
+            for seq in ids:
+                r = await _slot(c, seq, "save", "held.bin")
+                if r.status_code == 200:
+                    held.append(seq)
+                else:
+                    assert r.status_code == 400 and r.json()["error"]["code"] == "slot_empty", r.text
+            assert len(held) == 1   # the request's tokens are in one listed slot
+            for seq in ids:
+                assert (await _slot(c, seq, "erase")).status_code == 200
+            spare = ids[-1]
+            r = await _slot(c, spare, "restore", "held.bin")
+            assert r.status_code == 200 and r.json()["id_slot"] == spare, r.text
+            again, cached = await _completion(c, PROMPT)
+            assert again == text and cached > 0
+            async with trio.open_nursery() as nursery:   # a longer prompt reuses the spare's KV: it runs there
+                body = {"model": "mock", "prompt": PROMPT + " and on", "max_tokens": 400, "ignore_eos": True}
+                nursery.start_soon(partial(c.post, "/v1/completions", json=body))
+                while not (running := [row for row in (await c.get("/slots")).json() if row["is_processing"]]):
+                    await trio.sleep(0.02)
+                assert [row["id"] for row in running] == [spare], running
+                for action, filename in (("erase", None), ("restore", "held.bin")):
+                    r = await _slot(c, spare, action, filename)
+                    assert r.status_code == 409 and r.json()["error"]["code"] == "slot_busy", (action, r.text)
+                for other in ids[:-1]:
+                    assert (await _slot(c, other, "erase")).status_code == 200
+                nursery.cancel_scope.cancel()
+            for action, filename in (("save", "x.bin"), ("restore", "held.bin"), ("erase", None)):
+                r = await _slot(c, len(ids), action, filename)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "slot_not_found", (action, r.text)
 
 
 async def test_a_slot_saved_for_one_tenant_does_not_restore_for_another(tmp_path: Path) -> None:

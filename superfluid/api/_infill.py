@@ -415,20 +415,25 @@ async def detokenize(app: App, scope: dict[str, Any], receive: Receive, send: Se
 
 
 def slot_rows(model: ServedModel) -> list[dict[str, Any]]:
-    """``model``'s lanes as llama-server lists its slots (``GET /slots``): one row per lane
-    (``--max-batch`` per node), the running jobs first in admission order, then the idle lanes.
-    A slot's ``id`` is its place in this list: the daemon's lane numbers are not reused, so
-    there is no fixed slot a job lives in. Prompts and outputs are never shown."""
+    """``model``'s KV sequences as llama-server lists its slots (``GET /slots``): one row per
+    sequence of its worker (``n_seq``: the lanes and the spares that keep cached prefixes), in
+    order. A slot's ``id`` is its sequence number, the id ``POST /slots/{id}`` acts on; it is
+    processing while a running job's lane is in it (the worker's ``Admitted.seq``). A fleet
+    model's rows are its nodes', each with its ``node`` (slot actions are not served for a
+    fleet). Prompts and outputs are never shown."""
     rows: list[dict[str, Any]] = []
     n_ctx = model.n_ctx
-    for actor in model.actors:
+    nodes = list(model.group.members.items()) if model.group is not None else [("", model.actor)]
+    for node, actor in nodes:
         sched = actor.scheduler
-        jobs = [job for _lane, job in sorted(sched.running.items())]
-        for i in range(max(sched.config.planner.max_batch, len(jobs))):
-            job = jobs[i] if i < len(jobs) else None
+        in_seq = {job.kv_seq: job for job in list(sched.running.values()) if job.kv_seq >= 0 and not job.preempted}
+        n_seq = int((actor.ack.limits if actor.ack else {}).get("n_seq", 0)) or sched.config.planner.max_batch
+        for seq in range(max(n_seq, max(in_seq, default=-1) + 1)):
+            job = in_seq.get(seq)
             decoded = 0 if job is None else job.n_generated
             rows.append({
-                "id": len(rows), "id_task": -1 if job is None else job.id, "n_ctx": n_ctx,
+                **({"node": node} if node else {}),
+                "id": seq, "id_task": -1 if job is None else job.id, "n_ctx": n_ctx,
                 "speculative": False, "is_processing": job is not None, "model": model.name,
                 "params": {} if job is None else {"n_predict": job.max_new, "temperature": job.sampling.temperature},
                 "next_token": {"has_next_token": job is not None, "has_new_line": False,
@@ -439,9 +444,10 @@ def slot_rows(model: ServedModel) -> list[dict[str, Any]]:
 
 
 async def slots_route(app: App, scope: dict[str, Any], receive: Receive, send: Send, body: dict[str, Any]) -> None:
-    """``GET /slots`` (llama-server's): a JSON array of the lanes of ``?model=`` (a loaded model;
+    """``GET /slots`` (llama-server's): a JSON array of the slots of ``?model=`` (a loaded model;
     404 otherwise), or of every loaded model the key may use, each row naming its ``model``.
-    ``?fail_on_no_slot=1`` answers 503 ``no_slot_available`` when every listed lane is busy."""
+    ``?fail_on_no_slot=1`` answers 503 ``no_slot_available`` when no listed model has a free lane
+    (every lane running a job: a new request would wait), whatever spare sequences idle."""
     if scope["method"] not in ("GET", "HEAD"):
         raise ApiError(405, f"method {scope['method']} not allowed on /slots")
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -458,9 +464,13 @@ async def slots_route(app: App, scope: dict[str, Any], receive: Receive, send: S
         models = [m for m in list(app.registry.loaded.values()) if principal.may_use(m.name)]
     rows = [row for model in models for row in slot_rows(model)]
     if (query.get("fail_on_no_slot") or ["0"])[0] in ("1", "true") and not any(
-            not row["is_processing"] for row in rows):
+            _lane_free(model) for model in models):
         raise ApiError(503, "no slot available", code="no_slot_available")
     await send_json(send, 200, rows)
+
+
+def _lane_free(model: ServedModel) -> bool:
+    return any(len(actor.scheduler.running) < actor.scheduler.config.planner.max_batch for actor in model.actors)
 
 
 _SLOT_PATH = re.compile(r"/slots/(\d{1,6})")
@@ -468,7 +478,8 @@ _SLOT_PATH = re.compile(r"/slots/(\d{1,6})")
 
 async def slot_action_route(app: App, scope: dict[str, Any], receive: Receive, send: Send) -> bool:
     """``POST /slots/{id}?action=save|restore|erase`` (llama-server's; admin-only when keys are set:
-    api/_guard.py), on KV sequence ``id`` of ``?model=`` (or the default). ``save`` and ``restore``
+    api/_guard.py), on KV sequence ``id`` of ``?model=`` (or the default): the ``id`` of a row
+    ``GET /slots`` lists for that model; any other is 404 ``slot_not_found`` (from the worker). ``save`` and ``restore``
     take ``{"filename"}``, a plain name (``[A-Za-z0-9._-]{1,128}``) in ``<sessions>/park/slots/``
     (``--park``); the worker checks a restored file as a park (worker/_executor.py ``slot_action``).
     False if the request is not for this route."""

@@ -138,6 +138,26 @@ class LaneRow:
 
 
 @attrs.frozen
+class ParkView:
+    """A model's park counts (``--park``), from its metrics: cumulative over worker restarts."""
+
+    parks: float
+    resumes: float
+    resume_tokens: float
+    bytes: float
+    restore_s: float
+    evictions: float
+    fallbacks: tuple[tuple[str, float], ...]   # (reason, count), nonzero only
+
+    def line(self) -> str:
+        restore = f"  restore avg {_fmt_s(self.restore_s / self.resumes)}" if self.resumes else ""
+        fallbacks = ", ".join(f"{reason} {n:.0f}" for reason, n in self.fallbacks)
+        return (f"park: parked {self.parks:.0f}  resumed {self.resumes:.0f} ({_fmt_n(self.resume_tokens)} tokens)"
+                f"{restore}  on disk {_fmt_bytes(self.bytes)}  evicted {self.evictions:.0f}"
+                + (f"  fallbacks: {fallbacks}" if fallbacks else ""))
+
+
+@attrs.frozen
 class ModelView:
     name: str
     runtime: str
@@ -151,6 +171,7 @@ class ModelView:
     preemptions: float
     respawns: float
     ttft_buckets: tuple[tuple[float, float], ...]   # (le, cumulative count)
+    park: ParkView | None = None   # None: the model's worker does not park
 
     @property
     def busy(self) -> int:
@@ -158,8 +179,9 @@ class ModelView:
 
 
 def _samples(metrics: Metrics) -> dict[str, dict[str, Any]]:
-    """The metrics registry's samples by model: plain series by name, TTFT buckets as a list."""
-    out: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"buckets": []})
+    """The metrics registry's samples by model: plain series by name, TTFT buckets as a list,
+    park fallbacks by reason."""
+    out: dict[str, dict[str, Any]] = collections.defaultdict(lambda: {"buckets": [], "fallbacks": {}})
     for family in metrics.registry.collect():
         for sample in family.samples:
             model = sample.labels.get("model")
@@ -167,6 +189,8 @@ def _samples(metrics: Metrics) -> dict[str, dict[str, Any]]:
                 continue
             if sample.name == "superfluid_ttft_seconds_bucket":
                 out[model]["buckets"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name == "superfluid_park_fallbacks_total":
+                out[model]["fallbacks"][sample.labels.get("reason", "")] = sample.value
             elif "class" not in sample.labels and "outcome" not in sample.labels:
                 out[model][sample.name] = sample.value
     return out
@@ -178,7 +202,7 @@ def snapshot(registry: ModelRegistry, metrics: Metrics) -> list[ModelView]:
     views = []
     for name, model in list(registry.loaded.items()):
         sched = model.scheduler
-        series = samples.get(name, {"buckets": []})
+        series = samples.get(name, {"buckets": [], "fallbacks": {}})
         lanes = []
         for job in sched.running.values():
             if job.preempted:
@@ -200,8 +224,23 @@ def snapshot(registry: ModelRegistry, metrics: Metrics) -> list[ModelView]:
             preemptions=series.get("superfluid_preemptions_total", 0.0),
             respawns=series.get("superfluid_worker_respawns_total", 0.0),
             ttft_buckets=tuple(sorted(series["buckets"])),
+            park=_park_view(series, parks=bool(getattr(sched, "park", None))),
         ))
     return views
+
+
+PARK_SERIES = ("superfluid_parks_total", "superfluid_resumes_total", "superfluid_resume_tokens_total",
+               "superfluid_park_bytes", "superfluid_park_restore_seconds_total", "superfluid_park_evictions_total")
+
+
+def _park_view(series: dict[str, Any], *, parks: bool) -> ParkView | None:
+    """The park counts of a model whose worker reported a park store (``parks``) or that
+    ever parked; None for the others (no --park, or a runtime that cannot)."""
+    values = [series.get(name, 0.0) for name in PARK_SERIES]
+    fallbacks = tuple(sorted((r, n) for r, n in series["fallbacks"].items() if n > 0))
+    if not parks and not any(values) and not fallbacks:
+        return None
+    return ParkView(*values, fallbacks=fallbacks)
 
 
 def quantile(q: float, buckets: tuple[tuple[float, float], ...]) -> float | None:
@@ -241,6 +280,13 @@ def _fmt_s(seconds: float | None) -> str:
 
 def _fmt_n(n: float) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else f"{n:.0f}"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 class Monitor:
@@ -321,6 +367,9 @@ class Monitor:
             out.append(sparkline(rates.prefill_hist, spark_w).ljust(spark_w), "blue")
             out.append(f"  preemptions {view.preemptions:.0f}  respawns {view.respawns:.0f}\n")
             used += 4
+            if view.park is not None:
+                out.append(view.park.line()[: width - 1] + "\n")
+                used += 1
             room = max(1, (height - used - 6) // max(1, len(views)) - 5)
             if view.lanes:
                 out.append(f"  {'lane':<6}{'class':<13}{'phase':<11}{'prompt':>8}{'tokens':>9}\n", "dim")

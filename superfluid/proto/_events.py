@@ -350,11 +350,13 @@ def embedded_pieces(req: int, dim: int, vectors: list[bytes]) -> list[Embedded]:
 
 @attrs.frozen(kw_only=True)
 class Admitted(Event):
-    """A lane is open; ``cached`` prompt tokens were seeded from the prefix cache."""
+    """A lane is open; ``cached`` prompt tokens were seeded from the prefix cache; ``seq`` is the
+    KV sequence it runs in (``/slots``' slot id; -1 from a worker that predates it)."""
 
     code: ClassVar[int] = 0x06
     lane: int = attrs.field(validator=_nonneg)
     cached: int = attrs.field(validator=_nonneg)
+    seq: int = attrs.field(default=-1, metadata={"since": 1})
 
 
 def _spec_pair(v: Any) -> bool:

@@ -608,6 +608,7 @@ class SchedulerCore:
     def _admit(self, job: Job, lane: int, now: float) -> Admit:
         job.state = JobState.RUNNING
         job.lane = lane
+        job.kv_seq = -1   # until the worker's Admitted names it
         job.preempted = False
         job.cancel_sent = False
         generated = job.generated()
@@ -741,6 +742,7 @@ class SchedulerCore:
         elif isinstance(event, Admitted):
             job = self.running.get(event.lane)
             if job is not None:
+                job.kv_seq = event.seq
                 if not job.started:
                     job.cached = event.cached
                     self.metrics.inc("superfluid_warm_prefix_tokens_total", event.cached)

@@ -60,6 +60,7 @@ class Job:
     prefill_left: int = 0
     queued_tick: int = 0
     seq: int = 0
+    kv_seq: int = -1                # the worker's KV sequence for its lane (Admitted.seq; /slots' id), -1 until told
     tokens_at_admit: int = 0
     lost_without_progress: int = 0
     created: float = 0.0

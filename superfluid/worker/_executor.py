@@ -749,7 +749,7 @@ class Executor:
             tokens = list(view[:n])
             if not tokens:
                 return 400, "slot_empty", f"slot {seq} holds no tokens", 0, 0
-            data = self.engine.seq_export(seq)
+            data = _state_bytes(self.engine.seq_export(seq))
             if not data:
                 return 501, "slots_unavailable", "the runtime exported no state", 0, 0
             try:
@@ -812,7 +812,7 @@ class Executor:
             slot.exact = min(len(slot.held), slot.exact) if self.exact else _Slot.exact
             if finished and self.park is not None and self.park.wants(slot.held, slot.salt):
                 t0 = self._timer()
-                data = self.engine.seq_export(lane.seq)
+                data = _state_bytes(self.engine.seq_export(lane.seq))
                 self.park.exported(self._timer() - t0)
                 if data:
                     self.park.put(slot.held, slot.salt, data)
@@ -1179,3 +1179,10 @@ class Executor:
     def close(self) -> None:
         for tag in list(self.lanes):
             self.cancel(tag, publish=False)
+
+
+def _state_bytes(data: Any) -> Any:
+    """An export as bytes for a park or a slot file: llama.cpp's and the mock's already are; an
+    export that holds arrays (MLX's) is written out by its ``to_bytes``, here on the engine thread."""
+    to_bytes = getattr(data, "to_bytes", None)
+    return data if to_bytes is None or isinstance(data, (bytes, bytearray)) else to_bytes()

@@ -368,7 +368,7 @@ class _Worker:
                     self.fresh.add(op.lane)
                     if op.priority >= AGENT_PRIORITY:
                         self.agents.add(op.lane)
-                self.send(Admitted(lane=op.lane, cached=lane.cached), lanes=())
+                self.send(Admitted(lane=op.lane, cached=lane.cached, seq=lane.seq), lanes=())
         elif isinstance(op, SlotAction):   # between steps: the sequence's KV is still
             status, error, message, tokens, nbytes = self.executor.slot_action(
                 op.action, op.seq, op.filename, op.cache_salt)
@@ -380,8 +380,9 @@ class _Worker:
         return False
 
     def park_written(self) -> None:
-        """The park writer thread stored an artifact: its counts go out now as droppable
-        ``Telemetry`` (no held token rows with it), not with a tick the model may never run."""
+        """The park store's index was read (at start) or its writer thread stored an artifact:
+        its counts go out now as droppable ``Telemetry`` (no held token rows with it), not with
+        a tick the model may never run."""
         park = self.executor.park
         if park is None:
             return
@@ -619,8 +620,8 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
         return 3
     park = None
     if args.park_dir and args.park_budget_mb > 0 and getattr(engine, "parks", False) is not True:
-        print(f"superfluid worker: --park: the {args.runtime} runtime's KV state is not bytes to write; "
-              "parking is off for this model", file=sys.stderr, flush=True)
+        print(f"superfluid worker: --park: the {args.runtime} runtime cannot write this model's KV state "
+              "as bytes; parking is off for this model", file=sys.stderr, flush=True)
     elif args.park_dir and args.park_budget_mb > 0:
         park = await trio.to_thread.run_sync(lambda: ParkStore(
             Path(args.park_dir), args.park_budget_mb << 20, park_identity(args, engine),
@@ -638,6 +639,7 @@ async def _serve(args: argparse.Namespace, link_fd: int) -> int:
                      agent_hold_s=max(0, args.agent_stream_interval_ms) / 1000)
     if park is not None:
         park.on_change = worker.park_written
+        worker.park_written()   # what the index found (bytes on disk, refused files) shows before any lane runs
     engine_done = trio.Event()
 
     async def serve_engine() -> None:
@@ -682,12 +684,16 @@ def resolve_speculation(args: argparse.Namespace, engine: Engine) -> tuple[SpecC
 
 def park_identity(args: argparse.Namespace, engine: Engine) -> str:
     """What a parked state depends on besides its tokens and salt: the model file (its real path,
-    size and mtime; a spec that is no file, as the mock's, as given), the runtime and its build,
-    and the KV's shape (layout, type, sliding window, deterministic mode's kernels)."""
+    size and mtime; a model directory's (MLX): each of its files'; a spec that is no file, as the
+    mock's, as given), the runtime and its build, and the KV's shape (layout, type, sliding
+    window, deterministic mode's kernels)."""
     model = args.model
     try:
         st = os.stat(model)
         model = f"{os.path.realpath(model)}:{st.st_size}:{st.st_mtime_ns}"
+        if os.path.isdir(args.model):
+            files = sorted(p for p in Path(args.model).iterdir() if p.is_file())
+            model += "".join(f"|{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
     except OSError:
         pass
     extra = engine.info.extra

@@ -78,6 +78,7 @@ ABORT_PIECE = 64
 # pending token and at most 15 drafts); wider rows are prompt pieces, run one sequence at a time
 MAX_ROUND_WIDTH = MAX_DRAFT_DEPTH + 1
 GIB = 1 << 30
+STATE_MAGIC = b"SFMLXKV1"   # a sequence state as bytes (_Exported.to_bytes): parks and slot files
 TRUST_ENV = "SUPERFLUID_MLX_TRUST_MODEL_CODE"
 SKIP_FIT_ENV = "SUPERFLUID_MLX_SKIP_FIT_CHECK"
 _NO_MEDIA = "text-only runtime: MLX vision models are not served"
@@ -306,7 +307,8 @@ class MlxEngine:
             special_tokens=dict(self.vocab.specials), add_bos=bool(tconf.get("add_bos_token", False)),
             extra={"device": str(mx.default_device()), "n_ctx": n_seq * n_ctx_seq, "threads": threads,
                    "deterministic": deterministic, "quantization": self.config.get("quantization"),
-                   "blas": blas or "the wheel's own", "weights": weights},
+                   "blas": blas or "the wheel's own", "weights": weights,
+                   "kv_type": f"{mx.default_device()}:{weights}"},   # what a parked state was computed by
         )
         self._eog_set = frozenset(eog)
         self.grammars = Grammars((root / "tokenizer.json").read_text(encoding="utf-8"), self.vocab.n_vocab, eog)
@@ -321,6 +323,8 @@ class MlxEngine:
         kinds = sorted({type(c).__name__ for c in self._caches[0]} - {"KVCache"})
         self.drafts: bool | str = True if not kinds else (
             f"this model's {', '.join(kinds)} cache layers cannot drop a rejected draft")
+        # --park: a state of plain KVCache layers goes to disk as bytes (_Exported.to_bytes)
+        self.parks = not kinds
 
     def _eog(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -501,10 +505,18 @@ class MlxEngine:
                          cache[0].offset)
 
     def seq_import(self, seq: int, data: Any) -> bool:
-        if not isinstance(data, _Exported):
-            return False
+        """``data``: an export (``_Exported``) or its bytes (``_Exported.to_bytes``: a park or a
+        slot file); False (the sequence untouched) for bytes that are not a state of this model's
+        layers."""
         mx = self._mx
         fresh = self._new_cache()
+        if not isinstance(data, _Exported):
+            try:
+                data = _Exported.from_bytes(data, mx)
+            except (ValueError, TypeError, AttributeError, IndexError, KeyError):
+                return False
+            if len(data.layers) != len(fresh):
+                return False
         for c, (k, v) in zip(fresh, data.layers, strict=True):
             c.keys, c.values, c.offset = mx.array(k), mx.array(v), data.n
         self._caches[seq] = fresh
@@ -539,7 +551,9 @@ class _DecodeView:
 
 
 class _Exported:
-    """A sequence's KV held on the host (MLX arrays share storage until written)."""
+    """A sequence's KV held on the host (MLX arrays share storage until written). The host
+    cache keeps it as it is; a park or a slot file takes :meth:`to_bytes` (on the engine thread:
+    it evaluates the arrays), which :meth:`from_bytes` (``seq_import``) reads back."""
 
     def __init__(self, layers: list[tuple[Any, Any]], n: int) -> None:
         self.layers = layers
@@ -548,6 +562,54 @@ class _Exported:
 
     def __len__(self) -> int:
         return self._bytes
+
+    def to_bytes(self) -> bytearray:
+        """``STATE_MAGIC | header length (u32 LE) | header (JSON: n, each array's dtype and shape)
+        | each layer's K then V, C order``: one copy of the KV into the buffer."""
+        import mlx.core as mx
+
+        arrays = [a for kv in self.layers for a in kv]
+        meta = [[str(a.dtype).rsplit(".", 1)[-1], list(a.shape)] for a in arrays]
+        header = json.dumps({"n": self.n, "arrays": meta}, separators=(",", ":")).encode()
+        start = len(STATE_MAGIC) + 4 + len(header)
+        out = bytearray(start + sum(a.nbytes for a in arrays))
+        out[:start] = STATE_MAGIC + len(header).to_bytes(4, "little") + header
+        target = np.frombuffer(out, np.uint8)
+        at = start
+        for a in arrays:
+            raw = np.asarray(a.view(mx.uint8))   # bfloat16 has no numpy type: its bytes do
+            target[at : at + raw.size].reshape(raw.shape)[...] = raw
+            at += raw.size
+        return out
+
+    @classmethod
+    def from_bytes(cls, data: Any, mx: Any) -> _Exported:
+        """The arrays :meth:`to_bytes` wrote.
+
+        Raises:
+            ValueError: not such bytes (magic, header, sizes, dtypes).
+        """
+        view = memoryview(data).cast("B")
+        if bytes(view[: len(STATE_MAGIC)]) != STATE_MAGIC or len(view) < len(STATE_MAGIC) + 4:
+            raise ValueError("not an MLX sequence state")
+        n_header = int.from_bytes(view[len(STATE_MAGIC) : len(STATE_MAGIC) + 4], "little")
+        at = len(STATE_MAGIC) + 4 + n_header
+        header = json.loads(bytes(view[len(STATE_MAGIC) + 4 : at]))
+        raw = np.frombuffer(view, np.uint8)
+        arrays = []
+        for dtype_name, shape in header["arrays"]:
+            dtype = getattr(mx, str(dtype_name))
+            if not isinstance(dtype, mx.Dtype):
+                raise ValueError(f"not a dtype: {dtype_name!r}")
+            shape = [int(x) for x in shape]
+            nbytes = int(np.prod(shape)) * dtype.size
+            if at + nbytes > len(raw) or not shape:
+                raise ValueError("a state shorter than its header says")
+            arrays.append(mx.array(raw[at : at + nbytes].reshape([*shape[:-1], shape[-1] * dtype.size])).view(dtype))
+            at += nbytes
+        if at != len(raw) or len(arrays) % 2:
+            raise ValueError("a state longer than its header says")
+        return cls(list(zip(arrays[::2], arrays[1::2], strict=True)), int(header["n"]))
 
 
 def _grammar_capability() -> bool | str:
