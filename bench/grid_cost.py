@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/grid_cost.py --model PATH [--threads 2] [--repeats 2] [--long 5200]
+    python bench/grid_cost.py --model PATH [--threads 2] [--repeats 3] [--long 5200]
 
 Default settings over llama.cpp with one KV stream per sequence run the executor in exact mode
 (``LlamaEngine.grid``; SPEC.md §5 "Determinism"): prompts prefilled in whole 64-position cells on
@@ -10,7 +10,7 @@ the absolute grid with the last step (the last cell, with the full cell before i
 partial) in a pass of its own, reuse cut back to whole prompt cells short of that step,
 committed tokens replayed one per round. With ``grid`` off the same executor behaves as the commit
 before did (plain chunks, any reused prefix), so the two are measured in one process on one
-engine, alternating, ``--repeats`` times; each line gives the better of the repeats.
+engine, alternating, ``--repeats`` times; in alternated order; each line gives the median and every round.
 
 Cases (greedy, ``ignore_eos``; steps of the engine's batch, 2,048 tokens, as the worker takes them):
 
@@ -26,6 +26,7 @@ Cases (greedy, ``ignore_eos``; steps of the engine's batch, 2,048 tokens, as the
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long", type=int, default=5200, help="tokens of the long prompts (default 5200)")
     parser.add_argument("--cases", default="short,long,agents,conversation")
     args = parser.parse_args()
@@ -113,7 +114,8 @@ def main() -> None:
     b = Bench(engine)
     cases = set(args.cases.split(","))
     print(f"in-process executor, commit {commit()}: model {engine.info.name}, {args.threads} threads; "
-          f"grid on (this commit's default) vs off (the commit before's executor), better of {args.repeats}",
+          f"grid on (this commit's default) vs off (the commit before's executor), median of {args.repeats} "
+          "alternated rounds",
           flush=True)
     short = [engine.tokenize(f"Question {i}: explain topic number {i} in detail, please. Answer:",
                              add_special=True, parse_special=False) for i in range(8)]
@@ -121,14 +123,19 @@ def main() -> None:
 
     def ab(name: str, run: Any, fmt: Any) -> None:
         got: dict[bool, list[Any]] = {True: [], False: []}
-        for _ in range(args.repeats):
-            for grid in (True, False):
+        for i in range(args.repeats):
+            # alternated: which side goes first changes every round
+            for grid in ((True, False) if i % 2 == 0 else (False, True)):
                 got[grid].append(run(grid))
         print(f"{name}: {fmt(got[True])} (grid) vs {fmt(got[False])} (before)", flush=True)
 
+    def med(xs: list[float], unit: str, digits: int = 2) -> str:
+        """The median, then every round's value (so a reader sees the spread)."""
+        each = ", ".join(f"{x:.{digits}f}" for x in xs)
+        return f"{statistics.median(xs):.{digits}f} {unit}" + (f" [{each}]" if len(xs) > 1 else "")
+
     def rate(rs: list[dict[str, Any]]) -> str:
-        best = max(rs, key=lambda r: r["tok_s"])
-        return f"{best['tok_s']:.2f} tok/s ({best['wall']:.1f} s)"
+        return med([r["tok_s"] for r in rs], "tok/s")
 
     if "short" in cases:
         for lanes in (1, 8):
@@ -137,7 +144,7 @@ def main() -> None:
     if "long" in cases:
         ab(f"1 lane, one {len(conv)}-token prompt, 8 tokens",
            lambda grid: b.serve(b.executor(grid, 1), [conv], 1, 8),
-           lambda rs: f"{rate(rs)}, first token {min(r['ttft'][0] for r in rs):.2f} s")
+           lambda rs: f"{rate(rs)}, first token {med([r['ttft'][0] for r in rs], 's')}")
     if "agents" in cases:
         head = conv[: len(conv) - 500]
         tails = [engine.tokenize(f" Agent {i}: " + " ".join(_SENTENCES[(i + k) % 12] for k in range(30)),
@@ -159,8 +166,9 @@ def main() -> None:
                     "same": float(warm["out"] == cold["out"])}
 
         ab(f"conversation of {len(conv)} tokens, first token",
-           turns, lambda rs: (f"cold {min(r['cold'] for r in rs):.2f} s, warm {min(r['warm'] for r in rs):.2f} s, "
-                              f"follow-up {min(r['follow'] for r in rs):.2f} s, warm==cold {all(r['same'] for r in rs)}"))
+           turns, lambda rs: (f"cold {med([r['cold'] for r in rs], 's')}, warm {med([r['warm'] for r in rs], 's', 3)}, "
+                              f"follow-up {med([r['follow'] for r in rs], 's')}, "
+                              f"warm==cold {all(r['same'] for r in rs)}"))
     engine.close()
 
 
