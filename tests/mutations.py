@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import queue
@@ -985,8 +986,26 @@ def pytest(scratch: Path, args: list[str], timeout: float, env: dict[str, str] |
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)  # the tests' daemons and workers with it
         proc.wait()
+        _reap_strays(scratch)
         return "timeout"
     return {0: "passed", 1: "failed"}.get(code, f"error (exit {code})")
+
+
+def _reap_strays(scratch: Path) -> None:
+    """SIGKILL what a killed run left outside its process group: a process whose working
+    directory is in ``scratch`` (a daemon a test started in tmux, whose server is its own
+    session, outlives the group and would load every later run)."""
+    root = str(scratch)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if cwd == root or cwd.startswith(root + "/") or cwd.removesuffix(" (deleted)") == root:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), 9)
 
 
 def judge(m: Mutation, scratch: Path, b: Baseline | None, timeout: float) -> tuple[str, float]:
