@@ -777,7 +777,8 @@ class Executor:
             self.engine.seq_rm(seq, 0, -1)
             return 400, "slot_file_invalid", f"the runtime refused {filename!r}", 0, 0
         slot.salt = salt
-        slot.exact = len(tokens) if self.exact else _Slot.exact
+        # exact mode: whole cells only (a saved prompt may end in a partial cell, its tail)
+        slot.exact = self._cells(len(tokens)) if self.exact else _Slot.exact
         self._clock += 1
         slot.last_use = self._clock
         self._set_held(seq, tokens)
