@@ -160,7 +160,7 @@ async def completions_burst(url: str, model: str, prompts: list[str], tokens: in
     """Stream one ``/v1/completions`` request per prompt (``ignore_eos``, ``seed`` offset by the
     prompt's index), at most ``concurrency`` at once; returns the results and the wall time.
     No keep-alive: llama-server drops idle connections between rounds, and both sides get the
-    same client. Raises RuntimeError if any request failed."""
+    same client. Each result names its prompt (``index``). Raises RuntimeError if any request failed."""
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=url, timeout=http_timeout_s,
                                  limits=httpx.Limits(max_keepalive_connections=0)) as client:
@@ -172,7 +172,9 @@ async def completions_burst(url: str, model: str, prompts: list[str], tokens: in
                         "stream_options": {"include_usage": True}}
                 if "seed" in body:
                     body["seed"] += i
-                results.append(await stream_request(client, "/v1/completions", body))
+                out = await stream_request(client, "/v1/completions", body)
+                out["index"] = i
+                results.append(out)
 
         t0 = trio.current_time()
         async with trio.open_nursery() as n:

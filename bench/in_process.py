@@ -105,7 +105,7 @@ if __name__ == "__main__":
 
 
 class InProcess:
-    """One loaded engine whose levels bench/throughput.py runs between server rounds."""
+    """One loaded engine whose levels a script runs between its own rounds (the levels, not a daemon)."""
 
     def __init__(self, model: str, *, max_lanes: int, threads: int, sampling: dict[str, Any]) -> None:
         self.engine = LlamaEngine(model, max_batch=max_lanes, max_context=4096, threads=threads)

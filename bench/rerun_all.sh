@@ -6,7 +6,12 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism monitor
+#
+# throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
+# fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
+# malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
+# Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -29,8 +34,23 @@ server=$(bash bench/build_llama_server.sh)
 models=$($PY -m superfluid.models)  # read whole: `| head -1` broke its pipe, and pipefail ended the script
 model=$(sed -n 1p <<< "$models")
 small=$(sed -n 2p <<< "$models")  # Gemma 3 270M: the suite's unload_reload needs a second model
-parts=${*:-suite throughput sampled qos logcost determinism monitor}
+parts=${*:-suite throughput sampled hugeoff qos logcost determinism monitor}
+# the 1-minute load average lags a finished part by a minute or two: wait (at most 5 minutes) for it to
+# settle before the next, so that bench/throughput.py's own quiet-machine check judges other load only
+settle() {
+    for _ in $(seq 60); do
+        awk "BEGIN{exit !($(cut -d' ' -f1 /proc/loadavg) > ${SUPERFLUID_BENCH_MAX_LOAD:-0.5})}" || return 0
+        sleep 5
+    done
+}
+throughput() {  # bench/throughput.py over fresh server pairs, its log under $out, its block into the docs
+    local log
+    log=$out/throughput_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+    $PY bench/throughput.py --model "$model" --llama-server "$server" --out "$log" "$@"
+    $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md
+}
 for part in $parts; do
+    settle
     echo "== $part ($(date -u +%H:%M:%S))"
     case $part in
         suite)
@@ -57,9 +77,9 @@ for part in $parts; do
                 --box "$box" --out "$out/suite-mlx" 2>&1 | tee "$out/suite-mlx.log" || true
             notes=(); [ -f "$out/suite-mlx-notes.md" ] && notes=(--notes "$out/suite-mlx-notes.md")
             $PY -m superfluid.suite compare "$out/suite-mlx" "${notes[@]}" > docs/suite-results-mlx.md ;;
-        throughput) $PY bench/throughput.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/throughput.log" ;;
-        sampled) $PY bench/throughput.py --model "$model" --llama-server "$server" --temperature 0.8 --seed 1 \
-                     2>&1 | tee "$out/throughput-sampled.log" ;;
+        throughput) throughput 2>&1 | tee "$out/throughput.log" ;;
+        sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
+        hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
         logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
         determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
