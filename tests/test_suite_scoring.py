@@ -210,6 +210,7 @@ def test_repeat_runs_each_cell_n_times_and_takes_the_majority(tmp_path: Path, mo
     calls: list[str] = []
 
     async def scripted(ctx: Context) -> dict[str, Any]:
+        await trio.lowlevel.checkpoint()   # (a scenario is a coroutine the runner awaits)
         kind = next(kinds)
         calls.append(kind)
         return result("kv_exhaustion", fixture(f"kv_exhaustion--{kind}"), f"run {len(calls)}: {kind}")
