@@ -210,6 +210,14 @@ def ratio_cell(ratios: list[float]) -> str:
     return cell
 
 
+def shown(path: Path) -> str:
+    """A log's path as a generated docs block names it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def write_doc(doc: Path, section: str, begin: str, end: str) -> None:
     """Put ``section`` between the markers ``begin`` and ``end`` in ``doc`` (replacing what is
     there), or first after the preamble."""
