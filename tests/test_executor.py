@@ -401,21 +401,49 @@ def test_an_evicted_prefix_comes_back_from_host_memory() -> None:
 
 
 def test_a_cached_prefix_moves_aside_instead_of_being_overwritten() -> None:
-    """Compact placement reuses the low sequences; what they cached moves to a
-    spare sequence (the one holding least), and comes back by copy."""
-    ex = Executor(MockEngine(SPEC, n_seq=4), max_lanes=2)
+    """With no empty sequence left, compact placement reuses the low sequences; what
+    they cached moves to a spare sequence (the least recently used), and comes back by copy."""
+    ex = Executor(MockEngine(SPEC, n_seq=2), max_lanes=1)
     a, b, c = words(*range(50)) * 6, words(*range(5, 50)) * 6, words(*range(9, 50)) * 6
-    ex.admit(make_admit(0, a, max_new=3))
+    for tag, prompt in enumerate((a, b, a)):   # b takes the empty sequence; a again, its own
+        ex.admit(make_admit(tag, prompt, max_new=3))
+        drain(ex)
+    assert ex.stats["demoted"] == 0 and ex.slots[0].tokens[:300] == a and ex.slots[1].tokens[:270] == b
+    ex.admit(make_admit(3, c, max_new=3))   # lands on a's sequence (the lowest); a moves over b
     drain(ex)
-    ex.admit(make_admit(1, b, max_new=3))   # nothing live: lands on a's sequence, a moves aside
-    drain(ex)
-    assert ex.stats["demoted"] == 1 and sum(slot.tokens[:300] == a for slot in ex.slots) == 1
-    ex.admit(make_admit(2, c, max_new=3))
-    drain(ex)
-    back = ex.admit(make_admit(3, a, max_new=3))
+    assert ex.stats["demoted"] == 1 and ex.slots[1].tokens[:300] == a
+    back = ex.admit(make_admit(4, a, max_new=3))
     assert back.cached == len(a) - 1
     check_invariants(ex)
-    assert generated_tokens(drain(ex)[3]) == generated_tokens(reference(a, max_new=3, sampling=GREEDY))
+    assert generated_tokens(drain(ex)[4]) == generated_tokens(reference(a, max_new=3, sampling=GREEDY))
+
+
+def test_lone_requests_keep_their_own_sequences_while_empty_ones_remain() -> None:
+    """A lone request whose best match would overwrite another prompt's cached tokens
+    takes an empty sequence instead, the shared prefix copied in; so lone requests on
+    several prompts, sent again, are each answered from cache (one sequence rewritten by
+    each kept only the last). An empty sequence that would widen the live span stays unused."""
+    ex = Executor(MockEngine(SPEC, n_seq=8), max_lanes=4)
+    system = words(*range(40))
+    prompts = [[*system, *words(41 + 3 * k, 42 + 3 * k, 43 + 3 * k)] for k in range(4)]
+    for tag, prompt in enumerate(prompts):
+        got = ex.admit(make_admit(tag, prompt, max_new=3))
+        assert got.cached == (0 if tag == 0 else len(system))   # the shared prefix, copied in
+        drain(ex)
+    assert sorted(ex.slots.index(s) for s in ex.slots if s.tokens) == [0, 1, 2, 3]
+    for tag, prompt in enumerate(prompts, start=10):
+        assert ex.admit(make_admit(tag, prompt, max_new=3)).cached == len(prompt) - 1
+        drain(ex)
+    check_invariants(ex)
+    # a live lane on sequence 0 (continuing the prompt it holds): the next lane stays beside
+    # it, over another prompt's tokens, rather than take empty sequence 4 and widen the span
+    ex.admit(make_admit(20, [*ex.slots[0].tokens, *words(*range(20, 30)) * 6], max_new=500))
+    ex.step(prefill_budget=PREFILL_CHUNK)
+    assert {i for i, s in enumerate(ex.slots) if s.owner is not None} == {0}
+    lane = ex.admit(make_admit(21, [*system, *words(2, 3, 4)], max_new=3))
+    assert (lane.seq, lane.cached) == (1, len(system))
+    drain(ex)
+    check_invariants(ex)
 
 
 def test_short_prefixes_and_a_zero_budget_stay_out_of_host_memory() -> None:
@@ -552,7 +580,7 @@ def test_lanes_pack_tightly_again_when_the_load_drops() -> None:
     a pair of lanes may spread as far as the wave did (the second takes its
     prompt in place, three sequences away); after more than ``2 * max_lanes``
     lone requests a pair packs side by side again (the prompt is copied in)."""
-    ex = Executor(MockEngine(SPEC, n_seq=10), max_lanes=4)
+    ex = Executor(MockEngine(SPEC, n_seq=4), max_lanes=4)   # no sequence stays empty: the span rule alone places
     wave = [words(40 + i, *range(10, 30)) for i in range(4)]
     for i, p in enumerate(wave):
         ex.admit(make_admit(i, p, max_new=4))

@@ -356,11 +356,10 @@ class Executor:
             if not self._free:
                 raise ValueError("no free KV sequence")
             recent = self._recent_live.push(len(self._live))
-            if self.index is not None:
-                picked = self._pick_indexed(tokens, limit, salt, recent)
-                if picked is not None:
-                    return picked
-            return self._pick_scan(tokens, limit, salt, recent)
+            picked = self._pick_indexed(tokens, limit, salt, recent) if self.index is not None else None
+            if picked is None:
+                picked = self._pick_scan(tokens, limit, salt, recent)
+            return self._onto_empty(*picked, tokens=tokens, limit=limit, recent=recent)
         best_free: tuple[int, int] | None = None   # (tokens reusable, -last_use)
         free_seq = -1
         for i, slot in enumerate(self.slots):
@@ -374,6 +373,35 @@ class Executor:
         if best_free is None:
             raise ValueError("no free KV sequence")
         return free_seq, best_free[0], None
+
+    def _onto_empty(self, seq: int, matched: int, src: int | None, *, tokens: list[int], limit: int,
+                    recent: int) -> tuple[int, int, int | None]:
+        """A pick that would overwrite another prompt's cached tokens (held nowhere else) goes
+        to an empty free sequence instead, when one is in the live span's reach (no wider than
+        the pick's or the recent load's), its reusable prefix copied in from where it is. So
+        lone requests on different prompts each keep their own sequence while empty ones
+        remain, as a peer's slots keep theirs (one sequence rewritten by each kept only the
+        last), at a copy's cost (``MIN_COPY``) and never a wider decode span than the load
+        needs. The same prompt again, or one continuing what the sequence holds, stays."""
+        slot = self.slots[seq]
+        held, size = slot.view()
+        if src is None and common_prefix(held, tokens, min(limit, size)) >= min(limit, size):
+            return seq, matched, src
+        if self._held_elsewhere(seq):
+            return seq, matched, src
+        empty = self._spare(seq, src)
+        if empty is None or self.slots[empty].held:
+            return seq, matched, src
+        if self._live:
+            lo, hi = min(self._live), max(self._live)
+
+            def span(i: int) -> int:
+                return max(hi, i) - min(lo, i) + 1
+            if span(empty) > max(span(seq), 1 + recent):
+                return seq, matched, src
+        if src is not None:
+            return empty, matched, src
+        return (empty, matched, seq) if matched >= MIN_COPY else (empty, 0, None)
 
     def _pick_scan(self, tokens: list[int], limit: int, salt: str, recent: int) -> tuple[int, int, int | None]:
         """``_pick_slot`` by asking every sequence (the rule's plain statement;
