@@ -12,7 +12,9 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 from __future__ import annotations
 
 import datetime
+import math
 import os
+import platform
 import random
 import signal
 import socket
@@ -208,6 +210,88 @@ def ratio_cell(ratios: list[float]) -> str:
         lo, hi = median_ci(ratios)
         cell += f" (95% CI {lo:.2f}-{hi:.2f}; >= 1 in {sum(r >= 1 for r in ratios)}/{len(ratios)})"
     return cell
+
+
+# Student's t, 97.5th percentile, by degrees of freedom (beyond 30: the Cornish-Fisher expansion)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def log_t_interval(ratios: list[float]) -> tuple[float, float, float] | None:
+    """The geometric mean of ``ratios`` (one per pair) and its 95% t-interval: the mean of the
+    log-ratios +- t(0.975, n-1) x their standard error, exponentiated. None under two pairs."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def interval_cell(ratios: list[float]) -> str:
+    """A table cell: the geometric mean of per-pair ratios and its 95% interval (one pair: none)."""
+    ci = log_t_interval(ratios)
+    return "— (one pair)" if ci is None else f"{ci[0]:.3f} ({ci[1]:.3f}-{ci[2]:.3f})"
+
+
+def round_order(sides: list[str], pair: int, rnd: int, rng: random.Random | None) -> list[str]:
+    """A B B A: forward in even rounds, reversed in odd ones, a pair's first round alternating by pair;
+    with ``rng``, a random order."""
+    if rng is not None:
+        return rng.sample(sides, len(sides))
+    return list(sides) if (pair + rnd) % 2 == 0 else sides[::-1]
+
+
+def side_rates(recs: list[dict[str, Any]]) -> dict[tuple[int, int, str], float]:
+    """(pair, concurrency, side) -> the median of that side's rounds' tok/s in that pair (a log's
+    ``round`` records: pair, conc, side, tok_s)."""
+    got: dict[tuple[int, int, str], list[float]] = {}
+    for r in recs:
+        if r["kind"] == "round":
+            got.setdefault((r["pair"], r["conc"], r["side"]), []).append(r["tok_s"])
+    return {k: median(v) for k, v in got.items()}
+
+
+def pair_ratios(recs: list[dict[str, Any]], conc: int, ours: str, theirs: str) -> list[float]:
+    """One ratio per pair at ``conc``: ``ours``'s tok/s over ``theirs``'s, both from that pair."""
+    rates = side_rates(recs)
+    pairs = sorted({p for p, c, _s in rates if c == conc})
+    return [rates[(p, conc, ours)] / rates[(p, conc, theirs)] for p in pairs
+            if (p, conc, ours) in rates and (p, conc, theirs) in rates]
+
+
+def token_check(recs: list[dict[str, Any]], conc: int, sides: list[str], want: int) -> str:
+    """A table cell: every ``request`` record's completion_tokens at ``conc`` against ``want``
+    ("ok: N of N = want"), or a bold MISMATCH naming how many each side got wrong."""
+    reqs = [r for r in recs if r["kind"] == "request" and r["conc"] == conc]
+    bad = {s: sum(r["completion_tokens"] != want for r in reqs if r["side"] == s) for s in sides}
+    if not any(bad.values()):
+        return f"ok: {len(reqs)} of {len(reqs)} = {want}"
+    return "**MISMATCH**: " + ", ".join(
+        f"{s} {n} of {sum(r['side'] == s for r in reqs)} ≠ {want}" for s, n in bad.items() if n)
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, kernel, transparent huge pages and the load averages now (a log's header)."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "?"
+
+    mem = next((int(x.split()[1]) for x in read("/proc/meminfo").splitlines() if x.startswith("MemTotal:")), 0)
+    return {"cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"), "loadavg": list(os.getloadavg())}
 
 
 def shown(path: Path) -> str:

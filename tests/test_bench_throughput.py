@@ -54,7 +54,7 @@ def test_the_interval_is_a_t_interval_over_pairs_not_rounds(tp: ModuleType) -> N
     mean = sum(logs) / 3
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
     half = 4.303 * sd / math.sqrt(3)  # t(0.975, 2 degrees of freedom): 3 pairs
-    gm, lo, hi = tp.log_t_interval(ratios)
+    gm, lo, hi = tp._common.log_t_interval(ratios)
     assert (gm, lo, hi) == pytest.approx((math.exp(mean), math.exp(mean - half), math.exp(mean + half)))
     section, _key = tp.render(LOG)
     row = _row(section, 1)
@@ -66,15 +66,15 @@ def test_the_interval_is_a_t_interval_over_pairs_not_rounds(tp: ModuleType) -> N
     per_round = [o["tok_s"] / t["tok_s"] for o in rounds if o["side"] == tp.OURS
                  for t in rounds if t["side"] == tp.THEIRS and (t["pair"], t["round"]) == (o["pair"], o["round"])]
     assert len(per_round) == 6
-    wrong = tp.log_t_interval(per_round)
+    wrong = tp._common.log_t_interval(per_round)
     assert f"({wrong[1]:.3f}-{wrong[2]:.3f})" not in section
 
 
 def test_one_pair_has_no_interval_and_t_tends_to_normal(tp: ModuleType) -> None:
-    assert tp.log_t_interval([1.0]) is None
-    assert tp.t975(30) == 2.042
-    assert tp.t975(31) == pytest.approx(2.040, abs=1e-3)
-    assert tp.t975(10_000) == pytest.approx(1.960, abs=1e-3)
+    assert tp._common.log_t_interval([1.0]) is None
+    assert tp._common.t975(30) == 2.042
+    assert tp._common.t975(31) == pytest.approx(2.040, abs=1e-3)
+    assert tp._common.t975(10_000) == pytest.approx(1.960, abs=1e-3)
 
 
 def test_the_table_counts_pairs_below_one_and_flags_a_short_reply(tp: ModuleType) -> None:
