@@ -111,7 +111,7 @@ class Server:
             self.proc.wait()
 
 
-def superfluid_argv(model: str, port: int, *extra: str, host_cache_mb: int = 0) -> list[str]:
+def superfluid_argv(model: str, port: int | str, *extra: str, host_cache_mb: int = 0) -> list[str]:
     """Our daemon; its own fresh sessions directory unless ``extra`` names one (the default
     directory may be held by another server on a shared machine)."""
     sessions = [] if "--sessions" in extra else ["--sessions", tempfile.mkdtemp(prefix="bench-sessions-")]
