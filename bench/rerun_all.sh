@@ -6,12 +6,19 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx mlx throughput sampled hugeoff qos logcost determinism monitor
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
+#
+# mlx: bench/mlx_vs_server.py over fresh server pairs (4 by default: each a fresh superfluid --runtime mlx
+# and a fresh mlx_lm.server), ours as shipped on a Linux CPU (the MLX test directory run as f32 over
+# OpenBLAS) vs mlx_lm.server on its f32 copy with the same OpenBLAS preloaded, every reply forced to its
+# length on both sides (logit_bias on the stop ids). Writes bench-results/<commit>/mlx_vs_server_<UTC>.jsonl
+# and renders its block into docs/benchmarks.md. Like suite-mlx, not in the default parts (it needs the
+# mlx extra); about 50 minutes on a quiet 2-core machine.
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -49,6 +56,12 @@ throughput() {  # bench/throughput.py over fresh server pairs, its log under $ou
     $PY bench/throughput.py --model "$model" --llama-server "$server" --out "$log" "$@"
     $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md
 }
+mlx() {  # bench/mlx_vs_server.py over fresh server pairs, its log under $out, its block into the docs
+    local log
+    log=$out/mlx_vs_server_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+    $PY bench/mlx_vs_server.py --model "$($PY -m superfluid.models --mlx | tail -1)" --out "$log" "$@"
+    $PY bench/mlx_vs_server.py --render "$log" --doc docs/benchmarks.md
+}
 for part in $parts; do
     settle
     echo "== $part ($(date -u +%H:%M:%S))"
@@ -77,6 +90,7 @@ for part in $parts; do
                 --box "$box" --out "$out/suite-mlx" 2>&1 | tee "$out/suite-mlx.log" || true
             notes=(); [ -f "$out/suite-mlx-notes.md" ] && notes=(--notes "$out/suite-mlx-notes.md")
             $PY -m superfluid.suite compare "$out/suite-mlx" "${notes[@]}" > docs/suite-results-mlx.md ;;
+        mlx) mlx 2>&1 | tee "$out/mlx-vs-server.log" ;;
         throughput) throughput 2>&1 | tee "$out/throughput.log" ;;
         sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
