@@ -128,7 +128,7 @@ def f32_dir(model: str) -> str:
     return str(out)
 
 
-def their_argv(model: str, port: int | str, lanes: int) -> list[str]:
+def mlx_server_argv(model: str, port: int | str, lanes: int) -> list[str]:
     """``mlx_lm.server`` with as many decode and prompt places as our ``--max-batch``."""
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--decode-concurrency", str(lanes), "--prompt-concurrency", str(lanes)]
@@ -186,7 +186,7 @@ def run_pair(pair: int, args: argparse.Namespace, sides: dict[str, Any], fields:
             for side in SIDES:
                 port = free_port()
                 argv = (our_argv(sides[side]["model"], port, args.lanes, tmp) if side == OURS
-                        else their_argv(sides[side]["model"], port, args.lanes))
+                        else mlx_server_argv(sides[side]["model"], port, args.lanes))
                 servers[side] = Server(f"{side}-{args.variant}", argv, port, env=sides[side]["env"])
             ids = {}
             for side, srv in servers.items():
@@ -244,7 +244,7 @@ def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 servers={OURS: {"model": sides[OURS]["model"], "env": sides[OURS]["env"],
                                 "argv": our_argv(sides[OURS]["model"], "PORT", args.lanes, "SESSIONS")},
                          THEIRS: {"model": sides[THEIRS]["model"], "env": sides[THEIRS]["env"],
-                                  "argv": their_argv(sides[THEIRS]["model"], "PORT", args.lanes)}},
+                                  "argv": mlx_server_argv(sides[THEIRS]["model"], "PORT", args.lanes)}},
                 inherited={k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
     with open(out, "w") as log:
         log.write(json.dumps(head) + "\n")
