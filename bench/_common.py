@@ -12,7 +12,10 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 from __future__ import annotations
 
 import datetime
+import json
+import math
 import os
+import platform
 import random
 import signal
 import socket
@@ -218,14 +221,18 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def write_doc(doc: Path, section: str, begin: str, end: str) -> None:
+def write_doc(doc: Path, section: str, begin: str, end: str, before: str | None = None) -> None:
     """Put ``section`` between the markers ``begin`` and ``end`` in ``doc`` (replacing what is
-    there), or first after the preamble."""
+    there), or, for a new block, just before the line ``before`` where the page has it, else first
+    after the preamble."""
     text = doc.read_text()
     block = f"{begin}\n{section}{end}\n"
+    at = text.find("\n" + before + "\n") if before else -1
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1].lstrip("\n")
+    elif at >= 0:
+        text = text[:at + 1] + block + "\n" + text[at + 1:]
     else:
         # before the first section, or the first generated block if one comes sooner (never inside it)
         found = [i for i in (text.find("\n## "), text.find("\n<!-- bench/")) if i >= 0]
@@ -244,3 +251,153 @@ def log_header(rev: str, args: Any, load: float) -> dict[str, Any]:
                      if k not in ("out", "render", "doc")},
             "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
             "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}
+
+
+# -- raw logs and their generated blocks (issue #42) --------------------------------------------------------------
+
+# Student's t, 97.5th percentile, by degrees of freedom (beyond 30: the Cornish-Fisher expansion)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def log_t_interval(ratios: list[float]) -> tuple[float, float, float] | None:
+    """The geometric mean of ``ratios`` (one per pair) and its 95% t-interval: the mean of the
+    log-ratios +- t(0.975, n-1) x their standard error, exponentiated. None under two pairs."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def interval(ratios: list[float], digits: int = 3) -> str:
+    """``log_t_interval`` as a table cell: ``gm (lo-hi)``, or a dash under two ratios."""
+    ci = log_t_interval(ratios)
+    return f"— (one {'ratio' if ratios else 'none'})" if ci is None else (
+        f"{ci[0]:.{digits}f} ({ci[1]:.{digits}f}-{ci[2]:.{digits}f})")
+
+
+def utc(stamp: str = "%Y-%m-%d %H:%M:%S UTC") -> str:
+    return f"{datetime.datetime.now(datetime.UTC):{stamp}}"
+
+
+def log_path(name: str, rev: str) -> Path:
+    """Where a bench's raw log goes by default: bench-results/<commit>/<name>_<UTC>.jsonl."""
+    return ROOT / "bench-results" / rev / f"{name}_{utc('%Y%m%dT%H%M%SZ')}.jsonl"
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, kernel, transparent huge pages and the load: what a log's header records of the box."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "?"
+
+    mem = next((int(x.split()[1]) for x in read("/proc/meminfo").splitlines() if x.startswith("MemTotal:")), 0)
+    return {"cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"), "loadavg": list(os.getloadavg())}
+
+
+def versions(binary: str | None) -> dict[str, Any]:
+    """This checkout's commit, llama-cpp-python's and Python's versions, and ``binary --version`` (llama-server)."""
+    import llama_cpp
+
+    out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
+                           "python": platform.python_version()}
+    if binary:
+        got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+        out["llama_server"] = " / ".join(x.strip() for x in (got.stdout + got.stderr).splitlines() if x.strip())
+    return out
+
+
+class JsonLog:
+    """A bench's raw log, JSON lines: ``head`` first, then a record per :meth:`write` (flushed, so a
+    run cut short keeps what it measured), and an end record (the load, the time) on :meth:`end`."""
+
+    def __init__(self, path: Path, head: dict[str, Any]) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "w")
+        self.write(head)
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def end(self, **extra: Any) -> None:
+        self.write({"kind": "end", "loadavg": list(os.getloadavg()), "ended": utc(), **extra})
+        self._f.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def marks(gen: str, key: str = "") -> tuple[str, str]:
+    """The begin and end markers of ``gen``'s generated block (``gen``: ``bench/X.py``) keyed ``key``."""
+    name = f"{gen} {key}".rstrip()
+    return (f"<!-- {name}: begin (generated by `python {gen} --render LOG --doc PATH`) -->",
+            f"<!-- {name}: end -->")
+
+
+def emit(gen: str, section: str, key: str, doc: Path | None, before: str | None = None) -> None:
+    """Print ``section``, or with ``doc`` write it into that page as ``gen``'s block keyed ``key``."""
+    if doc is None:
+        print(section, end="")
+        return
+    write_doc(doc, section, *marks(gen, key), before=before)
+
+
+def run_line(recs: list[dict[str, Any]], path: Path, gen: str) -> str:
+    """The sentence naming a log's commit, time, machine, load and versions, and how its block was made
+    (``recs``: the log's records, its header first)."""
+    head = recs[0]
+    m, v = head["machine"], head["versions"]
+    end = next((r for r in recs if r["kind"] == "end"), None)
+    return (f"At `{head['commit']}`, {head['started']}, on {head['cpu']}, {m['mem_gib']} GiB, Linux {m['kernel']}, "
+            f"transparent huge pages `{m['thp']}`; 1-minute load average {head['loadavg']:.2f} at the start"
+            + (f", {end['loadavg'][0]:.2f} at the end" if end else " (the run did not finish)")
+            + f" ({path.name}). Versions: llama-cpp-python {v['llama_cpp_python']}, Python {v['python']}"
+            + (f", llama-server {v['llama_server']}" if v.get("llama_server") else "")
+            + f". Generated by `python {gen} --render {shown(path)}` from that log.\n")
+
+
+def round_records(results: list[dict[str, Any]], wall: float, **where: Any) -> list[dict[str, Any]]:
+    """A measured round as log records: one per request (prompt index, ``completion_tokens`` from its
+    usage, chunks, TTFT, wall), then the round's (tokens, wall, tok/s, median TTFT), each with ``where``
+    (round, side, ...). Tokens are the usage's count where the server sent one, else chunks."""
+    recs, counted = [], 0
+    for r in sorted(results, key=lambda r: r.get("index", 0)):
+        n = (r["usage"] or {}).get("completion_tokens")
+        counted += n if n is not None else r["tokens"]
+        recs.append({"kind": "request", **where, "prompt": r.get("index"), "completion_tokens": n,
+                     "chunks": r["tokens"], "ttft": r["ttft"], "wall": r["wall"]})
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    recs.append({"kind": "round", **where, "tokens": counted, "wall": wall, "tok_s": counted / wall,
+                 "ttft_median": median(ttfts) if ttfts else None})
+    return recs
+
+
+def token_check(recs: list[dict[str, Any]], want: int, **where: Any) -> str:
+    """``ok: n of n = want`` when every request record matching ``where`` got ``want`` tokens, else the misses."""
+    reqs = [r for r in recs if r["kind"] == "request" and all(r.get(k) == v for k, v in where.items())]
+    bad = [r for r in reqs if r["completion_tokens"] != want]
+    if not bad:
+        return f"ok: {len(reqs)} of {len(reqs)} = {want}"
+    return f"**MISMATCH**: {len(bad)} of {len(reqs)} ≠ {want}"
