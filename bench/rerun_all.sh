@@ -12,6 +12,9 @@
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
+# logcost (bench/throughput.py --log-cost 5) and monitor (bench/monitor_cost.py) write their own logs
+# under bench-results/<commit>/ too and render their blocks (monitor: into docs/benchmarks.md and
+# docs/monitor.md).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -81,9 +84,16 @@ for part in $parts; do
         sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
-        logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
+        logcost)  # its own log and block (KEY: log-cost and the model)
+            log=$out/throughput_log_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/throughput.py --model "$model" --log-cost 5 --out "$log" 2>&1 | tee "$out/log-cost.log"
+            $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md ;;
         determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
-        monitor) $PY bench/monitor_cost.py --model "$model" 2>&1 | tee "$out/monitor-cost.log" ;;
+        monitor)  # one log, its block in both pages that show the monitor's cost
+            log=$out/monitor_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/monitor_cost.py --model "$model" --out "$log" 2>&1 | tee "$out/monitor-cost.log"
+            $PY bench/monitor_cost.py --render "$log" --doc docs/benchmarks.md
+            $PY bench/monitor_cost.py --render "$log" --doc docs/monitor.md ;;
         *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
 done
