@@ -6,7 +6,7 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism monitor longctx
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
@@ -14,7 +14,8 @@
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
 # logcost (bench/throughput.py --log-cost 5) and monitor (bench/monitor_cost.py) write their own logs
 # under bench-results/<commit>/ too and render their blocks (monitor: into docs/benchmarks.md and
-# docs/monitor.md).
+# docs/monitor.md). longctx: bench/longctx.py at 2k/6k/12k-token prompts, 1 and 4 streams, over 3 fresh
+# server pairs, its log under bench-results/<commit>/ and its block into docs/benchmarks.md.
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -37,7 +38,7 @@ server=$(bash bench/build_llama_server.sh)
 models=$($PY -m superfluid.models)  # read whole: `| head -1` broke its pipe, and pipefail ended the script
 model=$(sed -n 1p <<< "$models")
 small=$(sed -n 2p <<< "$models")  # Gemma 3 270M: the suite's unload_reload needs a second model
-parts=${*:-suite throughput sampled hugeoff qos logcost determinism monitor}
+parts=${*:-suite throughput sampled hugeoff qos logcost determinism monitor longctx}
 # the 1-minute load average lags a finished part by a minute or two: wait (at most 5 minutes) for it to
 # settle before the next, so that bench/throughput.py's own quiet-machine check judges other load only
 settle() {
@@ -94,6 +95,11 @@ for part in $parts; do
             $PY bench/monitor_cost.py --model "$model" --out "$log" 2>&1 | tee "$out/monitor-cost.log"
             $PY bench/monitor_cost.py --render "$log" --doc docs/benchmarks.md
             $PY bench/monitor_cost.py --render "$log" --doc docs/monitor.md ;;
+        longctx)
+            log=$out/longctx_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/longctx.py --model "$model" --llama-server "$server" --rounds 3 --out "$log" 2>&1 \
+                | tee "$out/longctx.log"
+            $PY bench/longctx.py --render "$log" --doc docs/benchmarks.md ;;
         *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
 done
