@@ -7,8 +7,8 @@
 Each case sends ``streams`` requests at once, each with its own prompt of ``length`` tokens, give or
 take a few (distinct technical prose from the suite's corpus cut at ``length`` tokens of the model,
 so nothing is shared between streams), ``--tokens``-token replies with ignore_eos, on
-/v1/completions, to both servers in a seeded random order (printed), ``--rounds`` times (a fresh
-order each round). Both get the same model, threads, lanes (the largest ``--streams``), context per
+/v1/completions, to both servers in a seeded random order, ``--rounds`` times: each round a fresh
+server pair (both started for it, stopped after it), every case in it, a fresh order per case. Both get the same model, threads, lanes (the largest ``--streams``), context per
 lane (the longest prompt + reply, rounded up), KV cells (llama-server ``-c`` = the cells our worker
 allocates, ``--cache-ram 0``; ours ``--host-cache-mb 0``) and sampling. Before each case both
 servers forget every prompt (a fresh prompt per case and system: the seed of the prose differs), so
@@ -18,15 +18,23 @@ Per case and system: TTFT of the first and the last stream, aggregate prefill to
 prompt tokens over the time until the last first token), decode tokens/s per stream (tokens
 after the first, counted from the usage record since a chunk may carry several, over the time from
 the first chunk to the last; median over streams), aggregate
-decode tokens/s, and the wall time of the case; then the ratio ours/theirs of wall time and
-prefill rate. With ``--chat-after S``, a short chat (``x-superfluid-qos: interactive``; llama-server
+decode tokens/s, and the wall time of the case; then the ratios of wall time, prefill and decode
+rate per pair (median over pairs, with a 95% t-interval over pairs from two pairs on). With ``--chat-after S``, a short chat (``x-superfluid-qos: interactive``; llama-server
 ignores the header) is sent S seconds into each case, and its first-token time is reported.
 Names the commit it ran on. Needs a quiet machine.
+
+**Raw log** (issue #42): JSON lines in bench-results/<commit>/longctx_<UTC>.jsonl (``--out LOG``): a
+header (the commit, the arguments, the machine, the versions, the lanes, context and KV cells), a
+record per pair (both servers' full command lines), per request and per case (its measures), an end
+record. ``--render LOG [--doc PATH]`` prints the table (medians over pairs with min-max), or writes
+it into the page between ``<!-- bench/longctx.py KEY: begin ... -->`` and ``... end -->`` (KEY: the
+model, greedy or sampled).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
@@ -37,9 +45,9 @@ import llama_cpp
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ROOT, Server, commit, completions_burst, free_port, kv_cells,  # noqa: E402
-                     llama_server_argv, median, model_file, ratio_cell, stream_request,
-                     superfluid_argv)
+from _common import (JsonLog, Server, commit, completions_burst, emit, free_port, interval,  # noqa: E402
+                     kv_cells, llama_server_argv, log_header, log_path, machine, median, model_file, read_log,
+                     run_line, stream_request, superfluid_argv, tokens_ok, versions)
 
 from superfluid.suite._corpus import document  # noqa: E402
 
@@ -75,7 +83,10 @@ async def one_case(url: str, model: str, prompts: list[str], tokens: int, sampli
             "prefill_tok_s": prompt_tokens / last_first if last_first else 0.0,
             "decode_stream": median(decode) if decode else 0.0,
             "decode_total": generated / wall if wall else 0.0, "wall": wall, "chat_ttft": chat.get("ttft"),
-            "agent_walls": sorted(r["wall"] for r in results)}
+            "agent_walls": sorted(r["wall"] for r in results),
+            "requests": [{"prompt": r["index"], "prompt_tokens": (r["usage"] or {}).get("prompt_tokens"),
+                          "completion_tokens": (r["usage"] or {}).get("completion_tokens"), "chunks": r["tokens"],
+                          "ttft": r["ttft"], "wall": r["wall"]} for r in sorted(results, key=lambda r: r["index"])]}
 
 
 def fmt_s(x: float | None) -> str:
@@ -86,24 +97,13 @@ def model_id(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    p.add_argument("--llama-server", default=str(Path.home() / ".cache/superfluid/llama-server-0.3.36/build/bin/"
-                                                               "llama-server"))
-    p.add_argument("--lengths", default="2000,6000,12000")
-    p.add_argument("--streams", default="1,4")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--order-seed", type=int)
-    p.add_argument("--rounds", type=int, default=1, help="rounds per case, each in a random order of the systems")
-    p.add_argument("--chat-after", type=float, help="also send a short chat (x-superfluid-qos: interactive) this "
-                                                     "many seconds into each case and report its first-token time")
-    p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
-    args = p.parse_args()
-    args.model = model_file(args.model)
+SIDES = ("superfluid", "llama-server")
+GEN = "bench/longctx.py"
+
+
+def measure(args: argparse.Namespace) -> Path:
+    """Every case on a fresh server pair per round, into a log; returns its path."""
+    load = os.getloadavg()[0]
     lengths = [int(x) for x in args.lengths.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     lanes = max(streams)
@@ -117,80 +117,166 @@ def main() -> None:
     sampling: dict[str, Any] = ({"temperature": 0} if args.temperature <= 0 else
                                 {"temperature": args.temperature, "seed": args.seed, "top_k": 40, "top_p": 0.95,
                                  "min_p": 0.05})
-    servers: dict[str, Server] = {}
-    if args.only != "llama-server":
-        port = free_port()
-        servers["superfluid"] = Server("superfluid", superfluid_argv(
-            args.model, port, "--max-batch", str(lanes), "--max-context", str(ctx), "--threads", str(args.threads)),
-            port)
-    if args.only != "superfluid":
-        port = free_port()
-        servers["llama-server"] = Server("llama-server", llama_server_argv(
-            args.llama_server, args.model, port, lanes=lanes, ctx=ctx, threads=args.threads), port)
+    sides = [s for s in SIDES if args.only in (None, s)]
     seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
     rng = random.Random(seed)
-    rows: list[tuple[int, int, dict[str, dict[str, Any]]]] = []
+    rev = commit()
+    out = args.out or log_path("longctx", rev)
+    head = log_header(rev, args, load)
+    head.update(machine=machine(), versions=versions(args.llama_server if "llama-server" in sides else None),
+                sides=sides, lengths=lengths, streams=streams, lanes=lanes, ctx=ctx, kv_cells=kv_cells(lanes, ctx),
+                sampling=sampling, order_seed=seed)
+    log = JsonLog(out, head)
+    case_no = 0
     try:
-        for srv in servers.values():
-            srv.wait_ready()
-        ids = {name: model_id(srv.url) for name, srv in servers.items()}
-        for name, srv in servers.items():  # warm-up: load pages, build graphs
-            trio.run(one_case, srv.url, ids[name], [document(200, 999)], 8, sampling)
-        case_no = 0
-        for length in lengths:
-            for n in streams:
-                got: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
-                for rnd in range(args.rounds):
-                    for name in rng.sample(list(servers), len(servers)):
-                        case_no += 1
-                        prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
-                        g = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling,
-                                     args.chat_after)
-                        got[name].append(g)
-                        chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
-                        print(f"  {length} x {n} round {rnd + 1} {name}: wall {g['wall']:.1f} s, TTFT "
-                              f"{g['ttft_first']:.1f}-{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} "
-                              f"tok/s, decode {g['decode_stream']:.1f} tok/s per stream, agents' walls "
-                              f"{', '.join(f'{w:.1f}' for w in g['agent_walls'])} s{chat}", flush=True)
-                rows.append((length, n, got))
+        for pair in range(args.rounds):
+            servers: dict[str, Server] = {}
+            if "superfluid" in sides:
+                port = free_port()
+                servers["superfluid"] = Server("superfluid", superfluid_argv(
+                    args.model, port, "--max-batch", str(lanes), "--max-context", str(ctx), "--threads",
+                    str(args.threads)), port)
+            if "llama-server" in sides:
+                port = free_port()
+                servers["llama-server"] = Server("llama-server", llama_server_argv(
+                    args.llama_server, args.model, port, lanes=lanes, ctx=ctx, threads=args.threads), port,
+                    env={"LD_LIBRARY_PATH": str(Path(args.llama_server).parent)})
+            try:
+                log.write({"kind": "pair", "pair": pair, "servers": {
+                    name: {"argv": srv.argv, "env": {"LD_LIBRARY_PATH": str(Path(args.llama_server).parent)}
+                           if name == "llama-server" else {}} for name, srv in servers.items()}})
+                for srv in servers.values():
+                    srv.wait_ready()
+                ids = {name: model_id(srv.url) for name, srv in servers.items()}
+                for name, srv in servers.items():  # warm-up: load pages, build graphs
+                    trio.run(one_case, srv.url, ids[name], [document(200, 999)], 8, sampling)
+                for length in lengths:
+                    for n in streams:
+                        order = rng.sample(list(servers), len(servers))
+                        for pos, name in enumerate(order):
+                            case_no += 1
+                            prompts = [text_of(length, 1000 * case_no + i) for i in range(n)]
+                            g = trio.run(one_case, servers[name].url, ids[name], prompts, args.tokens, sampling,
+                                         args.chat_after)
+                            where = {"pair": pair, "length": length, "streams": n, "side": name}
+                            for r in g.pop("requests"):
+                                log.write({"kind": "request", **where, **r})
+                            log.write({"kind": "case", **where, "position": pos, **g})
+                            chat = f", chat TTFT {fmt_s(g['chat_ttft'])}" if args.chat_after is not None else ""
+                            print(f"  pair {pair} {length} x {n} {name}: wall {g['wall']:.1f} s, TTFT "
+                                  f"{g['ttft_first']:.1f}-{g['ttft_last']:.1f} s, prefill {g['prefill_tok_s']:.0f} "
+                                  f"tok/s, decode {g['decode_stream']:.1f} tok/s per stream{chat}",
+                                  file=sys.stderr, flush=True)
+            finally:
+                for srv in servers.values():
+                    srv.stop()
+        log.end()
     finally:
-        for srv in servers.values():
-            srv.stop()
-    mode = "greedy" if args.temperature <= 0 else f"temperature {args.temperature}, seed {args.seed}"
-    print(f"\ncommit {commit()}; model {Path(args.model).name}; {args.threads} threads; {lanes} lanes x {ctx} "
-          f"context ({kv_cells(lanes, ctx)} KV cells each, no host cache); {args.tokens}-token replies, {mode}; "
-          f"order seed {seed}; root {ROOT}")
-    chat_col = f" chat TTFT (sent at {args.chat_after:g} s) |" if args.chat_after is not None else ""
-    print(f"Medians over {args.rounds} round(s); ratios are medians of the per-round ratios (from 5 rounds on with a "
-          "bootstrap 95% interval of that median and the count of rounds at or above parity).")
-    print("| prompt tokens x streams | system | TTFT first / last | prefill tok/s | decode tok/s per stream "
-          "| decode tok/s total | wall | wall ratio (theirs/ours) | prefill ratio (ours/theirs) "
-          "| decode ratio (ours/theirs) | agents' walls, 1st..last to finish | agent wall ratios (ours/theirs, "
-          "k-th finisher) |" + chat_col)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if chat_col else ""))
-    for _length, n, got in rows:
-        ours, theirs = got.get("superfluid"), got.get("llama-server")
-        for name, gs in got.items():
-            def med(key: str, gs: list[dict[str, Any]] = gs) -> float:
-                return median([g[key] for g in gs])
-            ratios = ["", "", ""]
-            walls = ", ".join(f"{median([g['agent_walls'][k] for g in gs]):.1f}" for k in range(n)) + " s"
-            agent_ratios = ""
-            if name == "superfluid" and ours and theirs:
-                pairs = list(zip(ours, theirs, strict=True))
-                ratios = [ratio_cell([t['wall'] / o['wall'] for o, t in pairs]),
-                          ratio_cell([o['prefill_tok_s'] / t['prefill_tok_s'] for o, t in pairs]),
-                          ratio_cell([o['decode_stream'] / t['decode_stream'] for o, t in pairs])]
-                # the k-th agent to finish here against the k-th there: "every agent within 10%"
-                agent_ratios = ", ".join(
-                    f"{median([o['agent_walls'][k] / t['agent_walls'][k] for o, t in pairs]):.2f}" for k in range(n))
-            chats = [g["chat_ttft"] for g in gs]
-            chat = fmt_s(None if None in chats else median(chats))
-            print(f"| {gs[0]['prompt_tokens'] // n} x {n} | {name} | {med('ttft_first'):.1f} / {med('ttft_last'):.1f} s "
-                  f"| {med('prefill_tok_s'):.0f} | {med('decode_stream'):.1f} | {med('decode_total'):.1f} "
-                  f"| {med('wall'):.1f} s | {' | '.join(ratios)} | {walls} | {agent_ratios} |"
-                  + (f" {chat} |" if chat_col else ""))
+        log.close()
+    return out
+
+
+def _spread(xs: list[float], fmt: str) -> str:
+    """The median, and with more than one value its min-max."""
+    if not xs:
+        return "—"
+    cell = format(median(xs), fmt)
+    return cell + (f" ({format(min(xs), fmt)}-{format(max(xs), fmt)})" if len(xs) > 1 else "")
+
+
+def _ratio(xs: list[float]) -> str:
+    """The median of per-pair ratios, with 2+ pairs the geometric mean's 95% t-interval over pairs."""
+    if not xs:
+        return "—"
+    return f"{median(xs):.2f}" + (f"; {interval(xs, 2)}" if len(xs) > 1 else "")
+
+
+def render(path: Path) -> tuple[str, str]:
+    """The docs section of a log, and its block's key (the model's file name, greedy or sampled)."""
+    recs = read_log(path)
+    head = recs[0]
+    a = head["args"]
+    model = Path(a["model"]).name
+    sampled = a["temperature"] > 0
+    cases = [r for r in recs if r["kind"] == "case"]
+    got = {(r["pair"], r["length"], r["streams"], r["side"]): r for r in cases}
+    pairs = sorted({r["pair"] for r in cases})
+    sides = head["sides"]
+    chat = a.get("chat_after") is not None
+    mode = f"temperature {a['temperature']}, seed {a['seed']}" if sampled else "greedy"
+    out = [f"## Long prompts, {model}, {'sampled' if sampled else 'greedy'} (`python bench/longctx.py`): "
+           "issues #18, #42\n",
+           run_line(recs, path, GEN),
+           f"Each case sends `streams` requests at once, each with its own cold prompt of `length` tokens of the "
+           f"model, {a['tokens']}-token replies ({mode}, `ignore_eos`) on /v1/completions. Both servers: "
+           f"{a['threads']} threads, {head['lanes']} lanes x {head['ctx']} context ({head['kv_cells']} KV cells, "
+           f"llama-server `--cache-ram 0`, ours `--host-cache-mb 0`). {len(pairs)} fresh server pair(s), each "
+           f"running every case on both sides in a seeded random order (seed {head['order_seed']}). Cells: the "
+           "median over pairs, (min-max) with more than one; ratios are per pair, their median and, with two "
+           "pairs or more, the geometric mean with a 95% t-interval over pairs. Prefill tok/s: all prompt tokens "
+           "over the time to the last first token; decode: tokens after the first (from usage) over the time "
+           "from the first chunk to the last, median over streams.\n",
+           "| prompt tokens x streams | system | TTFT first s | TTFT last s | prefill tok/s | decode tok/s per stream "
+           "| wall s | wall ratio (theirs/ours) | prefill ratio (ours/theirs) | decode ratio (ours/theirs) | tokens |"
+           + (f" chat TTFT s (sent at {a['chat_after']:g} s) |" if chat else ""),
+           "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if chat else "")]
+    for length in head["lengths"]:
+        for n in head["streams"]:
+            both = [p for p in pairs if all((p, length, n, s) in got for s in SIDES)]
+            for side in sides:
+                rows = [got[(p, length, n, side)] for p in pairs if (p, length, n, side) in got]
+                if not rows:
+                    continue
+
+                def col(key: str, fmt: str, rows: list[dict[str, Any]] = rows) -> str:
+                    return _spread([r[key] for r in rows if r[key] is not None], fmt)
+                ratios = ["", "", ""]
+                if side == "superfluid" and both:
+                    o = [got[(p, length, n, "superfluid")] for p in both]
+                    t = [got[(p, length, n, "llama-server")] for p in both]
+                    ratios = [_ratio([y["wall"] / x["wall"] for x, y in zip(o, t, strict=True)]),
+                              _ratio([x["prefill_tok_s"] / y["prefill_tok_s"] for x, y in zip(o, t, strict=True)
+                                      if y["prefill_tok_s"]]),
+                              _ratio([x["decode_stream"] / y["decode_stream"] for x, y in zip(o, t, strict=True)
+                                      if y["decode_stream"]])]
+                tokens = tokens_ok(recs, a["tokens"], length=length, streams=n, side=side)
+                out.append(f"| {rows[0]['prompt_tokens'] // n:,} x {n} | {side} | {col('ttft_first', '.2f')} | "
+                           f"{col('ttft_last', '.2f')} | {col('prefill_tok_s', '.0f')} | {col('decode_stream', '.1f')} "
+                           f"| {col('wall', '.1f')} | {' | '.join(ratios)} | {tokens} |"
+                           + (f" {col('chat_ttft', '.2f')} |" if chat else ""))
+    return "\n".join(out) + "\n", f"{model} {'sampled' if sampled else 'greedy'}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python bench/longctx.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--llama-server", default=str(Path.home() / ".cache/superfluid/llama-server-0.3.36/build/bin/"
+                                                               "llama-server"))
+    p.add_argument("--lengths", default="2000,6000,12000")
+    p.add_argument("--streams", default="1,4")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--order-seed", type=int)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh server pairs, each running every case on both sides in a random order")
+    p.add_argument("--chat-after", type=float, help="also send a short chat (x-superfluid-qos: interactive) this "
+                                                     "many seconds into each case and report its first-token time")
+    p.add_argument("--only", choices=["superfluid", "llama-server"], help="run one side (a profile, not a comparison)")
+    p.add_argument("--out", type=Path, help="the log (default bench-results/<commit>/longctx_<UTC>.jsonl)")
+    p.add_argument("--render", type=Path, metavar="LOG", help="print the markdown section of a log and exit")
+    p.add_argument("--doc", type=Path, metavar="PATH", help="with --render: write the section into this page")
+    args = p.parse_args()
+    if args.render:
+        emit(GEN, *render(args.render), args.doc)
+        return 0
+    args.model = model_file(args.model)
+    out = measure(args)
+    print(f"log: {out}", file=sys.stderr)
+    print(render(out)[0], end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,12 +6,16 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx mlx throughput sampled hugeoff qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx mlx throughput sampled hugeoff qos logcost determinism monitor longctx
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
+# logcost (bench/throughput.py --log-cost 5) and monitor (bench/monitor_cost.py) write their own logs
+# under bench-results/<commit>/ too and render their blocks (monitor: into docs/benchmarks.md and
+# docs/monitor.md). longctx: bench/longctx.py at 2k/6k/12k-token prompts, 1 and 4 streams, over 3 fresh
+# server pairs, its log under bench-results/<commit>/ and its block into docs/benchmarks.md.
 #
 # mlx: bench/mlx_vs_server.py over fresh server pairs (4 by default: each a fresh superfluid --runtime mlx
 # and a fresh mlx_lm.server), ours as shipped on a Linux CPU (the MLX test directory run as f32 over
@@ -41,7 +45,7 @@ server=$(bash bench/build_llama_server.sh)
 models=$($PY -m superfluid.models)  # read whole: `| head -1` broke its pipe, and pipefail ended the script
 model=$(sed -n 1p <<< "$models")
 small=$(sed -n 2p <<< "$models")  # Gemma 3 270M: the suite's unload_reload needs a second model
-parts=${*:-suite throughput sampled hugeoff qos logcost determinism monitor}
+parts=${*:-suite throughput sampled hugeoff qos logcost determinism monitor longctx}
 # the 1-minute load average lags a finished part by a minute or two: wait (at most 5 minutes) for it to
 # settle before the next, so that bench/throughput.py's own quiet-machine check judges other load only
 settle() {
@@ -95,9 +99,21 @@ for part in $parts; do
         sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
-        logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
+        logcost)  # its own log and block (KEY: log-cost and the model)
+            log=$out/throughput_log_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/throughput.py --model "$model" --log-cost 5 --out "$log" 2>&1 | tee "$out/log-cost.log"
+            $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md ;;
         determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
-        monitor) $PY bench/monitor_cost.py --model "$model" 2>&1 | tee "$out/monitor-cost.log" ;;
+        monitor)  # one log, its block in both pages that show the monitor's cost
+            log=$out/monitor_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/monitor_cost.py --model "$model" --out "$log" 2>&1 | tee "$out/monitor-cost.log"
+            $PY bench/monitor_cost.py --render "$log" --doc docs/benchmarks.md
+            $PY bench/monitor_cost.py --render "$log" --doc docs/monitor.md ;;
+        longctx)
+            log=$out/longctx_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+            $PY bench/longctx.py --model "$model" --llama-server "$server" --rounds 3 --out "$log" 2>&1 \
+                | tee "$out/longctx.log"
+            $PY bench/longctx.py --render "$log" --doc docs/benchmarks.md ;;
         *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
 done

@@ -56,7 +56,10 @@ measures one side (tok/s and TTFT, no ratio). The in-process executor is no long
     python bench/throughput.py --log-cost 5
 
 prices the session log instead: two daemons, sessions on disk and on tmpfs, 8-concurrent
-rounds in a seeded random order per round, medians and their ratio (printed, not logged).
+rounds in a seeded random order per round; its own log (bench-results/<commit>/throughput_log_cost_<UTC>.jsonl:
+a header with both daemons' command lines, a record per request and per round, an end record), and
+``--render`` of that log gives its own block (KEY = ``log-cost`` and the model): medians, the per-round
+ratio disk/tmpfs with a 95% interval over rounds (both daemons stay up: no server pairs).
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -78,9 +80,11 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from _common import (ROOT, Server, shown, commit, completions_burst, free_port, interval_cell, kv_cells,  # noqa: E402
-                     llama_server_argv, log_header, machine, median, model_file, pair_ratios,
-                     round_order, round_orders, side_rates, superfluid_argv, token_check)
+from _common import (ROOT, JsonLog, Server, commit, completions_burst, free_port, interval_cell, kv_cells,  # noqa: E402
+                     llama_server_argv, log_header, log_path, machine, median, model_file,
+                     pair_ratios, read_log, round_order, round_orders, run_line, shown, side_rates,
+                     superfluid_argv, token_check, versions)
+from _common import t975  # noqa: E402,F401  (tests reach it through this module, as before it moved)
 
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
 LANES, CTX = 8, 4096
@@ -119,18 +123,6 @@ def batch_sizes() -> tuple[int, int]:
     """Our worker's logical and physical batch (llama-server gets the same ``-b``/``-ub``)."""
     from superfluid.worker._llamacpp import BATCH_TOKENS, UBATCH_TOKENS
     return BATCH_TOKENS, UBATCH_TOKENS
-
-
-def versions(binary: str | None) -> dict[str, Any]:
-    import llama_cpp
-
-    out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
-                           "python": platform.python_version()}
-    if binary:
-        got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
-                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
-        out["llama_server"] = " / ".join(x.strip() for x in (got.stdout + got.stderr).splitlines() if x.strip())
-    return out
 
 
 def descendants(pid: int) -> list[int]:
@@ -283,7 +275,7 @@ def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     env = {"GLIBC_TUNABLES": tunables(args.huge_pages == "on", os.environ.get("GLIBC_TUNABLES", ""))}
     rng = random.Random(args.order_seed) if args.order_seed is not None else None
     rev = commit()
-    out = args.out or ROOT / "bench-results" / rev / f"throughput_{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}.jsonl"
+    out = args.out or log_path("throughput", rev)
     out.parent.mkdir(parents=True, exist_ok=True)
     b, ub = batch_sizes()
     head = log_header(rev, args, load)
@@ -324,9 +316,12 @@ def _ms(recs: list[dict[str, Any]], conc: int, side: str) -> str:
 
 
 def render(path: Path) -> tuple[str, str]:
-    """The docs section for one log, and its block's key (model, greedy/sampled, huge pages)."""
-    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """The docs section for one log, and its block's key (model, greedy/sampled, huge pages; a
+    ``--log-cost`` log: ``log-cost`` and the model)."""
+    recs = read_log(path)
     head = recs[0]
+    if head.get("mode") == "log-cost":
+        return render_log_cost(path, recs)
     a, m, t, v = head["args"], head["machine"], head["terms"], head["versions"]
     end = next((r for r in recs if r["kind"] == "end"), None)
     pairs = [r for r in recs if r["kind"] == "pair"]
@@ -408,39 +403,90 @@ def render(path: Path) -> tuple[str, str]:
     return "\n".join(out) + "\n", block_key(head)
 
 
-# -- the session log's cost (printed only) --------------------------------------------------------------------------
+# -- the session log's cost -----------------------------------------------------------------------------------------
 
-def log_cost(args: argparse.Namespace) -> None:
-    """Both daemons stay up (the idle one costs nothing); rounds alternate so drift hits both alike."""
+LOG_COST_SIDES = ("disk", "tmpfs")
+
+
+def log_cost(args: argparse.Namespace) -> int:
+    """Two daemons, sessions on disk (a temp dir under $HOME) and on tmpfs (/dev/shm), both up throughout
+    (the idle one costs nothing); ``--log-cost`` rounds of 8 prompts at 8 concurrent, each round running
+    both in a seeded random order, so drift hits both alike. Writes its own log and prints its table."""
+    load = os.getloadavg()[0]
+    rev = commit()
+    out = args.out or log_path("throughput_log_cost", rev)
+    order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
+    orders = round_orders(list(LOG_COST_SIDES), args.log_cost, order_seed)
     with tempfile.TemporaryDirectory(dir=Path.home()) as disk, \
             tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         servers = {}
-        for name, where in (("disk", disk), ("tmpfs", shm)):
+        for name, where in zip(LOG_COST_SIDES, (disk, shm), strict=True):
             port = free_port()
             servers[name] = Server(f"superfluid-{name}", superfluid_argv(
                 args.model, port, "--threads", str(args.threads), "--sessions", where,
                 host_cache_mb=args.host_cache_mb), port)
+        head = log_header(rev, args, load)
+        head.update(mode="log-cost", machine=machine(), versions=versions(None), prompts=PROMPTS, sampling=GREEDY,
+                    conc=8, order_seed=order_seed, orders=orders,
+                    servers={name: {"argv": srv.argv, "sessions": where}
+                             for (name, srv), where in zip(servers.items(), (disk, shm), strict=True)})
+        log = JsonLog(out, head)
         try:
-            rates: dict[str, list[float]] = {name: [] for name in servers}
-            for srv in servers.values():
+            ids = {}
+            for name, srv in servers.items():
                 srv.wait_ready()
-                trio.run(one_round, srv.url, model_id(srv.url), 8, 16)  # warm-up
-            order_seed = args.order_seed if args.order_seed is not None else random.SystemRandom().randrange(1 << 31)
-            orders = round_orders(list(servers), args.log_cost, order_seed)
-            for order in orders:
-                for name in order:
-                    srv = servers[name]
-                    rates[name].append(trio.run(one_round, srv.url, model_id(srv.url), 8, args.tokens)[0])
+                ids[name] = model_id(srv.url)
+                burst(srv.url, ids[name], 8, 16, GREEDY)  # warm-up
+            for rnd, order in enumerate(orders):
+                for pos, name in enumerate(order):
+                    results, wall = burst(servers[name].url, ids[name], 8, args.tokens, GREEDY)
+                    for rec in _common.round_records(results, wall, round=rnd, position=pos, side=name):
+                        log.write(rec)
+                print(f"log-cost round {rnd} ({','.join(order)})", file=sys.stderr, flush=True)
+            log.end()
         finally:
+            log.close()
             for srv in servers.values():
                 srv.stop()
-    med = {name: median(r) for name, r in rates.items()}
-    print(f"commit {commit()}; 8 concurrent, {args.tokens}-token replies, median of {args.log_cost} rounds; "
-          f"round order (seed {order_seed}): " + " | ".join(",".join(o) for o in orders))
-    print("| log on disk tok/s | log on tmpfs tok/s | disk/tmpfs |")
-    print("|---|---|---|")
-    print(f"| {med['disk']:.1f} | {med['tmpfs']:.1f} | {med['disk'] / med['tmpfs']:.3f} |")
-    print("rounds:", {name: [round(x, 1) for x in r] for name, r in rates.items()})
+    print(f"log: {out}", file=sys.stderr)
+    print(render(out)[0], end="")
+    return 0
+
+
+def render_log_cost(path: Path, recs: list[dict[str, Any]]) -> tuple[str, str]:
+    """The docs section of a ``--log-cost`` log, and its block's key (``log-cost`` and the model)."""
+    head = recs[0]
+    a = head["args"]
+    rounds = [r for r in recs if r["kind"] == "round"]
+    rate = {(r["round"], r["side"]): r["tok_s"] for r in rounds}
+    done = sorted({n for n, _ in rate if all((n, s) in rate for s in LOG_COST_SIDES)})
+    ratios = [rate[(n, "disk")] / rate[(n, "tmpfs")] for n in done]
+    model = Path(a["model"]).name
+    out = [f"## The session log's cost, {model} (`python bench/throughput.py --log-cost {a['log_cost']}`): "
+           "issue #42\n",
+           run_line(recs, path, "bench/throughput.py"),
+           f"Two daemons on the same model ({a['threads']} threads, host cache {a['host_cache_mb']} MB), one with its "
+           "sessions directory on disk (a temporary directory under the home directory), one on tmpfs "
+           f"(/dev/shm); both up throughout. {len(head['orders'])} rounds, each running both once in a seeded random "
+           f"order (seed {head['order_seed']}): {len(head['prompts'])} distinct prompts at {head['conc']} "
+           f"concurrent, {a['tokens']}-token greedy replies on /v1/completions with `ignore_eos`, tokens counted "
+           "from each response's usage. A round's ratio is disk/tmpfs tok/s in that round; tok/s columns are "
+           "medians over rounds; the interval is a 95% t-interval on the rounds' log-ratios (both daemons "
+           "stay up, so it is over rounds, not server pairs).\n",
+           "| log on disk tok/s | log on tmpfs tok/s | disk/tmpfs, median of rounds | geometric mean (95% interval) "
+           "| rounds below 1.00 | tokens |",
+           "|---|---|---|---|---|---|"]
+    med = {s: median([r["tok_s"] for r in rounds if r["side"] == s]) if rounds else float("nan")
+           for s in LOG_COST_SIDES}
+    out.append(f"| {med['disk']:.1f} | {med['tmpfs']:.1f} | "
+               + (f"{median(ratios):.3f}" if ratios else "—") + f" | {_common.interval(ratios)} | "
+               f"{sum(r < 1 for r in ratios)} of {len(ratios)} | {_common.tokens_ok(recs, a['tokens'])} |")
+    out += ["", "Each round (tok/s; order: the side that ran first named first):", "",
+            "| round | order | disk | tmpfs | disk/tmpfs |", "|---|---|---|---|---|"]
+    for n in done:
+        out.append(f"| {n} | {', '.join(head['orders'][n])} | {rate[(n, 'disk')]:.1f} | {rate[(n, 'tmpfs')]:.1f} | "
+                   f"{rate[(n, 'disk')] / rate[(n, 'tmpfs')]:.3f} |")
+    return "\n".join(out) + "\n", f"log-cost {model}"
 
 
 def main() -> int:
@@ -473,7 +519,8 @@ def main() -> int:
     p.add_argument("--only", choices=(OURS, THEIRS), help="measure one side (no ratio)")
     p.add_argument("--sessions", default="", help="superfluid's sessions dir (e.g. on tmpfs, to price fsync)")
     p.add_argument("--allow-busy", action="store_true", help=f"run with a load average above {MAX_LOAD}")
-    p.add_argument("--out", type=Path, help="the log (default bench-results/<commit>/throughput_<UTC>.jsonl)")
+    p.add_argument("--out", type=Path, help="the log (default bench-results/<commit>/throughput_<UTC>.jsonl; "
+                                            "with --log-cost, throughput_log_cost_<UTC>.jsonl)")
     p.add_argument("--render", type=Path, metavar="LOG", help="print the markdown section of a log and exit")
     p.add_argument("--doc", type=Path, metavar="PATH", help="with --render: write the section into this page")
     p.add_argument("--log-cost", type=int, default=0, metavar="N",
@@ -489,8 +536,7 @@ def main() -> int:
         return 0
     args.model = model_file(args.model)
     if args.log_cost:
-        log_cost(args)
-        return 0
+        return log_cost(args)
     if args.baseline and args.only:
         p.error("--baseline compares against our daemon in the same pairs: not with --only")
     return measure(args, p)
