@@ -136,7 +136,7 @@ async def test_the_ids_get_slots_lists_are_the_ids_slot_actions_take(tmp_path: P
     """One id space: a slot's ``id`` in GET /slots is the sequence POST /slots/{id} acts on. A
     finished request's tokens are in exactly one listed slot; saved from it and restored into
     another listed one (the last: a spare sequence, past the lanes), that slot serves the prompt
-    cached, and a request extending the prompt runs in it: GET shows that id processing, and a
+    cached, and a request continuing what it holds runs in it: GET shows that id processing, and a
     restore or an erase of it is 409 slot_busy while the others erase. An id not listed is 404
     slot_not_found for every action."""
     config = mock_config("mock?step_ms=20&prefill_us=5", sessions=tmp_path / "s", park=True,
@@ -162,8 +162,8 @@ async def test_the_ids_get_slots_lists_are_the_ids_slot_actions_take(tmp_path: P
             assert r.status_code == 200 and r.json()["id_slot"] == spare, r.text
             again, cached = await _completion(c, PROMPT)
             assert again == text and cached > 0
-            async with trio.open_nursery() as nursery:   # a longer prompt reuses the spare's KV: it runs there
-                body = {"model": "mock", "prompt": PROMPT + " and on", "max_tokens": 400, "ignore_eos": True}
+            async with trio.open_nursery() as nursery:   # a prompt continuing the spare's KV runs there
+                body = {"model": "mock", "prompt": PROMPT + again + " and on", "max_tokens": 400, "ignore_eos": True}
                 nursery.start_soon(partial(c.post, "/v1/completions", json=body))
                 while not (running := [row for row in (await c.get("/slots")).json() if row["is_processing"]]):
                     await trio.sleep(0.02)
