@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import random
 import signal
 import socket
@@ -201,6 +202,15 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10000, seed
     return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+def median_range(xs: list[float], fmt: str) -> str:
+    """A table cell: the median of ``xs`` with its min-max in brackets (one value alone; none: empty)."""
+    if not xs:
+        return ""
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
 def ratio_cell(ratios: list[float]) -> str:
     """The median of per-round ratios; from five rounds on, with its 95% interval and how many rounds were >= 1."""
     cell = f"{median(ratios):.2f}"
@@ -244,3 +254,30 @@ def log_header(rev: str, args: Any, load: float) -> dict[str, Any]:
                      if k not in ("out", "render", "doc")},
             "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
             "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory, kernel, transparent huge pages and the load average, for a log's header."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "?"
+
+    mem = next((int(x.split()[1]) for x in read("/proc/meminfo").splitlines() if x.startswith("MemTotal:")), 0)
+    return {"cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"), "loadavg": list(os.getloadavg())}
+
+
+def versions(binary: str | None) -> dict[str, Any]:
+    """Our commit, llama-cpp-python's and Python's versions, and ``binary --version`` (llama-server) if given."""
+    import llama_cpp
+
+    out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
+                           "python": platform.python_version()}
+    if binary:
+        got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+        out["llama_server"] = " / ".join(x.strip() for x in (got.stdout + got.stderr).splitlines() if x.strip())
+    return out

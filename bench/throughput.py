@@ -66,7 +66,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -80,7 +79,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import (ROOT, Server, shown, commit, completions_burst, free_port, kv_cells, llama_server_argv,  # noqa: E402
-                     log_header, median, model_file, round_orders, superfluid_argv)
+                     log_header, machine, median, model_file, round_orders, superfluid_argv, versions)
 
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
 LANES, CTX = 8, 4096
@@ -123,31 +122,6 @@ def batch_sizes() -> tuple[int, int]:
     """Our worker's logical and physical batch (llama-server gets the same ``-b``/``-ub``)."""
     from superfluid.worker._llamacpp import BATCH_TOKENS, UBATCH_TOKENS
     return BATCH_TOKENS, UBATCH_TOKENS
-
-
-def machine() -> dict[str, Any]:
-    def read(path: str) -> str:
-        try:
-            return Path(path).read_text().strip()
-        except OSError:
-            return "?"
-
-    mem = next((int(x.split()[1]) for x in read("/proc/meminfo").splitlines() if x.startswith("MemTotal:")), 0)
-    return {"cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
-            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
-            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"), "loadavg": list(os.getloadavg())}
-
-
-def versions(binary: str | None) -> dict[str, Any]:
-    import llama_cpp
-
-    out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
-                           "python": platform.python_version()}
-    if binary:
-        got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
-                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
-        out["llama_server"] = " / ".join(x.strip() for x in (got.stdout + got.stderr).splitlines() if x.strip())
-    return out
 
 
 def descendants(pid: int) -> list[int]:
