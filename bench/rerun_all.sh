@@ -12,6 +12,8 @@
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
+# qos: bench/qos.py's three parts one after another (agents and shared over 3 rounds, kv 1), each its own
+# bench-results/<commit>/qos_<part>_<UTC>.jsonl, each rendered into its block (`qos PART llamacpp`).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -49,6 +51,15 @@ throughput() {  # bench/throughput.py over fresh server pairs, its log under $ou
     $PY bench/throughput.py --model "$model" --llama-server "$server" --out "$log" "$@"
     $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md
 }
+qos() {  # bench/qos.py, one log per part under $out, each part's block into the docs
+    local log p
+    for p in agents shared kv; do
+        settle
+        log=$out/qos_${p}_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+        $PY bench/qos.py --model "$model" --llama-server "$server" --parts "$p" --out "$log"
+        $PY bench/qos.py --render "$log" --doc docs/benchmarks.md
+    done
+}
 for part in $parts; do
     settle
     echo "== $part ($(date -u +%H:%M:%S))"
@@ -80,7 +91,7 @@ for part in $parts; do
         throughput) throughput 2>&1 | tee "$out/throughput.log" ;;
         sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
-        qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
+        qos) qos 2>&1 | tee "$out/qos.log" ;;
         logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
         determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
         monitor) $PY bench/monitor_cost.py --model "$model" 2>&1 | tee "$out/monitor-cost.log" ;;
