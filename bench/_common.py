@@ -204,6 +204,15 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10000, seed
     return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+def median_range(xs: list[float], fmt: str) -> str:
+    """A table cell: the median of ``xs`` with its min-max in brackets (one value alone; none: empty)."""
+    if not xs:
+        return ""
+    if len(xs) == 1:
+        return format(xs[0], fmt)
+    return f"{format(median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+
 def ratio_cell(ratios: list[float]) -> str:
     """The median of per-round ratios; from five rounds on, with its 95% interval and how many rounds were >= 1."""
     cell = f"{median(ratios):.2f}"

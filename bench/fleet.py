@@ -76,7 +76,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from _common import ROOT, Server, commit, free_port, median  # noqa: E402
+from _common import ROOT, Server, commit, free_port, median, median_range  # noqa: E402
 
 MOCK = "mock?step_ms=0.2&prefill_us=1"
 FLEET_MODEL = "fleet-bench"
@@ -590,14 +590,6 @@ def publishable_problems(header: dict[str, Any], footer: dict[str, Any] | None) 
     return out
 
 
-def _mm(xs: list[float], fmt: str) -> str:
-    if not xs:
-        return ""
-    if len(xs) == 1:
-        return format(xs[0], fmt)
-    return f"{format(median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
-
-
 def render(path: Path) -> str:
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     header = next(r for r in recs if r["type"] == "header")
@@ -653,13 +645,13 @@ def _render_overhead(over: list[dict[str, Any]], a: dict[str, Any], m: dict[str,
             if not rs:
                 continue
             name = f"fleet: head + {a['nodes']} nodes" if kind == "fleet" else "plain daemon"
-            relay = _mm([_per_1k(r, "nodes") for r in rs], ".3f") if kind == "fleet" else "-"
+            relay = median_range([_per_1k(r, "nodes") for r in rs], ".3f") if kind == "fleet" else "-"
             lg = [r["loadgen_cpu_s"] / r["window_tokens"] * 1000 for r in rs if r["window_tokens"]]
             errors = sum(sum(1 for x in r["records"] if x[9]) + len(r["unfinished"]) for r in rs)
-            lines.append(f"| {name} | {conc} | {len(rs)} | {_mm([r['tok_s'] for r in rs], ',.0f')} | "
-                         f"{_mm([_per_1k(r, 'front') for r in rs], '.3f')} | {relay} | "
-                         f"{_mm([_per_1k(r, 'workers') for r in rs], '.3f')} | {_mm(lg, '.3f')} | "
-                         f"{_mm([r['cpu_s']['machine'] / r['cpu_wall_s'] for r in rs], '.2f')} | "
+            lines.append(f"| {name} | {conc} | {len(rs)} | {median_range([r['tok_s'] for r in rs], ',.0f')} | "
+                         f"{median_range([_per_1k(r, 'front') for r in rs], '.3f')} | {relay} | "
+                         f"{median_range([_per_1k(r, 'workers') for r in rs], '.3f')} | {median_range(lg, '.3f')} | "
+                         f"{median_range([r['cpu_s']['machine'] / r['cpu_wall_s'] for r in rs], '.2f')} | "
                          f"{sum(len(r['records']) for r in rs)} | {errors} |")
     lines.append("")
     top = max(concs)
@@ -705,7 +697,7 @@ def _render_real(real: list[dict[str, Any]], a: dict[str, Any], m: dict[str, Any
         rates[kind] = [r["tok_s"] for r in rs]
         ttft = [median([x[2] for x in r["records"] if x[2] is not None] or [math.nan]) * 1000 for r in rs]
         errors = sum(sum(1 for x in r["records"] if x[9]) + len(r["unfinished"]) for r in rs)
-        lines.append(f"| {label} | {len(rs)} | {_mm(rates[kind], '.1f')} | {_mm(ttft, '.0f')} | "
+        lines.append(f"| {label} | {len(rs)} | {median_range(rates[kind], '.1f')} | {median_range(ttft, '.0f')} | "
                      f"{sum(len(r['records']) for r in rs)} | {errors} |")
     lines.append("")
     if len(rates) == 2:

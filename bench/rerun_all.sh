@@ -23,6 +23,8 @@
 # length on both sides (logit_bias on the stop ids). Writes bench-results/<commit>/mlx_vs_server_<UTC>.jsonl
 # and renders its block into docs/benchmarks.md. Like suite-mlx, not in the default parts (it needs the
 # mlx extra); about 50 minutes on a quiet 2-core machine.
+# qos: bench/qos.py's three parts one after another (agents and shared over 3 rounds, kv 1), each its own
+# bench-results/<commit>/qos_<part>_<UTC>.jsonl, each rendered into its block (`qos PART llamacpp`).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -66,6 +68,15 @@ mlx() {  # bench/mlx_vs_server.py over fresh server pairs, its log under $out, i
     $PY bench/mlx_vs_server.py --model "$($PY -m superfluid.models --mlx | tail -1)" --out "$log" "$@"
     $PY bench/mlx_vs_server.py --render "$log" --doc docs/benchmarks.md
 }
+qos() {  # bench/qos.py, one log per part under $out, each part's block into the docs
+    local log p
+    for p in agents shared kv; do
+        settle
+        log=$out/qos_${p}_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+        $PY bench/qos.py --model "$model" --llama-server "$server" --parts "$p" --out "$log"
+        $PY bench/qos.py --render "$log" --doc docs/benchmarks.md
+    done
+}
 for part in $parts; do
     settle
     echo "== $part ($(date -u +%H:%M:%S))"
@@ -98,7 +109,7 @@ for part in $parts; do
         throughput) throughput 2>&1 | tee "$out/throughput.log" ;;
         sampled) throughput --temperature 0.8 --seed 1 2>&1 | tee "$out/throughput-sampled.log" ;;
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
-        qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
+        qos) qos 2>&1 | tee "$out/qos.log" ;;
         logcost)  # its own log and block (KEY: log-cost and the model)
             log=$out/throughput_log_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
             $PY bench/throughput.py --model "$model" --log-cost 5 --out "$log" 2>&1 | tee "$out/log-cost.log"
