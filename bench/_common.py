@@ -12,7 +12,10 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
+import math
 import os
+import platform
 import random
 import signal
 import socket
@@ -201,6 +204,32 @@ def median_ci(xs: list[float], level: float = 0.95, resamples: int = 10000, seed
     return meds[int(tail * resamples)], meds[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+# Student's t, 97.5th percentile, by degrees of freedom (beyond 30: the Cornish-Fisher expansion)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """Student's t at 97.5% for ``df`` degrees of freedom (a table to 30, the Cornish-Fisher expansion beyond)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def log_t_interval(ratios: list[float]) -> tuple[float, float, float] | None:
+    """The geometric mean of ``ratios`` (one per pair) and its 95% t-interval: the mean of the
+    log-ratios +- t(0.975, n-1) x their standard error, exponentiated. None under two pairs."""
+    n = len(ratios)
+    if n < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def ratio_cell(ratios: list[float]) -> str:
     """The median of per-round ratios; from five rounds on, with its 95% interval and how many rounds were >= 1."""
     cell = f"{median(ratios):.2f}"
@@ -244,3 +273,36 @@ def log_header(rev: str, args: Any, load: float) -> dict[str, Any]:
                      if k not in ("out", "render", "doc")},
             "started": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC",
             "cpu": f"{cpu} ({os.cpu_count()} cores)", "loadavg": load}
+
+
+def machine() -> dict[str, Any]:
+    """The machine a log was taken on: cores, memory, kernel, transparent huge pages, load."""
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError:
+            return "?"
+
+    mem = next((int(x.split()[1]) for x in read("/proc/meminfo").splitlines() if x.startswith("MemTotal:")), 0)
+    return {"cores": os.cpu_count(), "mem_gib": round(mem / 2**20, 1), "kernel": platform.release(),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"), "loadavg": list(os.getloadavg())}
+
+
+def versions(binary: str | None, packages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """This checkout's commit, llama-cpp-python's and Python's versions, each of ``packages`` installed
+    (by its distribution name; absent ones left out), and ``binary --version`` (a llama-server) if given."""
+    import llama_cpp
+
+    out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
+                           "python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if binary:
+        got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})
+        out["llama_server"] = " / ".join(x.strip() for x in (got.stdout + got.stderr).splitlines() if x.strip())
+    return out
