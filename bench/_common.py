@@ -52,6 +52,14 @@ def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
     return [rng.sample(names, len(names)) for _ in range(rounds)]
 
 
+def round_order(sides: list[str], pair: int, rnd: int, rng: random.Random | None) -> list[str]:
+    """A B B A: forward in even rounds, reversed in odd ones, a pair's first round alternating by pair;
+    with ``rng``, a random order."""
+    if rng is not None:
+        return rng.sample(sides, len(sides))
+    return list(sides) if (pair + rnd) % 2 == 0 else sides[::-1]
+
+
 def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: int, threads: int,
                       slots: int | None = None) -> list[str]:
     """llama-server with as many KV cells as our worker allocates for ``lanes`` x ``ctx``,

@@ -78,7 +78,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _common import (ROOT, Server, shown, commit, completions_burst, free_port, kv_cells, llama_server_argv,  # noqa: E402
-                     log_header, log_t_interval, machine, median, model_file, round_orders, superfluid_argv,
+                     log_header, log_t_interval, machine, median, model_file, round_order, round_orders, superfluid_argv,
                      versions)
 
 PROMPTS = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
@@ -161,14 +161,6 @@ def their_sampler(url: str) -> Any:
         return {k: params.get(k) for k in ("samplers", "temperature", "top_k", "top_p", "min_p")}
     except (httpx.HTTPError, ValueError, IndexError, KeyError, AttributeError) as e:
         return f"unknown ({e!r})"
-
-
-def round_order(sides: list[str], pair: int, rnd: int, rng: random.Random | None) -> list[str]:
-    """A B B A: forward in even rounds, reversed in odd ones, a pair's first round alternating by pair;
-    with ``rng``, a random order."""
-    if rng is not None:
-        return rng.sample(sides, len(sides))
-    return list(sides) if (pair + rnd) % 2 == 0 else sides[::-1]
 
 
 # -- measuring -----------------------------------------------------------------------------------------------------
