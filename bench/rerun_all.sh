@@ -6,12 +6,18 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism determinism-mlx monitor
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
+#
+# determinism and determinism-mlx: bench/determinism_cost.py over fresh daemon pairs (6 by default: each
+# pair a default daemon and a --deterministic one), on llama.cpp with the SmolLM2 GGUF and on MLX with
+# the MLX test directory (`python -m superfluid.models --mlx`); each writes
+# bench-results/<commit>/determinism_<UTC>.jsonl and renders its block (keyed by runtime and model) into
+# docs/benchmarks.md. determinism-mlx is not in the default parts (as suite-mlx is not).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -49,6 +55,12 @@ throughput() {  # bench/throughput.py over fresh server pairs, its log under $ou
     $PY bench/throughput.py --model "$model" --llama-server "$server" --out "$log" "$@"
     $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md
 }
+determinism() {  # bench/determinism_cost.py over fresh daemon pairs, its log under $out, its block into the docs
+    local log
+    log=$out/determinism_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+    $PY bench/determinism_cost.py --out "$log" "$@"
+    $PY bench/determinism_cost.py --render "$log" --doc docs/benchmarks.md
+}
 for part in $parts; do
     settle
     echo "== $part ($(date -u +%H:%M:%S))"
@@ -82,7 +94,10 @@ for part in $parts; do
         hugeoff) throughput --huge-pages off 2>&1 | tee "$out/throughput-hugeoff.log" ;;
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
         logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
-        determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        determinism) determinism --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        determinism-mlx)
+            mlx=$($PY -m superfluid.models --mlx | tail -1)
+            determinism --runtime mlx --model "$mlx" 2>&1 | tee "$out/determinism-mlx.log" ;;
         monitor) $PY bench/monitor_cost.py --model "$model" 2>&1 | tee "$out/monitor-cost.log" ;;
         *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
