@@ -30,7 +30,10 @@ log-ratios), never over rounds. No best-of-N.
 
 Both daemons get ``--max-batch`` (the largest of ``--lanes``), ``--max-context`` (the longest prompt
 and two replies, rounded up to 1,024), ``--threads``, ``--host-cache-mb`` (the daemon's default unless
-given) and, with ``--runtime mlx``, ``--runtime mlx``; the same environment (this process's).
+given) and, with ``--runtime mlx``, ``--runtime mlx``; the same environment (this process's). A length
+whose conversation does not fit the context the daemons serve (``GET /api/ps``: ``--max-context``
+capped at the model's trained window, 8,192 tokens for SmolLM2) is left out, and its rows say so: the
+12,000-token rows need a longer-window model (``--model`` Gemma 3 270M's GGUF, 32k).
 
 **Raw log**: JSON lines in bench-results/<commit>/determinism_<UTC>.jsonl: a header
 (``_common.log_header``: commit, arguments, CPU, load; the machine, the versions, both daemons' command
@@ -106,6 +109,18 @@ def inherited_env() -> dict[str, str]:
 
 def model_id(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
+
+
+def served_context(url: str) -> int:
+    """The tokens one sequence may hold on this daemon (``GET /api/ps``: ``--max-context`` capped at the
+    model's trained window, e.g. 8,192 for SmolLM2)."""
+    return int(httpx.get(url + "/api/ps", timeout=30).json()["models"][0]["context_length"])
+
+
+def fits(length: int, turn_tokens: int, context: int) -> bool:
+    """Whether a conversation that starts at ``length`` prompt tokens fits ``context``: turn one's reply,
+    the follow-up message and its reply included."""
+    return length + 2 * turn_tokens + 64 <= context
 
 
 # -- measuring -----------------------------------------------------------------------------------------------------
@@ -187,10 +202,13 @@ def run_pair(pair: int, args: argparse.Namespace, log: Any) -> None:
                 where = Path(tmp) / side
                 where.mkdir()
                 servers[side] = Server(f"superfluid-{side}", daemon_argv(args, side, port, str(where)), port)
-            ids = {}
+            ids, context = {}, {}
             for side, srv in servers.items():
                 srv.wait_ready()
                 ids[side] = model_id(srv.url)
+                context[side] = served_context(srv.url)
+            # a length over the served window (SmolLM2's 8,192 at 12,000) is left out, and said so in the table
+            lengths = [n for n in args.length_list if fits(n, args.turn_tokens, min(context.values()))]
             frame = {}
             for side, srv in servers.items():  # warm-up: load pages, build graphs; the template's tokens
                 trio.run(lambda s=srv, m=ids[side]: completions_burst(s.url, m, list(QUESTIONS), 16, GREEDY))
@@ -202,8 +220,8 @@ def run_pair(pair: int, args: argparse.Namespace, log: Any) -> None:
             # serve the same model: the same tokens)
             texts = {(rnd, i): trio.run(sized_text, servers[DEFAULT].url, ids[DEFAULT], length - frame[DEFAULT],
                                         prompt_seed(pair, rnd, i))
-                     for rnd in range(args.rounds) for i, length in enumerate(args.length_list)}
-            for i, length in enumerate(args.length_list):
+                     for rnd in range(args.rounds) for i, length in enumerate(lengths)}
+            for i, length in enumerate(lengths):
                 for rnd in range(args.rounds):
                     order = round_order(SIDES, pair, rnd, None)
                     for pos, side in enumerate(order):
@@ -237,7 +255,8 @@ def run_pair(pair: int, args: argparse.Namespace, log: Any) -> None:
         finally:
             for srv in servers.values():
                 srv.stop()
-    write({"kind": "pair", "pair": pair, "frame_tokens": frame,
+    write({"kind": "pair", "pair": pair, "frame_tokens": frame, "context": context,
+           "left_out": [n for n in args.length_list if n not in lengths],
            "daemons": {side: {"argv": srv.argv} for side, srv in servers.items()}})
 
 
@@ -323,8 +342,18 @@ def _tokens(recs: list[dict[str, Any]], measure: str, key: str, side: str | None
     return f"{median(xs):,.0f}" if xs else "—"
 
 
+def _left_out(recs: list[dict[str, Any]], length: int) -> str | None:
+    """Why a length has no requests: the served context it did not fit (the pair records say)."""
+    over = [min(r["context"].values()) for r in recs if r["kind"] == "pair" and length in r.get("left_out", [])]
+    return f"not measured: over the served {min(over):,}-token context" if over else None
+
+
 def _label(recs: list[dict[str, Any]], measure: str) -> str:
     what, n = measure.split(":")
+    why = None if _requests(recs, measure) else _left_out(recs, int(n))
+    if why:
+        return (f"prefill, {int(n):,}-token conversation" if what == "prefill" else
+                f"follow-up turn on the {int(n):,}-token conversation") + f" ({why})"
     if what == "prefill":
         return (f"prefill, {int(n):,}-token conversation ({_tokens(recs, measure, 'prompt_tokens')} prompt tokens): "
                 "time to first token, s")

@@ -6,18 +6,19 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism determinism-mlx monitor
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx throughput sampled hugeoff qos logcost determinism determinism-gemma determinism-mlx monitor
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
 # malloc's huge pages off for both servers (GLIBC_TUNABLES glibc.malloc.hugetlb=0; on for both otherwise).
 # Each writes bench-results/<commit>/throughput_<UTC>.jsonl and renders its block into docs/benchmarks.md.
 #
-# determinism and determinism-mlx: bench/determinism_cost.py over fresh daemon pairs (6 by default: each
-# pair a default daemon and a --deterministic one), on llama.cpp with the SmolLM2 GGUF and on MLX with
-# the MLX test directory (`python -m superfluid.models --mlx`); each writes
+# determinism, determinism-gemma and determinism-mlx: bench/determinism_cost.py over fresh daemon pairs
+# (6 by default: each pair a default daemon and a --deterministic one), on llama.cpp with the SmolLM2 GGUF,
+# with Gemma 3 270M's (SmolLM2's 8,192-token window leaves its 12,000-token row unmeasured; Gemma's is 32k),
+# and on MLX with the MLX test directory (`python -m superfluid.models --mlx`); each writes
 # bench-results/<commit>/determinism_<UTC>.jsonl and renders its block (keyed by runtime and model) into
-# docs/benchmarks.md. determinism-mlx is not in the default parts (as suite-mlx is not).
+# docs/benchmarks.md. determinism-gemma and determinism-mlx are not in the default parts (as suite-mlx is not).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -95,6 +96,7 @@ for part in $parts; do
         qos) $PY bench/qos.py --model "$model" --llama-server "$server" 2>&1 | tee "$out/qos.log" ;;
         logcost) $PY bench/throughput.py --model "$model" --log-cost 5 2>&1 | tee "$out/log-cost.log" ;;
         determinism) determinism --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        determinism-gemma) determinism --model "$small" 2>&1 | tee "$out/determinism-gemma.log" ;;
         determinism-mlx)
             mlx=$($PY -m superfluid.models --mlx | tail -1)
             determinism --runtime mlx --model "$mlx" 2>&1 | tee "$out/determinism-mlx.log" ;;

@@ -47,8 +47,9 @@ def _argv(side: str, runtime: str) -> list[str]:
 
 
 def write_log(path: Path, *, pairs: int = 3, runtime: str = "llamacpp", short: int | None = None,
-              model: str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf") -> Path:
-    """A log as the bench writes it; ``short``: one deterministic decode reply that many tokens."""
+              model: str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf", too_long: bool = False) -> Path:
+    """A log as the bench writes it; ``short``: one deterministic decode reply that many tokens;
+    ``too_long``: a 12,000-token length asked for too, left out (over an 8,192-token context)."""
     recs: list[dict[str, Any]] = [{
         "kind": "header", "commit": "abc1234", "started": "2026-12-07 03:00:00 UTC", "cpu": "Test CPU (2 cores)",
         "loadavg": 0.1,
@@ -57,7 +58,7 @@ def write_log(path: Path, *, pairs: int = 3, runtime: str = "llamacpp", short: i
         "machine": {"cores": 2, "mem_gib": 23.5, "kernel": "6.1", "thp": "always [madvise] never"},
         "versions": {"superfluid": "abc1234", "llama_cpp_python": "0.3.36", "python": "3.11.7",
                      **({"mlx": "0.32.4", "mlx-lm": "0.32.2"} if runtime == "mlx" else {})},
-        "sides": ["default", "deterministic"], "lengths": [2000], "lanes": [1, 8], "turn_tokens": 64,
+        "sides": ["default", "deterministic"], "lengths": [2000, *([12000] if too_long else [])], "lanes": [1, 8], "turn_tokens": 64,
         "decode_prompts": [f"q{i}" for i in range(8)], "sampling": {"temperature": 0}, "max_context": 3072,
         "daemons": {s: {"argv": _argv(s, runtime), "env": {}} for s in ("default", "deterministic")}}]
     for p in range(pairs):
@@ -83,6 +84,7 @@ def write_log(path: Path, *, pairs: int = 3, runtime: str = "llamacpp", short: i
                     recs.append({"kind": "round", "pair": p, "measure": measure, "side": side, "round": rnd,
                                  "position": pos, "value": value})
         recs.append({"kind": "pair", "pair": p, "frame_tokens": {"default": 60, "deterministic": 60},
+                     "context": {"default": 8192, "deterministic": 8192}, "left_out": [12000] if too_long else [],
                      "daemons": {s: {"argv": _argv(s, runtime)} for s in ("default", "deterministic")}})
     recs.append({"kind": "end", "loadavg": [0.2, 0.2, 0.2], "ended": "2026-12-07 04:00:00 UTC"})
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -192,6 +194,17 @@ def test_the_block_is_keyed_by_runtime_and_model_and_replaced_in_place(dc: Modul
     assert sorted(m["key"].strip() for m in found) == ["llamacpp SmolLM2-135M-Instruct.Q4_1.gguf",
                                                        "mlx SmolLM2-135M-Instruct-mlx"]
     assert all(len(RENDERED_FROM.findall(m["body"])) == 1 for m in found)
+
+
+def test_a_length_over_the_served_context_is_a_row_that_says_so(dc: ModuleType, tmp_path: Path) -> None:
+    section, _key = dc.render(write_log(tmp_path / "d.jsonl", too_long=True))
+    prefill = _row(section, "prefill, 12,000-token")
+    assert prefill == ["prefill, 12,000-token conversation (not measured: over the served 8,192-token context)",
+                       "—", "—", "—", "0", "0 of 0"]
+    assert _row(section, "follow-up turn on the 12,000")[0].endswith("(not measured: over the served 8,192-token "
+                                                                     "context)")
+    assert _row(section, "prefill, 2,000-token")[4] == "3"
+    assert dc.fits(8000, 64, 8192) and not dc.fits(8100, 64, 8192)
 
 
 def test_sides_alternate_a_b_b_a(dc: ModuleType) -> None:
