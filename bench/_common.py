@@ -12,6 +12,7 @@ with ``--cache-ram 0``: neither keeps prompts in host memory).
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -50,6 +51,14 @@ def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:
     """A seeded random order of ``names`` for each round (no side always goes first)."""
     rng = random.Random(seed)
     return [rng.sample(names, len(names)) for _ in range(rounds)]
+
+
+def round_order(sides: list[str], pair: int, rnd: int, rng: random.Random | None) -> list[str]:
+    """A B B A: forward in even rounds, reversed in odd ones, a pair's first round alternating by pair;
+    with ``rng``, a random order."""
+    if rng is not None:
+        return rng.sample(sides, len(sides))
+    return list(sides) if (pair + rnd) % 2 == 0 else sides[::-1]
 
 
 def llama_server_argv(binary: str, model: str, port: int, *, lanes: int, ctx: int, threads: int,
@@ -252,14 +261,6 @@ def interval_cell(ratios: list[float]) -> str:
     return "— (one pair)" if len(ratios) < 2 else interval(ratios)
 
 
-def round_order(sides: list[str], pair: int, rnd: int, rng: random.Random | None) -> list[str]:
-    """A B B A: forward in even rounds, reversed in odd ones, a pair's first round alternating by pair;
-    with ``rng``, a random order."""
-    if rng is not None:
-        return rng.sample(sides, len(sides))
-    return list(sides) if (pair + rnd) % 2 == 0 else sides[::-1]
-
-
 def side_rates(recs: list[dict[str, Any]]) -> dict[tuple[int, int, str], float]:
     """(pair, concurrency, side) -> the median of that side's rounds' tok/s in that pair (a log's
     ``round`` records: pair, conc, side, tok_s)."""
@@ -361,12 +362,18 @@ def log_path(name: str, rev: str) -> Path:
     return ROOT / "bench-results" / rev / f"{name}_{utc('%Y%m%dT%H%M%SZ')}.jsonl"
 
 
-def versions(binary: str | None) -> dict[str, Any]:
-    """This checkout's commit, llama-cpp-python's and Python's versions, and ``binary --version`` (llama-server)."""
+def versions(binary: str | None, packages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """This checkout's commit, llama-cpp-python's and Python's versions, each of ``packages`` installed
+    (by its distribution name; absent ones left out), and ``binary --version`` (a llama-server) if given."""
     import llama_cpp
 
     out: dict[str, Any] = {"superfluid": commit(), "llama_cpp_python": llama_cpp.__version__,
                            "python": platform.python_version()}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     if binary:
         got = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False,
                              env={**os.environ, "LD_LIBRARY_PATH": str(Path(binary).parent)})

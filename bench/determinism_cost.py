@@ -1,56 +1,493 @@
-"""What deterministic mode costs: the in-process executor over llama.cpp, no daemon.
+"""What `superfluid serve --deterministic` costs against the default mode, through the daemon, over fresh daemon pairs.
 
-Usage::
+    python bench/determinism_cost.py [--runtime llamacpp|mlx] [--model PATH] [--pairs 6] [--rounds 2]
+        [--lengths 2000,6000,12000] [--lanes 1,8] [--tokens 128] [--turn-tokens 64] [--threads 2]
+        [--host-cache-mb MB] [--out LOG]
+    python bench/determinism_cost.py --render LOG [--doc docs/benchmarks.md]
 
-    python bench/determinism_cost.py --model PATH [--lanes 1,8] [--tokens 64] [--repeats 2]
+**Pairs** (issue #42). Each pair is two daemons started fresh for it and stopped after it, on the same
+model and flags: one in the default mode, one with ``--deterministic``. Both are up at once; one is
+measured at a time. In a pair every measure runs ``--rounds`` rounds on each side, the sides
+alternating A B B A (forward in even rounds, reversed in odd ones, a pair's first side alternating by
+pair). A side's value in a pair is the median of its rounds there; the pair's ratio is
+deterministic/default. The table gives each side's median over pairs, and the ratio's median over
+pairs with a 95% t-interval over pairs (``_common.log_t_interval``: on the mean of the pairs'
+log-ratios), never over rounds. No best-of-N.
 
-For each lane count it serves 8 distinct prompts (greedy, ``ignore_eos``), at
-most N lanes at once, in the default mode and in deterministic mode (flash
-attention off, no repacked weights, prefill in fixed grid cells), alternating
-the two ``--repeats`` times, and prints aggregate generated tokens per second
-(prefill included) and the ratio. A prompt-heavy row (one 1,500-token prompt,
-8 new tokens) shows the prefill side.
+**Measures**, as a user pays them, on the HTTP API (greedy, ``ignore_eos``, streamed):
+
+* prefill at each of ``--lengths`` (tokens): a chat request of that many prompt tokens, one user
+  message of the suite's corpus prose (``superfluid.suite._corpus.document``, cut with the daemon's own
+  ``/tokenize`` and ``/detokenize`` to the length less what the chat template, an opening line and a
+  question take, measured once per pair by a warm-up chat; a fresh text per round and length, the same
+  on both sides of a round, so every turn-one prefill is cold), a ``--turn-tokens`` reply (64); its
+  time to first token;
+* a follow-up turn on that conversation: the same messages, the reply the side gave, and a new user
+  message, a ``--turn-tokens`` reply; its time to first token (and the cached tokens its usage reports);
+* decode at each of ``--lanes``: the suite's eight questions on /v1/completions, ``--tokens`` tokens
+  each, at most that many requests at once; generated tokens (from each response's usage) over the
+  round's wall time (the short prompts' prefill included).
+
+Both daemons get ``--max-batch`` (the largest of ``--lanes``), ``--max-context`` (the longest prompt
+and two replies, rounded up to 1,024), ``--threads``, ``--host-cache-mb`` (the daemon's default unless
+given) and, with ``--runtime mlx``, ``--runtime mlx``; the same environment (this process's). A length
+whose conversation does not fit the context the daemons serve (``GET /api/ps``: ``--max-context``
+capped at the model's trained window, 8,192 tokens for SmolLM2) is left out, and its rows say so: the
+12,000-token rows need a longer-window model (``--model`` Gemma 3 270M's GGUF, 32k).
+
+**Raw log**: JSON lines in bench-results/<commit>/determinism_<UTC>.jsonl: a header
+(``_common.log_header``: commit, arguments, CPU, load; the machine, the versions, both daemons' command
+lines and environment), one record per request (pair, measure, side, round, turn, prompt tokens, cached
+tokens, ttft, completion tokens, wall), one per round (the measure's value), one per pair (both
+daemons' exact command lines), an end record. ``--render LOG [--doc PATH]`` prints the table (or writes
+it into the page between ``<!-- bench/determinism_cost.py KEY: begin ... -->`` and ``... end -->``
+markers, KEY = runtime and model). Refuses a busy machine (load above 0.5) unless ``--allow-busy``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from _common import model_file  # bench/ is on sys.path when this file runs
-from in_process import run_level
+import httpx
+import trio
 
-from superfluid.worker._llamacpp import LlamaEngine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+from _common import (ROOT, Server, commit, completions_burst, free_port, log_header, log_t_interval,  # noqa: E402
+                     machine, median, model_file, round_order, shown, stream_request, superfluid_argv, versions)
+
+from superfluid import _defaults  # noqa: E402
+from superfluid.suite._corpus import QUESTIONS, document  # noqa: E402
+
+DEFAULT, DET = "default", "deterministic"
+SIDES = [DEFAULT, DET]
+TURN_TOKENS = 64            # each conversation turn's reply (default of --turn-tokens)
+PROBE = 50                  # prose tokens of the warm-up chat that measures the template's own tokens
+OPENING = "Here are this month's notes from the serving team.\n\n"
+QUESTION = "\n\nWhich notes mention the lease, and what do they say about it?"
+FOLLOW_UP = "And which of them mention the cache? Quote two."
+GREEDY: dict[str, Any] = {"temperature": 0}
+ENV_PREFIXES = ("SUPERFLUID_", "GLIBC_", "LD_", "OMP_", "OPENBLAS_", "MKL_", "MLX_", "PYTHON")
+MARK_BEGIN = ("<!-- bench/determinism_cost.py {key}: begin "
+              "(generated by `python bench/determinism_cost.py --render LOG --doc PATH`) -->")
+MARK_END = "<!-- bench/determinism_cost.py {key}: end -->"
+MAX_LOAD = 0.5
 
 
-def run(engine: LlamaEngine, work: list[list[int]], lanes: int, tokens: int, deterministic: bool) -> float:
-    return run_level(engine, work, lanes, tokens, deterministic=deterministic)["tok_s"]
+# -- the daemons ---------------------------------------------------------------------------------------------------
+
+def context_for(lengths: list[int], turn_tokens: int) -> int:
+    """``--max-context`` for both daemons: the longest prompt, two turns' replies and room for the
+    follow-up message, rounded up to 1,024."""
+    return -(-(max(lengths) + 2 * turn_tokens + 128) // 1024) * 1024
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--lanes", default="1,8")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
-    args.model = model_file(args.model)
-    engines = {det: LlamaEngine(args.model, max_batch=8, max_context=2048, threads=args.threads,
-                                deterministic=det) for det in (False, True)}
-    eng = engines[False]
-    texts = [f"Question {i}: explain topic number {i} in detail, please. Answer:" for i in range(8)]
-    work = [eng.tokenize(t, add_special=True, parse_special=False) for t in texts]
-    long = [eng.tokenize("The history of clocks. " * 300, add_special=True, parse_special=False)[:1500]]
-    cases = [(f"{n} lanes, {args.tokens} tokens", work, int(n), args.tokens) for n in args.lanes.split(",")]
-    cases.append(("1 x 1,500-token prompt, 8 tokens", long, 1, 8))
-    for name, prompts, lanes, tokens in cases:
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.repeats):
-            for det in (False, True):
-                rates[det].append(run(engines[det], prompts, lanes, tokens, det))
-        base, det = max(rates[False]), max(rates[True])
-        print(f"{name}: default {base:.1f} tok/s, deterministic {det:.1f} tok/s, ratio {det / base:.3f}", flush=True)
+def daemon_argv(args: argparse.Namespace, side: str, port: int, sessions: str) -> list[str]:
+    """One side's daemon: the same model and flags on both sides, ``--deterministic`` on one."""
+    flags = ["--max-batch", str(max(args.lane_list)), "--max-context", str(context_for(args.length_list, args.turn_tokens)),
+             "--threads", str(args.threads), "--sessions", sessions]
+    if args.runtime == "mlx":
+        flags += ["--runtime", "mlx"]
+    if side == DET:
+        flags.append("--deterministic")
+    return superfluid_argv(args.model, port, *flags, host_cache_mb=args.host_cache_mb)
+
+
+def inherited_env() -> dict[str, str]:
+    """What both daemons inherit from this process that can change their speed (threads, allocator,
+    libraries): the variables under :data:`ENV_PREFIXES`."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+
+
+def model_id(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"])
+
+
+def served_context(url: str) -> int:
+    """The tokens one sequence may hold on this daemon (``GET /api/ps``: ``--max-context`` capped at the
+    model's trained window, e.g. 8,192 for SmolLM2)."""
+    return int(httpx.get(url + "/api/ps", timeout=30).json()["models"][0]["context_length"])
+
+
+def fits(length: int, turn_tokens: int, context: int) -> bool:
+    """Whether a conversation that starts at ``length`` prompt tokens fits ``context``: turn one's reply,
+    the follow-up message and its reply included."""
+    return length + 2 * turn_tokens + 64 <= context
+
+
+# -- measuring -----------------------------------------------------------------------------------------------------
+
+async def sized_text(url: str, model: str, n_tokens: int, seed: int) -> str:
+    """Corpus prose of exactly ``n_tokens`` tokens of the served model (its ``/tokenize``, cut, then
+    ``/detokenize``; the corpus' own size estimate is rough)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        words = n_tokens
+        while True:
+            doc = document(words, seed)
+            got = await client.post("/tokenize", json={"model": model, "content": doc, "add_special": False,
+                                                       "parse_special": False})
+            ids = got.json()["tokens"]
+            if len(ids) >= n_tokens:
+                break
+            words = words * 2
+        got = await client.post("/detokenize", json={"model": model, "tokens": ids[:n_tokens]})
+        return str(got.json()["content"])
+
+
+def prompt_seed(pair: int, rnd: int, index: int) -> int:
+    """A distinct corpus seed per pair, round and length: no turn-one prompt is sent twice to a daemon."""
+    return 1_000_000 + 10_000 * pair + 100 * rnd + index
+
+
+def chat_body(model: str, messages: list[dict[str, str]], tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_tokens": tokens, **GREEDY, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def conversation(url: str, model: str, text: str, tokens: int) -> list[dict[str, Any]]:
+    """Turn one (``text`` framed as a question) and its follow-up turn (turn one, the reply it got, a new
+    user message), one after the other; both results."""
+    async with httpx.AsyncClient(base_url=url, timeout=3600,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        messages = [{"role": "user", "content": OPENING + text + QUESTION}]
+        first = await stream_request(client, "/v1/chat/completions", chat_body(model, messages, tokens))
+        if first["error"]:
+            raise RuntimeError(f"{url}: turn one: {first['error']}")
+        messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": FOLLOW_UP}]
+        second = await stream_request(client, "/v1/chat/completions", chat_body(model, messages, tokens))
+        if second["error"]:
+            raise RuntimeError(f"{url}: follow-up turn: {second['error']}")
+    return [first, second]
+
+
+async def frame_tokens(url: str, model: str) -> int:
+    """The prompt tokens a turn-one chat has beyond its prose (the chat template, the opening and the
+    question): one chat with :data:`PROBE` tokens of prose, a one-token reply."""
+    text = await sized_text(url, model, PROBE, 7)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        got = await stream_request(client, "/v1/chat/completions", chat_body(
+            model, [{"role": "user", "content": OPENING + text + QUESTION}], 1))
+    if got["error"] or not got["usage"]:
+        raise RuntimeError(f"{url}: the probe chat: {got['error'] or 'no usage'}")
+    return int(got["usage"]["prompt_tokens"]) - PROBE
+
+
+def request_record(pair: int, measure: str, side: str, rnd: int, turn: int, r: dict[str, Any]) -> dict[str, Any]:
+    usage = r["usage"] or {}
+    return {"kind": "request", "pair": pair, "measure": measure, "side": side, "round": rnd, "turn": turn,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": usage.get("completion_tokens"), "chunks": r["tokens"], "ttft": r["ttft"],
+            "wall": r["wall"]}
+
+
+def run_pair(pair: int, args: argparse.Namespace, log: Any) -> None:
+    def write(rec: dict[str, Any]) -> None:
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    with tempfile.TemporaryDirectory(prefix="bench-determinism-") as tmp:
+        servers: dict[str, Server] = {}
+        try:
+            for side in SIDES:
+                port = free_port()
+                where = Path(tmp) / side
+                where.mkdir()
+                servers[side] = Server(f"superfluid-{side}", daemon_argv(args, side, port, str(where)), port)
+            ids, context = {}, {}
+            for side, srv in servers.items():
+                srv.wait_ready()
+                ids[side] = model_id(srv.url)
+                context[side] = served_context(srv.url)
+            # a length over the served window (SmolLM2's 8,192 at 12,000) is left out, and said so in the table
+            lengths = [n for n in args.length_list if fits(n, args.turn_tokens, min(context.values()))]
+            frame = {}
+            for side, srv in servers.items():  # warm-up: load pages, build graphs; the template's tokens
+                trio.run(lambda s=srv, m=ids[side]: completions_burst(s.url, m, list(QUESTIONS), 16, GREEDY))
+                frame[side] = trio.run(frame_tokens, srv.url, ids[side])
+            if min(args.length_list) <= frame[DEFAULT]:
+                raise SystemExit(f"--lengths: each over {frame[DEFAULT]} tokens (the chat template, the opening "
+                                 "and the question take that many)")
+            # turn-one texts for every round and length, cut with the default side's tokenizer (both sides
+            # serve the same model: the same tokens)
+            texts = {(rnd, i): trio.run(sized_text, servers[DEFAULT].url, ids[DEFAULT], length - frame[DEFAULT],
+                                        prompt_seed(pair, rnd, i))
+                     for rnd in range(args.rounds) for i, length in enumerate(lengths)}
+            for i, length in enumerate(lengths):
+                for rnd in range(args.rounds):
+                    order = round_order(SIDES, pair, rnd, None)
+                    for pos, side in enumerate(order):
+                        turns = trio.run(conversation, servers[side].url, ids[side], texts[(rnd, i)],
+                                         args.turn_tokens)
+                        for turn, (measure, r) in enumerate(zip((f"prefill:{length}", f"follow:{length}"),
+                                                                turns, strict=True), start=1):
+                            write(request_record(pair, measure, side, rnd, turn, r))
+                            write({"kind": "round", "pair": pair, "measure": measure, "side": side, "round": rnd,
+                                   "position": pos, "value": r["ttft"]})
+                    print(f"pair {pair} {length} tokens round {rnd} ({','.join(order)})", file=sys.stderr,
+                          flush=True)
+            for lanes in args.lane_list:
+                measure = f"decode:{lanes}"
+                for rnd in range(args.rounds):
+                    order = round_order(SIDES, pair, rnd, None)
+                    for pos, side in enumerate(order):
+                        results, wall = trio.run(lambda u=servers[side].url, m=ids[side], n=lanes: completions_burst(
+                            u, m, list(QUESTIONS), args.tokens, GREEDY, concurrency=n))
+                        counted = 0
+                        for r in sorted(results, key=lambda r: r["index"]):
+                            rec = request_record(pair, measure, side, rnd, 1, r)
+                            rec["prompt"] = r["index"]
+                            write(rec)
+                            n = rec["completion_tokens"]
+                            counted += n if n is not None else r["tokens"]
+                        write({"kind": "round", "pair": pair, "measure": measure, "side": side, "round": rnd,
+                               "position": pos, "tokens": counted, "wall": wall, "value": counted / wall})
+                    print(f"pair {pair} decode {lanes} lanes round {rnd} ({','.join(order)})", file=sys.stderr,
+                          flush=True)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    write({"kind": "pair", "pair": pair, "frame_tokens": frame, "context": context,
+           "left_out": [n for n in args.length_list if n not in lengths],
+           "daemons": {side: {"argv": srv.argv} for side, srv in servers.items()}})
+
+
+def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    load = os.getloadavg()[0]
+    if load > MAX_LOAD and not args.allow_busy:
+        p.error(f"the machine is busy (1-minute load average {load:.2f}); --allow-busy runs anyway")
+    rev = commit()
+    out = args.out or ROOT / "bench-results" / rev / f"determinism_{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = log_header(rev, args, load)
+    head.update(machine=machine(), versions=versions(None, ("mlx", "mlx-lm")), sides=SIDES,
+                lengths=args.length_list, lanes=args.lane_list, turn_tokens=args.turn_tokens,
+                opening=OPENING, question=QUESTION, follow_up=FOLLOW_UP, decode_prompts=list(QUESTIONS),
+                sampling=GREEDY, max_context=context_for(args.length_list, args.turn_tokens),
+                daemons={side: {"argv": daemon_argv(args, side, 0, "<a fresh directory per pair>"),
+                                "env": inherited_env()} for side in SIDES},
+                note="each pair's daemons get a free port and a fresh sessions directory (the pair records)")
+    with open(out, "w") as log:
+        log.write(json.dumps(head) + "\n")
+        for pair in range(args.pairs):
+            run_pair(pair, args, log)
+        log.write(json.dumps({"kind": "end", "loadavg": list(os.getloadavg()),
+                              "ended": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC"}) + "\n")
+    print(f"log: {out}", file=sys.stderr)
+    print(render(out)[0], end="")
+    return 0
+
+
+# -- the table, from the log ---------------------------------------------------------------------------------------
+
+def measures(head: dict[str, Any]) -> list[str]:
+    """The table's rows in order: prefill per length, the follow-up turn per length, decode per lane count."""
+    return ([f"prefill:{n}" for n in head["lengths"]] + [f"follow:{n}" for n in head["lengths"]]
+            + [f"decode:{n}" for n in head["lanes"]])
+
+
+def side_values(recs: list[dict[str, Any]]) -> dict[tuple[int, str, str], float]:
+    """(pair, measure, side) -> the median of that side's rounds in that pair."""
+    got: dict[tuple[int, str, str], list[float]] = {}
+    for r in recs:
+        if r["kind"] == "round" and r["value"] is not None:
+            got.setdefault((r["pair"], r["measure"], r["side"]), []).append(r["value"])
+    return {k: median(v) for k, v in got.items()}
+
+
+def pair_ratios(recs: list[dict[str, Any]], measure: str) -> list[float]:
+    """One ratio per pair: the deterministic side's value over the default side's, both from that pair."""
+    vals = side_values(recs)
+    pairs = sorted({p for p, m, _s in vals if m == measure})
+    return [vals[(p, measure, DET)] / vals[(p, measure, DEFAULT)] for p in pairs
+            if (p, measure, DET) in vals and (p, measure, DEFAULT) in vals]
+
+
+def command_line(argv: list[str]) -> str:
+    """A daemon's command line as the table shows it: from ``serve`` on, the model by its name, without
+    the address and the sessions directory (they differ per pair)."""
+    args = argv[argv.index("serve"):]
+    shown_args: list[str] = []
+    skip = False
+    for i, x in enumerate(args):
+        if skip:
+            skip = False
+        elif x in ("--http", "--sessions"):
+            skip = True
+        else:
+            shown_args.append(Path(x).name if i == 1 else x)
+    return " ".join(shown_args)
+
+
+def block_key(head: dict[str, Any]) -> str:
+    a = head["args"]
+    return f"{a['runtime']} {Path(a['model']).name}"
+
+
+def _requests(recs: list[dict[str, Any]], measure: str, side: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in recs if r["kind"] == "request" and r["measure"] == measure
+            and (side is None or r["side"] == side)]
+
+
+def _tokens(recs: list[dict[str, Any]], measure: str, key: str, side: str | None = None) -> str:
+    xs = [r[key] for r in _requests(recs, measure, side) if r[key] is not None]
+    return f"{median(xs):,.0f}" if xs else "—"
+
+
+def _left_out(recs: list[dict[str, Any]], length: int) -> str | None:
+    """Why a length has no requests: the served context it did not fit (the pair records say)."""
+    over = [min(r["context"].values()) for r in recs if r["kind"] == "pair" and length in r.get("left_out", [])]
+    return f"not measured: over the served {min(over):,}-token context" if over else None
+
+
+def _label(recs: list[dict[str, Any]], measure: str) -> str:
+    what, n = measure.split(":")
+    why = None if _requests(recs, measure) else _left_out(recs, int(n))
+    if why:
+        return (f"prefill, {int(n):,}-token conversation" if what == "prefill" else
+                f"follow-up turn on the {int(n):,}-token conversation") + f" ({why})"
+    if what == "prefill":
+        return (f"prefill, {int(n):,}-token conversation ({_tokens(recs, measure, 'prompt_tokens')} prompt tokens): "
+                "time to first token, s")
+    if what == "follow":
+        return (f"follow-up turn on the {int(n):,}-token conversation ({_tokens(recs, measure, 'prompt_tokens')} prompt tokens; cached: default "
+                f"{_tokens(recs, measure, 'cached_tokens', DEFAULT)}, --deterministic "
+                f"{_tokens(recs, measure, 'cached_tokens', DET)}): time to first token, s")
+    lanes = int(n)
+    return f"decode, {lanes} lane{'s' if lanes > 1 else ''}: generated tok/s"
+
+
+def _value(x: float, measure: str) -> str:
+    if measure.startswith("decode"):
+        return f"{x:.1f}"
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+
+def _ratio(ratios: list[float]) -> str:
+    if not ratios:
+        return "—"
+    ci = log_t_interval(ratios)
+    cell = f"{median(ratios):.3f}"
+    return cell + (" (one pair: no interval)" if ci is None else
+                   f"; geometric mean {ci[0]:.3f} (95% {ci[1]:.3f}-{ci[2]:.3f})")
+
+
+def token_check(recs: list[dict[str, Any]], tokens: int, turn_tokens: int) -> str:
+    """Whether every reply had the tokens asked for (``turn_tokens`` in a conversation, ``tokens`` in decode)."""
+    reqs = [r for r in recs if r["kind"] == "request"]
+    bad = [r for r in reqs if r["completion_tokens"] != (tokens if r["measure"].startswith("decode") else turn_tokens)]
+    if not bad:
+        return f"every reply had the tokens asked for ({len(reqs)} of {len(reqs)})"
+    return "**MISMATCH**: " + ", ".join(
+        f"{s} {sum(r['side'] == s for r in bad)} of {sum(r['side'] == s for r in reqs)}" for s in SIDES
+    ) + " replies did not have the tokens asked for"
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def render(path: Path) -> tuple[str, str]:
+    """The docs section for one log (a pure function of it), and its block's key (runtime and model)."""
+    recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    head = recs[0]
+    a, m, v = head["args"], head["machine"], head["versions"]
+    end = next((r for r in recs if r["kind"] == "end"), None)
+    n_pairs = len([r for r in recs if r["kind"] == "pair"])
+    vals = side_values(recs)
+    model = Path(a["model"]).name
+    runtime = "MLX" if a["runtime"] == "mlx" else "llama.cpp"
+    extra = "".join(f", {k} {v[k]}" for k in ("mlx", "mlx-lm") if k in v)
+    flags = command_line(head["daemons"][DEFAULT]["argv"])
+    out = [f"## Determinism mode's cost as a user pays it, {runtime}, {model} "
+           "(`python bench/determinism_cost.py`): issue #42\n",
+           f"At `{head['commit']}`, {head['started']}, on {head['cpu']}, {m['mem_gib']} GiB, Linux {m['kernel']}, "
+           f"transparent huge pages `{m['thp']}`; 1-minute load average {head['loadavg']:.2f} at the start"
+           + (f", {end['loadavg'][0]:.2f} at the end" if end else " (the run did not finish)")
+           + f" ({path.name}). Versions: llama-cpp-python {v['llama_cpp_python']}{extra}, Python {v['python']}. "
+           f"Generated by `python bench/determinism_cost.py --render {shown(path)}` from that log.\n",
+           f"{n_pairs} fresh daemon pair{'s' if n_pairs != 1 else ''}, each a default daemon and a "
+           "`--deterministic` one started for the pair and stopped after it, both "
+           f"`superfluid {flags}` (a fresh sessions directory each). {a['rounds']} round"
+           f"{'s' if a['rounds'] != 1 else ''} per measure in each pair, the sides in A B B A order (forward in "
+           "even rounds, reversed in odd ones; a pair's first side alternating by pair). A side's value in a pair "
+           "is the median of its rounds; a pair's ratio is --deterministic/default from that pair (above 1 for "
+           "times: the deterministic daemon is slower; below 1 for tok/s: the same). The default and "
+           "--deterministic columns are medians over pairs; the ratio is the median over pairs, then the "
+           "geometric mean with its 95% interval, a t-interval on the pairs' log-ratios "
+           + (f"({n_pairs - 1} degrees of freedom)" if n_pairs > 1 else "(none from one pair)")
+           + ": over pairs, not rounds. No best-of-N.\n",
+           f"Greedy, `ignore_eos`, streamed. Prefill: a chat request with one user message of corpus prose "
+           f"(a fresh text each round, the same on both sides), a {head['turn_tokens']}-token reply; time to first "
+           "token. Follow-up turn: that conversation, the reply the side gave and a new user message, a "
+           f"{head['turn_tokens']}-token reply; time to first token, and the prompt tokens its usage reports as "
+           f"cached (median). Decode: the suite's {len(head['decode_prompts'])} questions on /v1/completions, "
+           f"{a['tokens']} tokens each, at most N at once; generated tokens (from usage) over the round's wall "
+           f"time, the short prompts' prefill included. {_sentence(token_check(recs, a['tokens'], head['turn_tokens']))}.\n",
+           "| measure | default | --deterministic | ratio --deterministic/default: median over pairs; geometric "
+           "mean (95% interval) | pairs | --deterministic slower in |",
+           "|---|---|---|---|---|---|"]
+    for measure in measures(head):
+        ratios = pair_ratios(recs, measure)
+        base = [x for (_p, mm, s), x in vals.items() if mm == measure and s == DEFAULT]
+        det = [x for (_p, mm, s), x in vals.items() if mm == measure and s == DET]
+        slower = sum((r < 1) if measure.startswith("decode") else (r > 1) for r in ratios)
+        out.append(f"| {_label(recs, measure)} | {_value(median(base), measure) if base else '—'} | "
+                   f"{_value(median(det), measure) if det else '—'} | {_ratio(ratios)} | {len(ratios)} | "
+                   f"{slower} of {len(ratios)} |")
+    return "\n".join(out) + "\n", block_key(head)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python bench/determinism_cost.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runtime", choices=("llamacpp", "mlx"), default="llamacpp")
+    p.add_argument("--model", default=None,
+                   help="a GGUF (llamacpp; default the SmolLM2 GGUF, e.g. Gemma 3 270M's instead) or an MLX "
+                        "directory (mlx; default `python -m superfluid.models --mlx | tail -1`)")
+    p.add_argument("--pairs", type=int, default=6, help="fresh daemon pairs (default 6)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per side per measure in each pair (default 2)")
+    p.add_argument("--lengths", default="2000,6000,12000", help="prompt tokens of the prefill measures")
+    p.add_argument("--lanes", default="1,8", help="concurrent requests of the decode measures (default 1,8)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per decode request (default 128)")
+    p.add_argument("--turn-tokens", type=int, default=TURN_TOKENS,
+                   help=f"tokens of each conversation turn's reply (default {TURN_TOKENS})")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--host-cache-mb", type=int, default=_defaults.HOST_CACHE_MB,
+                   help=f"both daemons' host cache (default {_defaults.HOST_CACHE_MB}, the daemon's own default)")
+    p.add_argument("--allow-busy", action="store_true", help=f"run with a load average above {MAX_LOAD}")
+    p.add_argument("--out", type=Path, help="the log (default bench-results/<commit>/determinism_<UTC>.jsonl)")
+    p.add_argument("--render", type=Path, metavar="LOG", help="print the markdown section of a log and exit")
+    p.add_argument("--doc", type=Path, metavar="PATH", help="with --render: write the section into this page")
+    args = p.parse_args()
+    if args.render:
+        section, key = render(args.render)
+        if args.doc:
+            _common.write_doc(args.doc, section, MARK_BEGIN.format(key=key), MARK_END.format(key=key))
+        else:
+            print(section, end="")
+        return 0
+    # a SIGTERM (timeout, a killed run) stops both daemons of the pair on the way out, as an error does
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    args.length_list = [int(x) for x in args.lengths.split(",")]
+    args.lane_list = [int(x) for x in args.lanes.split(",")]
+    if args.runtime == "mlx":
+        from superfluid.models._mlx_convert import mlx_test_model_path
+
+        args.model = args.model or str(mlx_test_model_path())
+        if not (Path(args.model) / "config.json").is_file():
+            p.error(f"--model {args.model!r}: not an MLX directory (no config.json)")
+    else:
+        args.model = model_file(args.model or str(Path.home() / ".superfluid/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return measure(args, p)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

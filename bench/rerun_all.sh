@@ -6,7 +6,7 @@
 # their logs are rewritten by each bench's `--render LOG --doc docs/benchmarks.md`;
 # tests/test_docs_generated.py fails when a committed table differs from its log.
 #
-#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx mlx throughput sampled hugeoff qos logcost determinism monitor longctx
+#     bash bench/rerun_all.sh [PART ...]     # parts: suite suite-mlx mlx throughput sampled hugeoff qos logcost determinism determinism-gemma determinism-mlx monitor longctx
 #
 # throughput, sampled and hugeoff: bench/throughput.py over fresh server pairs (8 by default: each pair a
 # fresh daemon and a fresh llama-server), greedy; sampled at temperature 0.8, seed 1; hugeoff greedy with
@@ -25,6 +25,13 @@
 # mlx extra); about 50 minutes on a quiet 2-core machine.
 # qos: bench/qos.py's three parts one after another (agents and shared over 3 rounds, kv 1), each its own
 # bench-results/<commit>/qos_<part>_<UTC>.jsonl, each rendered into its block (`qos PART llamacpp`).
+#
+# determinism, determinism-gemma and determinism-mlx: bench/determinism_cost.py over fresh daemon pairs
+# (6 by default: each pair a default daemon and a --deterministic one), on llama.cpp with the SmolLM2 GGUF,
+# with Gemma 3 270M's (SmolLM2's 8,192-token window leaves its 12,000-token row unmeasured; Gemma's is 32k),
+# and on MLX with the MLX test directory (`python -m superfluid.models --mlx`); each writes
+# bench-results/<commit>/determinism_<UTC>.jsonl and renders its block (keyed by runtime and model) into
+# docs/benchmarks.md. determinism-gemma and determinism-mlx are not in the default parts (as suite-mlx is not).
 #
 # The suite runs superfluid with --deterministic (its worker_kill and daemon_restart scenarios ask
 # for text identical to an uninterrupted reference; bench/determinism_cost.py prices the mode); the
@@ -77,6 +84,12 @@ qos() {  # bench/qos.py, one log per part under $out, each part's block into the
         $PY bench/qos.py --render "$log" --doc docs/benchmarks.md
     done
 }
+determinism() {  # bench/determinism_cost.py over fresh daemon pairs, its log under $out, its block into the docs
+    local log
+    log=$out/determinism_$(date -u +%Y%m%dT%H%M%SZ).jsonl
+    $PY bench/determinism_cost.py --out "$log" "$@"
+    $PY bench/determinism_cost.py --render "$log" --doc docs/benchmarks.md
+}
 for part in $parts; do
     settle
     echo "== $part ($(date -u +%H:%M:%S))"
@@ -114,7 +127,11 @@ for part in $parts; do
             log=$out/throughput_log_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
             $PY bench/throughput.py --model "$model" --log-cost 5 --out "$log" 2>&1 | tee "$out/log-cost.log"
             $PY bench/throughput.py --render "$log" --doc docs/benchmarks.md ;;
-        determinism) $PY bench/determinism_cost.py --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        determinism) determinism --model "$model" 2>&1 | tee "$out/determinism.log" ;;
+        determinism-gemma) determinism --model "$small" 2>&1 | tee "$out/determinism-gemma.log" ;;
+        determinism-mlx)
+            mlx=$($PY -m superfluid.models --mlx | tail -1)
+            determinism --runtime mlx --model "$mlx" 2>&1 | tee "$out/determinism-mlx.log" ;;
         monitor)  # one log, its block in both pages that show the monitor's cost
             log=$out/monitor_cost_$(date -u +%Y%m%dT%H%M%SZ).jsonl
             $PY bench/monitor_cost.py --model "$model" --out "$log" 2>&1 | tee "$out/monitor-cost.log"
