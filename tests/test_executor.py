@@ -422,8 +422,13 @@ def test_lone_requests_keep_their_own_sequences_while_empty_ones_remain() -> Non
     """A lone request whose best match would overwrite another prompt's cached tokens
     takes an empty sequence instead, the shared prefix copied in; so lone requests on
     several prompts, sent again, are each answered from cache (one sequence rewritten by
-    each kept only the last). An empty sequence that would widen the live span stays unused."""
+    each kept only the last); the lowest empty one first, however recently a lane left it,
+    so the prompts sit packed for the wave that comes back to them. An empty sequence that
+    would widen the live span stays unused."""
     ex = Executor(MockEngine(SPEC, n_seq=8), max_lanes=4)
+    for seq in (1, 2, 3):   # used by an earlier wave that left them empty: the lowest empty still goes first
+        ex.slots[seq].last_use = ex._clock = ex._clock + 1
+        ex._note_free(seq)
     system = words(*range(40))
     prompts = [[*system, *words(41 + 3 * k, 42 + 3 * k, 43 + 3 * k)] for k in range(4)]
     for tag, prompt in enumerate(prompts):

@@ -612,16 +612,22 @@ class Executor:
                 return
         self._spill(seq, keep=keep)
 
+    def _spare_key(self, seq: int) -> tuple[bool, int, int]:
+        """Where free ``seq`` stands as a spare: empty ones first, the lowest number first (an
+        empty sequence's last use says nothing, and low numbers keep lanes packed), then the
+        least recently used."""
+        s = self.slots[seq]
+        return (True, s.last_use, seq) if s.held else (False, 0, seq)
+
     def _spare(self, seq: int, src: int | None) -> int | None:
-        """The free sequence other than ``seq`` and ``src`` that is empty, else least
-        recently used (ties: the lowest number); None if there is none."""
-        heap, slots = self._spare_heap, self.slots
+        """The free sequence other than ``seq`` and ``src`` that is empty (the lowest
+        number), else least recently used (ties: the lowest number); None if there is none."""
+        heap = self._spare_heap
         skipped = []
         found = None
         while heap:
-            held, last_use, i = heap[0]
-            s = slots[i]
-            if s.owner is not None or bool(s.held) != held or s.last_use != last_use:
+            i = heap[0][2]
+            if self.slots[i].owner is not None or self._spare_key(i) != heap[0]:
                 heapq.heappop(heap)   # stale: the sequence changed since
             elif i == seq or i == src:
                 skipped.append(heapq.heappop(heap))
@@ -636,10 +642,9 @@ class Executor:
         """Free ``seq``'s (holds tokens, last use) changed: a new heap entry."""
         if self.shared:
             return
-        s = self.slots[seq]
-        heapq.heappush(self._spare_heap, (bool(s.held), s.last_use, seq))
+        heapq.heappush(self._spare_heap, self._spare_key(seq))
         if len(self._spare_heap) > 4 * len(self.slots) + 64:
-            self._spare_heap = [(bool(self.slots[i].held), self.slots[i].last_use, i) for i in self._free]
+            self._spare_heap = [self._spare_key(i) for i in self._free]
             heapq.heapify(self._spare_heap)
 
     def _copy(self, src: int, dst: int, n: int) -> None:
