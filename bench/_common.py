@@ -38,13 +38,15 @@ from superfluid.models import cache_dir  # noqa: E402  (where pulled and embedde
 
 
 def commit(tree: Path = ROOT) -> str:
-    """``git rev-parse --short HEAD`` of this checkout (or ``tree``), ``-dirty`` with uncommitted changes."""
+    """``git rev-parse --short HEAD`` of this checkout (or ``tree``), ``-dirty`` with uncommitted changes
+    outside docs/ (a run of several benches renders each one's table into the docs before the next starts:
+    that measures the same code)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True,
                               check=False).stdout.strip()
 
     rev = git("rev-parse", "--short", "HEAD") or "unknown"
-    return rev + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return rev + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs") else "")
 
 
 def round_orders(names: list[str], rounds: int, seed: int) -> list[list[str]]:

@@ -59,7 +59,6 @@ HAND_WRITTEN: frozenset[tuple[str, str]] = frozenset({
     ('docs/benchmarks.md', 'daemon with msgspec, each body parsed whole (as before long strings were decoded in pieces)'),
     ('docs/benchmarks.md', 'daemon without msgspec (the stdlib fallback)'),
     ('docs/measurements.md', '§5 Determinism (`--deterministic`)'),
-    ('docs/monitor.md', 'What the monitor costs'),
 })
 
 # The record of earlier runs: tables at older commits moved off benchmarks.md (2026-12-07), kept for the
