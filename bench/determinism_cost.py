@@ -469,10 +469,7 @@ def main() -> int:
     args = p.parse_args()
     if args.render:
         section, key = render(args.render)
-        if args.doc:
-            _common.write_doc(args.doc, section, MARK_BEGIN.format(key=key), MARK_END.format(key=key))
-        else:
-            print(section, end="")
+        _common.emit("bench/determinism_cost.py", section, key, args.doc)
         return 0
     # a SIGTERM (timeout, a killed run) stops both daemons of the pair on the way out, as an error does
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -361,10 +361,7 @@ def main() -> int:
         p.error(f"--prompts: 1 to {len(throughput.PROMPTS)}")
     if args.render:
         section, key = render(args.render)
-        if args.doc:
-            _common.write_doc(args.doc, section, MARK_BEGIN.format(key=key), MARK_END.format(key=key))
-        else:
-            print(section, end="")
+        _common.emit("bench/mlx_vs_server.py", section, key, args.doc)
         return 0
     if args.model is None:
         from superfluid.models._mlx_convert import mlx_test_model_path

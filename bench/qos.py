@@ -594,10 +594,7 @@ def main() -> int:
     args = p.parse_args()
     if args.render:
         section, key = render(args.render)
-        if args.doc:
-            _common.write_doc(args.doc, section, MARK_BEGIN.format(key=key), MARK_END.format(key=key))
-        else:
-            print(section, end="")
+        _common.emit("bench/qos.py", section, key, args.doc)
         return 0
     SIZE["factor"] = args.size
     if args.runtime == "mlx":
