@@ -404,6 +404,12 @@ class JsonLog:
     def close(self) -> None:
         self._f.close()
 
+    def __enter__(self) -> JsonLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()   # a run cut short keeps its records, without an end record
+
 
 def read_log(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -61,7 +61,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
-from _common import (ROOT, Server, commit, completions_burst, free_port, log_header, log_t_interval,  # noqa: E402
+from _common import (ROOT, JsonLog, Server, commit, completions_burst, free_port, log_header, log_t_interval,  # noqa: E402
                      machine, median, model_file, round_order, shown, stream_request, superfluid_argv, versions)
 
 from superfluid import _defaults  # noqa: E402
@@ -190,9 +190,7 @@ def request_record(pair: int, measure: str, side: str, rnd: int, turn: int, r: d
 
 
 def run_pair(pair: int, args: argparse.Namespace, log: Any) -> None:
-    def write(rec: dict[str, Any]) -> None:
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+    write = log.write
 
     with tempfile.TemporaryDirectory(prefix="bench-determinism-") as tmp:
         servers: dict[str, Server] = {}
@@ -275,12 +273,10 @@ def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 daemons={side: {"argv": daemon_argv(args, side, 0, "<a fresh directory per pair>"),
                                 "env": inherited_env()} for side in SIDES},
                 note="each pair's daemons get a free port and a fresh sessions directory (the pair records)")
-    with open(out, "w") as log:
-        log.write(json.dumps(head) + "\n")
+    with JsonLog(out, head) as log:
         for pair in range(args.pairs):
             run_pair(pair, args, log)
-        log.write(json.dumps({"kind": "end", "loadavg": list(os.getloadavg()),
-                              "ended": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC"}) + "\n")
+        log.end()
     print(f"log: {out}", file=sys.stderr)
     print(render(out)[0], end="")
     return 0

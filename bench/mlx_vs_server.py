@@ -71,7 +71,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import throughput  # noqa: E402
-from _common import (ROOT, Server, commit, completions_burst, free_port, interval_cell, log_header,  # noqa: E402
+from _common import (ROOT, JsonLog, Server, commit, completions_burst, free_port, interval_cell, log_header,  # noqa: E402
                      machine, median, pair_ratios, round_order, shown, side_rates, superfluid_argv,
                      token_check)
 
@@ -176,9 +176,7 @@ def burst(url: str, model: str, prompts: list[str], conc: int, tokens: int,
 
 def run_pair(pair: int, args: argparse.Namespace, sides: dict[str, Any], fields: dict[str, Any],
              prompts: list[str], concs: list[int], rng: random.Random | None, tokenizer: Any, log: Any) -> None:
-    def write(rec: dict[str, Any]) -> None:
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+    write = log.write
 
     with tempfile.TemporaryDirectory(prefix="bench-mlx-") as tmp:
         servers: dict[str, Server] = {}
@@ -246,12 +244,10 @@ def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                          THEIRS: {"model": sides[THEIRS]["model"], "env": sides[THEIRS]["env"],
                                   "argv": mlx_server_argv(sides[THEIRS]["model"], "PORT", args.lanes)}},
                 inherited={k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)})
-    with open(out, "w") as log:
-        log.write(json.dumps(head) + "\n")
+    with JsonLog(out, head) as log:
         for pair in range(args.pairs):
             run_pair(pair, args, sides, fields, prompts, concs, rng, tokenizer, log)
-        log.write(json.dumps({"kind": "end", "loadavg": list(os.getloadavg()),
-                              "ended": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC"}) + "\n")
+        log.end()
     print(f"log: {out}", file=sys.stderr)
     print(render(out)[0], end="")
     return 0

@@ -65,8 +65,6 @@ ratio disk/tmpfs with a 95% interval over rounds (both daemons stay up: no serve
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import random
 import subprocess
@@ -221,9 +219,7 @@ def start(args: argparse.Namespace, binary: str | None, env: dict[str, str], sid
 
 def run_pair(pair: int, args: argparse.Namespace, binary: str | None, env: dict[str, str], sides: list[str],
              sampling: dict[str, Any], concs: tuple[int, ...], rng: random.Random | None, log: Any) -> None:
-    def write(rec: dict[str, Any]) -> None:
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+    write = log.write
 
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         servers, envs = start(args, binary, env, sides, Path(tmp))
@@ -285,12 +281,10 @@ def measure(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                        "threads": args.threads, "host_cache_mb": args.host_cache_mb})
     if args.baseline:
         head["baseline_commit"] = commit(Path(args.baseline))
-    with open(out, "w") as log:
-        log.write(json.dumps(head) + "\n")
+    with JsonLog(out, head) as log:
         for pair in range(args.pairs):
             run_pair(pair, args, binary, env, sides, sampling, concs, rng, log)
-        log.write(json.dumps({"kind": "end", "loadavg": list(os.getloadavg()),
-                              "ended": f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%S} UTC"}) + "\n")
+        log.end()
     print(f"log: {out}", file=sys.stderr)
     print(render(out)[0], end="")
     return 0
